@@ -1,0 +1,102 @@
+"""The resolvent mixer as functions: Y = (I - B)^-1 A X for a pattern (DESIGN.md sections 1 and 3).
+
+Three forms compute the same function and are tested against each other:
+
+- ``reference``: materialised A and B and one triangular solve (O(n^2) memory, tests only);
+- ``parallel``: block forward substitution in PyTorch (training and prefill, CPU and GPU);
+- ``recurrent``: one token at a time from a :class:`MixerState` (decode).
+
+``resolvent_mix(..., impl="triton")`` runs the Triton kernels of ``kernels/`` where available.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..patterns import get_pattern
+from .parallel import parallel_mix, parallel_mix_tied
+from .recurrent import MixerState, recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
+from .reference import mixer_matrices, reference_mix, reference_mix_tied
+
+IMPLS = ("reference", "parallel", "recurrent", "triton", "auto")
+
+__all__ = [
+    "IMPLS",
+    "MixerState",
+    "mixer_matrices",
+    "parallel_mix",
+    "parallel_mix_tied",
+    "recurrent_mix",
+    "recurrent_mix_tied",
+    "recurrent_step",
+    "recurrent_step_tied",
+    "reference_mix",
+    "reference_mix_tied",
+    "resolvent_mix",
+    "resolvent_mix_tied",
+]
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def _use_triton(impl: str, x: torch.Tensor) -> bool:
+    if impl == "triton":
+        return True
+    return impl == "auto" and x.is_cuda and _triton_available()
+
+
+def _triton_available() -> bool:
+    try:
+        from ..kernels_bridge import triton_ready  # noqa: F401
+    except ImportError:
+        return False
+    return triton_ready()
+
+
+def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None, scale=None):
+    """Mix values x with the resolvent mixer of ``pattern``.
+
+    Args:
+        qa, ka: (B, H, n, d) queries and keys of the direct channel A (RoPE already applied).
+        qb, kb: (B, H, n, d) queries and keys of the recurrent channel B; unused (may be None) for
+            ``attention`` and ``local_attention`` patterns.
+        x: (B, H, n, e) values.
+        g: (B, H, n) gate in (0, 1): A = (1 - g) A~, B = g B~; unused for attention patterns.
+        pattern: a spec such as ``"exp2:ce"`` or a :class:`~hf_resolvent.patterns.Pattern`.
+        impl: ``"reference"``, ``"parallel"``, ``"recurrent"``, ``"triton"`` or ``"auto"`` (Triton for
+            CUDA tensors when the kernels can run, else the PyTorch parallel form).
+        start: optional (B,) number of leading padding positions per sequence (left padding).
+        scale: score scale, default d ** -0.5.
+
+    Returns:
+        (B, H, n, e) outputs in x's dtype.
+    """
+    _check_impl(impl)
+    pattern = get_pattern(pattern)
+    if impl == "reference":
+        return reference_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+    if impl == "recurrent":
+        return recurrent_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+    if _use_triton(impl, x):
+        from ..kernels_bridge import triton_mix
+
+        return triton_mix(qa, ka, qb, kb, x, g, pattern, start=start, scale=scale)
+    return parallel_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+
+
+def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl: str = "auto", start=None, scale=None):
+    """Tied variant (A = B D + D', paper B.3): y = (I - B)^-1 (1 - g) x - d x, with d (B, H, n)."""
+    _check_impl(impl)
+    pattern = get_pattern(pattern)
+    if impl == "reference":
+        return reference_mix_tied(qb, kb, x, g, d, pattern, start, scale)
+    if impl == "recurrent":
+        return recurrent_mix_tied(qb, kb, x, g, d, pattern, start, scale)
+    if _use_triton(impl, x):
+        from ..kernels_bridge import triton_mix_tied
+
+        return triton_mix_tied(qb, kb, x, g, d, pattern, start=start, scale=scale)
+    return parallel_mix_tied(qb, kb, x, g, d, pattern, start, scale)

@@ -1,0 +1,55 @@
+"""Input checks and small helpers shared by the reference, parallel and recurrent forms."""
+
+from __future__ import annotations
+
+import torch
+
+from ..patterns import Pattern
+
+
+def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None) -> None:
+    """Raise a ValueError naming the argument whose shape does not fit (B, H, n, d) conventions."""
+    if x is None or x.dim() != 4:
+        raise ValueError(f"x must be (batch, heads, n, value_dim), got shape {None if x is None else tuple(x.shape)}")
+    batch, heads, n, _ = x.shape
+
+    def need(name, t, last=None):
+        if t is None:
+            raise ValueError(f"{name} is required for pattern {pattern.name!r}")
+        if t.dim() != 4 or tuple(t.shape[:3]) != (batch, heads, n):
+            raise ValueError(
+                f"{name} must be (batch, heads, n, dim) = ({batch}, {heads}, {n}, dim) like x, got {tuple(t.shape)}"
+            )
+
+    if tied_d is None:
+        need("qa", qa)
+        need("ka", ka)
+        if qa.shape[-1] != ka.shape[-1]:
+            raise ValueError(f"qa and ka need the same last dim, got {qa.shape[-1]} and {ka.shape[-1]}")
+    elif tuple(tied_d.shape) != (batch, heads, n):
+        raise ValueError(f"d must be (batch, heads, n) = ({batch}, {heads}, {n}), got {tuple(tied_d.shape)}")
+    if pattern.has_recurrence:
+        need("qb", qb)
+        need("kb", kb)
+        if qb.shape[-1] != kb.shape[-1]:
+            raise ValueError(f"qb and kb need the same last dim, got {qb.shape[-1]} and {kb.shape[-1]}")
+        if g is None or tuple(g.shape) != (batch, heads, n):
+            raise ValueError(
+                f"g must be (batch, heads, n) = ({batch}, {heads}, {n}) for pattern {pattern.name!r}, "
+                f"got {None if g is None else tuple(g.shape)}"
+            )
+    elif tied_d is not None:
+        raise ValueError(f"the tied variant needs a recurrent pattern, got {pattern.name!r}")
+    if start is not None:
+        if start.dim() != 1 or start.shape[0] != batch:
+            raise ValueError(f"start must be (batch,) = ({batch},), got {tuple(start.shape)}")
+        if (start < 0).any() or (start >= n).any():
+            raise ValueError(f"start (leading padding per sequence) must lie in [0, n) = [0, {n})")
+
+
+def row_valid_mask(start: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
+    """(B or 1, 1, n, 1) mask: 1 on real rows, 0 on leading padding (whose outputs are zeroed)."""
+    if start is None:
+        return torch.ones(1, 1, n, 1, dtype=like.dtype, device=like.device)
+    t = torch.arange(n, device=like.device)
+    return (t[None, :] >= start[:, None].to(like.device)).to(like.dtype)[:, None, :, None]
