@@ -50,7 +50,7 @@ def _use_triton(impl: str, x: torch.Tensor) -> bool:
 
 def _triton_available() -> bool:
     try:
-        from ..kernels_bridge import triton_ready  # noqa: F401
+        from ..kernels import triton_ready
     except ImportError:
         return False
     return triton_ready()
@@ -81,7 +81,7 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
     if impl == "recurrent":
         return recurrent_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
     if _use_triton(impl, x):
-        from ..kernels_bridge import triton_mix
+        from ..kernels import triton_mix
 
         return triton_mix(qa, ka, qb, kb, x, g, pattern, start=start, scale=scale)
     return parallel_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
@@ -96,7 +96,7 @@ def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl: str = "auto", start=None,
     if impl == "recurrent":
         return recurrent_mix_tied(qb, kb, x, g, d, pattern, start, scale)
     if _use_triton(impl, x):
-        from ..kernels_bridge import triton_mix_tied
+        from ..kernels import triton_mix_tied
 
         return triton_mix_tied(qb, kb, x, g, d, pattern, start=start, scale=scale)
     return parallel_mix_tied(qb, kb, x, g, d, pattern, start, scale)

@@ -225,8 +225,8 @@ def recurrent_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, state=N
     state = state if state is not None else MixerState(start=start)
     ys = []
     for t in range(x.shape[2]):
-        pick = (lambda a: None if a is None else a[:, :, t])
-        ys.append(recurrent_step(state, pick(qa), pick(ka), pick(qb), pick(kb), x[:, :, t], pick(g), pattern, scale))
+        qa_t, ka_t, qb_t, kb_t, g_t = (None if a is None else a[:, :, t] for a in (qa, ka, qb, kb, g))
+        ys.append(recurrent_step(state, qa_t, ka_t, qb_t, kb_t, x[:, :, t], g_t, pattern, scale))
     return torch.stack(ys, dim=2).to(out_dtype)
 
 

@@ -1,0 +1,1 @@
+"""Triton kernels of the resolvent mixer (installed as ``hf_resolvent.kernels``). See kernels/README.md."""
