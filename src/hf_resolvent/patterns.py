@@ -204,8 +204,9 @@ class Pattern:
             raise ValueError(f"positions are 1-indexed, got i = {i}")
         if not self.has_recurrence:
             return []
-        row = self.source_index(i)[i - 1]
-        return sorted(int(s) + 1 for s in row if s >= 0) if self.kind != "dense" else list(range(1, i))
+        if self.kind == "dense":
+            return list(range(1, i))
+        return sorted(int(s) + 1 for s in self.source_index(i)[i - 1] if s >= 0)
 
     def direct(self, i: int) -> list[int]:
         """Sorted 1-indexed positions of P^A_i (always contains i)."""
