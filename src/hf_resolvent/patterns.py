@@ -275,24 +275,43 @@ def _offsets_cached(f: Callable[[int], int], n: int) -> tuple[int, ...]:
     values: list[int] = []
     k = 0
     while True:
-        try:
-            v = f(k)
-        except Exception as err:  # a user function failing is a config problem, say which
-            raise ValueError(f"pattern function f raised {type(err).__name__} at k = {k}: {err}") from err
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise ValueError(f"pattern function f must return integers, got f({k}) = {v!r}")
-        v = int(v)
-        if k == 0 and v < 1:
-            raise ValueError(f"pattern function f must satisfy f(0) >= 1, got f(0) = {v}")
-        if values and v <= values[-1]:
-            raise ValueError(
-                f"pattern function f must be strictly increasing, got f({k - 1}) = {values[-1]} "
-                f"and f({k}) = {v}"
-            )
+        v = _f_value(f, k, values[-1] if values else None)
         if v >= n:
             return tuple(values)
         values.append(v)
         k += 1
+
+
+def _f_value(f: Callable[[int], int], k: int, previous: int | None) -> int:
+    """f(k) checked: an integer, f(0) >= 1, and above ``previous`` = f(k - 1)."""
+    try:
+        v = f(k)
+    except Exception as err:  # a user function failing is a config problem, say which
+        raise ValueError(f"pattern function f raised {type(err).__name__} at k = {k}: {err}") from err
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"pattern function f must return integers, got f({k}) = {v!r}")
+    v = int(v)
+    if k == 0 and v < 1:
+        raise ValueError(f"pattern function f must satisfy f(0) >= 1, got f(0) = {v}")
+    if previous is not None and v <= previous:
+        raise ValueError(
+            f"pattern function f must be strictly increasing, got f({k - 1}) = {previous} and f({k}) = {v}"
+        )
+    return v
+
+
+def _check_f(pattern: "Pattern", probes: int = 8) -> None:
+    """Validate f(0..probes-1) when the pattern is built, whatever length it is used at later.
+
+    (``offsets(n)`` checks only the values below n: 'f:5-k' would pass until n > 5.) Values beyond the
+    probes are still checked by ``offsets`` when a length first reaches them.
+    """
+    previous = None
+    for k in range(probes):
+        if previous is not None and previous >= 2**31:  # beyond any sequence length: no need to go on
+            break
+        previous = _f_value(pattern.f, k, previous)
+    pattern.offsets(2)  # cache-efficient patterns also need f(0) = 1
 
 
 def _offsets(f: Callable[[int], int], n: int) -> tuple[int, ...]:
@@ -354,7 +373,7 @@ def get_pattern(spec: "str | Pattern | Callable[[int], int]", cache_efficient: b
         name = getattr(spec, "__name__", "f")
         pattern = Pattern("pattern", f=spec, cache_efficient=cache_efficient,
                           name=f"f:{name}" + (":ce" if cache_efficient else ""))
-        pattern.offsets(2)  # validates f(0) early
+        _check_f(pattern)
         return pattern
     if not isinstance(spec, str):
         raise ValueError(f"pattern spec must be a string or a callable f(k), got {type(spec).__name__}")
@@ -380,7 +399,7 @@ def get_pattern(spec: "str | Pattern | Callable[[int], int]", cache_efficient: b
     elif head == "f" and arg:
         f = _compile_expression(arg)
         pattern = Pattern("pattern", f=f, cache_efficient=ce, name=f"f:{arg}" + (":ce" if ce else ""))
-        pattern.offsets(2)
+        _check_f(pattern)
         return pattern
     else:
         raise ValueError(f"unknown pattern {spec!r}; {known}")

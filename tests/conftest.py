@@ -1,0 +1,56 @@
+"""Shared helpers of the test suite: random mixer inputs, user-defined pattern functions, hypothesis set-up.
+
+Shapes follow the library: B batch, H heads, n positions, d key width, e value width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# The CPU is shared by several jobs: timing-based health checks would make property tests flaky.
+settings.register_profile(
+    "hf_resolvent",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("hf_resolvent")
+
+
+def cubic_plus_one(k: int) -> int:
+    """A user pattern function given as a Python callable: f(k) = k^3 + 1 (f(0) = 1, so ':ce' works)."""
+    return k**3 + 1
+
+
+def make_mixer_inputs(
+    batch: int = 2,
+    heads: int = 3,
+    n: int = 37,
+    d: int = 8,
+    e: int = 5,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    qk_scale: float = 1.0,
+    gate_range: tuple[float, float] = (0.05, 0.95),
+    requires_grad: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Random inputs of the mixer as a dict with keys qa, ka, qb, kb (B, H, n, d), x (B, H, n, e),
+    g (B, H, n) in ``gate_range`` and d_skip (B, H, n) (the tied variant's d).
+
+    ``qk_scale`` multiplies queries and keys: larger values give sharper softmaxes.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    qa, ka, qb, kb = (torch.randn(batch, heads, n, d, generator=gen) * qk_scale for _ in range(4))
+    x = torch.randn(batch, heads, n, e, generator=gen)
+    lo, hi = gate_range
+    g = lo + (hi - lo) * torch.rand(batch, heads, n, generator=gen)
+    d_skip = 0.5 * torch.randn(batch, heads, n, generator=gen)
+    out = {"qa": qa, "ka": ka, "qb": qb, "kb": kb, "x": x, "g": g, "d_skip": d_skip}
+    return {k: v.to(dtype).requires_grad_(requires_grad) for k, v in out.items()}
+
+
+@pytest.fixture
+def mixer_inputs():
+    """Factory fixture: ``mixer_inputs(batch=..., n=..., ...)`` -> dict of inputs (see make_mixer_inputs)."""
+    return make_mixer_inputs
