@@ -1,0 +1,78 @@
+"""Readiness checks and loading of the ``@triton.jit`` kernels in the right Triton mode.
+
+``triton.jit`` decides when a function is *decorated* whether it is compiled for the GPU or run by the
+interpreter (``TRITON_INTERPRET=1``). To let the interpreter be switched on for some code only (a
+test module, say) without leaking into the rest of a process, the kernel file ``_jit.py`` is loaded
+once per mode, as a separate module, the first time that mode is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import torch
+
+_MODULES: dict[bool, ModuleType] = {}
+_JIT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jit.py")
+
+NOT_READY = (
+    "the Triton kernels cannot run here: {why}. They need CUDA tensors on a GPU with Triton installed, "
+    "or TRITON_INTERPRET=1 in the environment to run them on CPU tensors through Triton's interpreter "
+    "(slow: tests only). Use impl='parallel' (the PyTorch form) otherwise."
+)
+
+
+def _triton():
+    try:
+        import triton
+    except ImportError:  # pragma: no cover - depends on the install
+        return None
+    return triton
+
+
+def interpreting() -> bool:
+    """True when ``TRITON_INTERPRET`` is set (as Triton reads it: 1, true, on, yes)."""
+    triton = _triton()
+    if triton is None:
+        return False
+    return bool(triton.knobs.runtime.interpret)
+
+
+def triton_ready() -> bool:
+    """True when the kernels can run: Triton importable and either a CUDA device or the interpreter."""
+    if _triton() is None:
+        return False
+    return interpreting() or torch.cuda.is_available()
+
+
+def check_ready(*tensors: torch.Tensor | None) -> None:
+    """Raise a RuntimeError saying why the kernels cannot run on these tensors, and what to do."""
+    if _triton() is None:
+        raise RuntimeError(NOT_READY.format(why="the triton package is not installed"))
+    if interpreting():
+        return
+    devices = {t.device.type for t in tensors if t is not None}
+    if devices != {"cuda"}:
+        where = ", ".join(sorted(devices)) or "no tensors"
+        if not torch.cuda.is_available():
+            why = f"no CUDA device is available and TRITON_INTERPRET is not set (tensors on {where})"
+        else:
+            why = f"the tensors are on {where}, not on a CUDA device, and TRITON_INTERPRET is not set"
+        raise RuntimeError(NOT_READY.format(why=why))
+
+
+def jit_module() -> ModuleType:
+    """The kernels of ``_jit.py`` for the current mode (compiled or interpreted), loaded once per mode."""
+    mode = interpreting()
+    module = _MODULES.get(mode)
+    if module is None:
+        name = f"hf_resolvent.kernels._jit_{'interpreted' if mode else 'compiled'}"
+        spec = importlib.util.spec_from_file_location(name, _JIT_PATH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # triton resolves helper functions through the module's globals
+        spec.loader.exec_module(module)
+        _MODULES[mode] = module
+    return module

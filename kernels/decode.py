@@ -1,0 +1,103 @@
+"""Decode step on Triton: one token per sequence against a layer's cache (``ops.MixerState``).
+
+Mirrors ``ops.recurrent_step`` / ``ops.recurrent_step_tied``: the kernel computes the token's output
+from the rows held in the state (which rows are read follows ``ops.recurrent._read_mask``, evaluated in
+the kernel from the held positions), then the state advances exactly as in the PyTorch form (append, or
+the slot register of cache-efficient patterns), so both paths keep identical caches.
+
+Shapes: B batch, H heads, S rows held, d key width, e value width; one token is (B, H, d).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_resolvent.ops.recurrent import MixerState, _relative_position, _update
+from hf_resolvent.patterns import Pattern, get_pattern
+
+from ._loader import check_ready, jit_module
+from .resolvent import LOG2E, SUPPORTED_DTYPES, _new, _width, get_block_config
+
+
+def _read_rule(pattern: Pattern, r: torch.Tensor) -> tuple[int, int, list[int]]:
+    """(MODE, W_LO, offsets) of the decode kernel for ``pattern`` (see ``decode_step_kernel``)."""
+    if pattern.kind in ("attention", "dense") or (pattern.kind == "pattern" and pattern.cache_efficient):
+        return 0, 0, []
+    if pattern.kind == "local_attention":
+        return 1, pattern.window - 1, []  # p > r - w
+    if pattern.band is not None:
+        return 1, pattern.band, []  # p >= r - band
+    return 2, 0, list(pattern.offsets(int(r.max().item()) + 1))
+
+
+def _step(state: MixerState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool):
+    pattern = get_pattern(pattern)
+    check_ready(qa, ka, qb, kb, x)
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton decode kernel takes float32, bfloat16 or float16 inputs, got {x.dtype}")
+    if tied and not pattern.has_recurrence:
+        raise ValueError(f"the tied variant needs a recurrent pattern, got {pattern.name!r}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be one token (batch, heads, value_dim), got shape {tuple(x.shape)}")
+    batch, heads, e = x.shape
+    dev = x.device
+    has_a, has_b = not tied, pattern.has_recurrence
+    r = _relative_position(state, batch, dev)
+    positions = state.positions if state.positions is not None else r.new_full((batch, 0), -1)
+    S = positions.shape[1]
+    mode, w_lo, offsets = _read_rule(pattern, r)
+    ref = qb if tied else qa
+    scale = ref.shape[-1] ** -0.5 if scale is None else float(scale)
+    cfg = get_block_config()
+    da = qa.shape[-1] if has_a else 1
+    db = qb.shape[-1] if has_b else 1
+
+    def flat(t):
+        return x if t is None else t.contiguous()
+
+    def held(name):
+        t = getattr(state, name)
+        return x if t is None or S == 0 else t.contiguous()
+
+    y = _new((batch, heads, e), dev)
+    z = _new((batch, heads, e), dev) if tied else y
+    offs = torch.tensor(offsets or [1], dtype=torch.int32, device=dev)
+    jit_module().decode_step_kernel[(batch * heads,)](
+        flat(qa), flat(ka), x.contiguous(), flat(qb), flat(g), flat(d),
+        held("keys_a"), held("keys_b"), held("values"), held("outputs"),
+        positions.to(torch.int32).contiguous(), r.to(torch.int32).contiguous(), offs, y, z,
+        S, heads, da, db, e, scale * LOG2E, w_lo, len(offsets),
+        BS=cfg.decode, BDA=_width(da), BDB=_width(db), BE=_width(e), MODE=mode, HAS_A=has_a, HAS_B=has_b,
+        TIED=tied, num_warps=cfg.num_warps)
+    y = y.to(x.dtype)
+    if tied:
+        new = {"keys_b": kb, "outputs": z.to(x.dtype)}
+    else:
+        new = {"keys_a": ka, "values": x}
+        if has_b:
+            new.update(keys_b=kb, outputs=y)
+    _update(pattern, state, new, r)
+    return y
+
+
+def triton_decode_step(state: MixerState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
+    """Mix one token per sequence on Triton and advance ``state`` (like ``ops.recurrent_step``).
+
+    Args:
+        state: the layer's :class:`~hf_resolvent.ops.MixerState` (advanced in place).
+        qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention kinds).
+        x: (B, H, e) its value; g: (B, H) its gate (None for attention kinds).
+        pattern: spec or Pattern; scale: default d ** -0.5.
+
+    Returns:
+        y (B, H, e) in x's dtype (float32 accumulation), 0 for sequences still in their left padding.
+    """
+    return _step(state, qa, ka, qb, kb, x, g, None, pattern, scale, tied=False)
+
+
+def triton_decode_step_tied(state: MixerState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
+    """Tied variant (like ``ops.recurrent_step_tied``): z = g B~ z[P^B] + (1 - g) x, y = z - d x.
+
+    Args: qb, kb (B, H, d); x (B, H, e); g, d (B, H). Returns y (B, H, e); the state keeps z.
+    """
+    return _step(state, None, None, qb, kb, x, g, d, pattern, scale, tied=True)

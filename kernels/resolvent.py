@@ -1,0 +1,405 @@
+"""Triton path of ``resolvent_mix`` / ``resolvent_mix_tied``: launchers and autograd Functions.
+
+Which kernels run (see kernels/README.md for the algorithms):
+
+============================  ===============================================  ==========================
+pattern                       forward                                          backward
+============================  ===============================================  ==========================
+attention                     attn_fwd (causal flash attention)                attn_bwd_dkdv, attn_bwd_dq
+dense                         attn_fwd, then dense_solve_fwd (sequential)      dense_solve_bwd, then
+                                                                               attn_bwd_* for A and for B
+local_attention, banded,      sparse_direct, then sparse_solve_fwd             sparse_solve_bwd, then
+diagonal, f-patterns (+ :ce)  (sequential; none for local attention)           sparse_grads
+============================  ===============================================  ==========================
+
+Left padding (``start``) is supported by every kernel. Inputs may be float32, bfloat16 or float16;
+every accumulation is float32, outputs come back in x's dtype.
+
+Shapes: B batch, H heads, n positions, d key width, e value width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from hf_resolvent.ops.common import check_inputs
+from hf_resolvent.patterns import Pattern, get_pattern
+
+from ._loader import check_ready, jit_module
+
+LOG2E = math.log2(math.e)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Tile sizes of the kernels (powers of two, at least 16).
+
+    Attributes:
+        attn_m, attn_n: query rows per program and keys per inner step of the attention-style kernels.
+        solve: rows per block of the sequential solves (dense and sparse); the in-block system is
+            solve x solve and is inverted with 2 (log2(solve) - 1) products of that size.
+        sparse_m: rows per program of the parallel sparse kernels.
+        decode: cache rows per inner step of the decode kernel.
+        num_warps: warps of the parallel kernels; solve_warps: of the sequential solves.
+    """
+
+    attn_m: int = 64
+    attn_n: int = 64
+    solve: int = 64
+    sparse_m: int = 64
+    decode: int = 64
+    num_warps: int = 4
+    solve_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("attn_m", "attn_n", "solve", "sparse_m", "decode"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"BlockConfig.{name} must be a power of two >= 16, got {v}")
+
+
+_CONFIG = BlockConfig()
+_NAN_FILL = False
+
+
+def get_block_config() -> BlockConfig:
+    return _CONFIG
+
+
+@contextlib.contextmanager
+def block_config(**changes):
+    """Temporarily change tile sizes, e.g. ``with block_config(solve=16, attn_m=16, attn_n=16): ...``."""
+    global _CONFIG
+    old = _CONFIG
+    _CONFIG = replace(old, **changes)
+    try:
+        yield _CONFIG
+    finally:
+        _CONFIG = old
+
+
+def set_nan_fill(enabled: bool) -> bool:
+    """Allocate every kernel output with NaN instead of uninitialised memory (tests). Returns the old value.
+
+    A kernel that leaves part of an output unwritten then produces NaN instead of stale values that
+    may happen to look right. Buffers that kernels accumulate into with atomics start at zero either way.
+    """
+    global _NAN_FILL
+    old, _NAN_FILL = _NAN_FILL, bool(enabled)
+    return old
+
+
+def _new(shape, device, dtype=torch.float32) -> torch.Tensor:
+    if _NAN_FILL:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _width(v: int) -> int:
+    return max(16, triton_next_pow2(v))
+
+
+def triton_next_pow2(v: int) -> int:
+    return 1 << max(0, (int(v) - 1).bit_length())
+
+
+# --------------------------------------------------------------------------------------------------
+# Pattern -> kernel plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the kernels need to know about a pattern at length n.
+
+    dense: attention / dense resolvent (causal prefix) rather than a slot pattern; has_b: B != 0;
+    offsets, steps: f(k) and a_k per slot (steps only for cache-efficient patterns); f0: pattern rows
+    rel >= f0 have a non-empty recurrent set.
+    """
+
+    dense: bool
+    has_b: bool
+    ce: bool = False
+    offsets: tuple[int, ...] = ()
+    steps: tuple[int, ...] = ()
+    f0: int = 1
+
+
+def make_plan(pattern: Pattern, n: int) -> Plan:
+    if pattern.kind == "attention":
+        return Plan(dense=True, has_b=False)
+    if pattern.kind == "dense":
+        return Plan(dense=True, has_b=True, f0=1)
+    if pattern.kind == "local_attention":
+        return Plan(dense=False, has_b=False, offsets=tuple(range(1, pattern.window)))
+    if pattern.band is not None:
+        return Plan(dense=False, has_b=True, offsets=tuple(range(1, pattern.band + 1)), f0=1)
+    offsets = tuple(pattern.offsets(n))
+    steps = tuple(pattern.steps(n)) if pattern.cache_efficient else ()
+    return Plan(dense=False, has_b=True, ce=pattern.cache_efficient, offsets=offsets, steps=steps,
+                f0=offsets[0] if offsets else n)
+
+
+def _table(values: tuple[int, ...], device) -> torch.Tensor:
+    return torch.tensor(values if values else (1,), dtype=torch.int32, device=device)
+
+
+def has_recurrent_rows(plan: Plan, start: torch.Tensor, heads: int, n: int) -> torch.Tensor:
+    """(B * H, n) bool: rows whose recurrent set is non-empty (the gate applies there)."""
+    t = torch.arange(n, device=start.device)
+    rel = t[None, :] - start[:, None].long()
+    has = (rel >= plan.f0) if plan.has_b else torch.zeros_like(rel, dtype=torch.bool)
+    return has.repeat_interleave(heads, dim=0)
+
+
+def valid_rows(start: torch.Tensor, heads: int, n: int) -> torch.Tensor:
+    """(B * H, n) bool: real (not padded) rows."""
+    t = torch.arange(n, device=start.device)
+    return (t[None, :] >= start[:, None].long()).repeat_interleave(heads, dim=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers (all tensors flattened to (B * H, n, w) contiguous)
+
+
+@dataclass
+class _Shapes:
+    BH: int
+    H: int
+    n: int
+    da: int
+    db: int
+    e: int
+    scale: float
+    prec: str
+
+
+def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockConfig, tied: bool):
+    """Run the forward kernels. Returns (y, saved) with y (BH, n, e) float32."""
+    jit = jit_module()
+    dev = x.device
+    BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
+    qk2 = sh.scale * LOG2E
+    BE = _width(e)
+    oa = lsea = lseb = r = None
+    if plan.dense:
+        if not tied:
+            oa, lsea = _new((BH, n, e), dev), _new((BH, n), dev)
+            grid = (triton_cdiv(n, cfg.attn_m), BH)
+            jit.attn_fwd_kernel[grid](qa, ka, x, oa, lsea, start, n, H, sh.da, e, qk2,
+                                      BM=cfg.attn_m, BN=cfg.attn_n, BD=_width(sh.da), BE=BE, PREC=sh.prec,
+                                      num_warps=cfg.num_warps)
+        else:
+            oa = x
+        if plan.has_b:
+            y, r, lseb = _new((BH, n, e), dev), _new((BH, n, e), dev), _new((BH, n), dev)
+            jit.dense_solve_fwd_kernel[(BH,)](qb, kb, oa, g, y, r, lseb, start, n, H, sh.db, e, qk2,
+                                              BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
+                                              BD=_width(sh.db), BE=BE, PREC=sh.prec, num_warps=cfg.solve_warps)
+        else:
+            y = oa
+    else:
+        offs, steps = _table(plan.offsets, dev), _table(plan.steps, dev)
+        K = len(plan.offsets)
+        if not tied:
+            oa, lsea = _new((BH, n, e), dev), _new((BH, n), dev)
+        else:
+            oa = x
+        if plan.has_b:
+            lseb = _new((BH, n), dev)
+        grid = (triton_cdiv(n, cfg.sparse_m), BH)
+        jit.sparse_direct_kernel[grid](
+            qa if not tied else x, ka if not tied else x, x, qb if plan.has_b else x, kb if plan.has_b else x,
+            oa, lsea if lsea is not None else lseb, lseb if lseb is not None else lsea, start, offs, steps, K,
+            n, H, sh.da, sh.db, e, qk2,
+            BM=cfg.sparse_m, BDA=_width(sh.da), BDB=_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
+            HAS_B=plan.has_b, num_warps=cfg.num_warps)
+        if plan.has_b:
+            y, r = _new((BH, n, e), dev), _new((BH, n, e), dev)
+            jit.sparse_solve_fwd_kernel[(BH,)](qb, kb, oa, g, lseb, y, r, start, offs, steps, K, plan.f0,
+                                               n, H, sh.db, e, qk2,
+                                               BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
+                                               BD=_width(sh.db), BE=BE, CE=plan.ce, num_warps=cfg.solve_warps)
+        else:
+            y = oa
+    return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r)
+
+
+def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, cfg: BlockConfig, tied: bool):
+    """Gradients (dqa, dka, dqb, dkb, dx, dg) as float32 flat tensors (None where not applicable)."""
+    jit = jit_module()
+    dev = dy.device
+    BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
+    qk2 = sh.scale * LOG2E
+    BE = _width(e)
+    B = start.shape[0]
+    heads = BH // B
+    oa, lsea, lseb, y, r = (saved[k] for k in ("oa", "lsea", "lseb", "y", "r"))
+    hasb = has_recurrent_rows(plan, start, heads, n)
+    geff = g.float() * hasb if plan.has_b else torch.zeros(BH, n, device=dev)
+    dqa = dka = dqb = dkb = dx = dg = None
+    offs, steps = _table(plan.offsets, dev), _table(plan.steps, dev)
+    K = len(plan.offsets)
+    if plan.has_b:
+        w = _new((BH, n, e), dev)
+        da, db, dg = _new((BH, n), dev), _new((BH, n), dev), _new((BH, n), dev)
+        if plan.dense:
+            jit.dense_solve_bwd_kernel[(BH,)](qb, kb, oa, r, g, lseb, dy, w, da, db, dg, start, n, H, sh.db, e, qk2,
+                                              BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
+                                              BD=_width(sh.db), BE=BE, PREC=sh.prec, num_warps=cfg.solve_warps)
+        else:
+            gacc = torch.zeros(BH, n, e, device=dev)
+            jit.sparse_solve_bwd_kernel[(BH,)](qb, kb, oa, r, g, lseb, dy, gacc, w, da, db, dg, start, offs, steps,
+                                               K, plan.f0, n, H, sh.db, e, qk2,
+                                               BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
+                                               BD=_width(sh.db), BE=BE, CE=plan.ce, num_warps=cfg.solve_warps)
+    else:
+        w = dy.float() * valid_rows(start, heads, n)[..., None]
+        da = (w * oa).sum(-1)
+        db = None
+    if tied:
+        dx = (1.0 - geff)[..., None] * w
+    if plan.dense:
+        if not tied:
+            coef = 1.0 - geff
+            dqa, dka, dx = _new((BH, n, sh.da), dev), _new((BH, n, sh.da), dev), _new((BH, n, e), dev)
+            _attn_bwd(jit, qa, ka, x, w, coef, da, lsea, dqa, dka, dx, start, sh, sh.da, cfg, strict=False)
+        if plan.has_b:
+            dqb, dkb = _new((BH, n, sh.db), dev), _new((BH, n, sh.db), dev)
+            _attn_bwd(jit, qb, kb, y, w, geff, db, lseb, dqb, dkb, None, start, sh, sh.db, cfg, strict=True)
+    else:
+        if not tied:
+            dqa, dka, dx = _new((BH, n, sh.da), dev), torch.zeros(BH, n, sh.da, device=dev), torch.zeros(BH, n, e,
+                                                                                                       device=dev)
+        if plan.has_b:
+            dqb, dkb = _new((BH, n, sh.db), dev), torch.zeros(BH, n, sh.db, device=dev)
+        dummy = w
+        grid = (triton_cdiv(n, cfg.sparse_m), BH)
+        jit.sparse_grads_kernel[grid](
+            qa if not tied else dummy, ka if not tied else dummy, x, qb if plan.has_b else dummy,
+            kb if plan.has_b else dummy, y, w, g if plan.has_b else dummy, da, db if db is not None else da,
+            lsea if lsea is not None else da, lseb if lseb is not None else da,
+            dqa if dqa is not None else dummy, dka if dka is not None else dummy, dx if not tied else dummy,
+            dqb if dqb is not None else dummy, dkb if dkb is not None else dummy,
+            start, offs, steps, K, plan.f0, n, H, sh.da, sh.db, e, qk2, sh.scale,
+            BM=cfg.sparse_m, BDA=_width(sh.da), BDB=_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
+            HAS_B=plan.has_b, num_warps=cfg.num_warps)
+    return dqa, dka, dqb, dkb, dx, dg
+
+
+def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: _Shapes, d, cfg, strict: bool):
+    BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
+    qk2 = sh.scale * LOG2E
+    common = dict(BD=_width(d), BE=_width(e), STRICT=strict, PREC=sh.prec, num_warps=cfg.num_warps)
+    jit.attn_bwd_dkdv_kernel[(triton_cdiv(n, cfg.attn_n), BH)](
+        q, k, v, w, coef, delta, lse, dk, dv if dv is not None else dk, start, n, H, d, e, qk2, sh.scale,
+        BM=cfg.attn_m, BN=cfg.attn_n, HAS_DV=dv is not None, **common)
+    jit.attn_bwd_dq_kernel[(triton_cdiv(n, cfg.attn_m), BH)](
+        q, k, v, w, coef, delta, lse, dq, start, n, H, d, e, qk2, sh.scale, BM=cfg.attn_m, BN=cfg.attn_n, **common)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd
+
+
+def _flat(t: torch.Tensor | None, dtype=None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+class _MixFunction(torch.autograd.Function):
+    """y = (I - B)^-1 A x on the Triton kernels; tied=True gives z = (I - B)^-1 (1 - g) x (float32)."""
+
+    @staticmethod
+    def forward(ctx, qa, ka, qb, kb, x, g, start, plan: Plan, scale: float, tied: bool):
+        batch, heads, n, e = x.shape
+        dtype = x.dtype
+        cfg = _CONFIG
+        sh = _Shapes(BH=batch * heads, H=heads, n=n, da=0 if qa is None else qa.shape[-1],
+                     db=0 if qb is None else qb.shape[-1], e=e, scale=scale,
+                     prec="ieee" if dtype == torch.float32 else "tf32")
+        flat = [_flat(t, dtype) for t in (qa, ka, qb, kb, x)] + [_flat(g)]
+        start = start.to(device=x.device, dtype=torch.int32).contiguous()
+        y, saved = _forward(*flat, start, plan, sh, cfg, tied)
+        keys = ("oa", "lsea", "lseb", "y", "r")
+        ctx.save_for_backward(*flat, start, *(saved[k] for k in keys))
+        ctx.meta = (plan, sh, cfg, tied, keys, [None if t is None else t.dtype for t in (qa, ka, qb, kb, x, g)])
+        out = y.view(batch, heads, n, e)
+        return out if tied else out.to(dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        plan, sh, cfg, tied, keys, dtypes = ctx.meta
+        qa, ka, qb, kb, x, g, start, *rest = ctx.saved_tensors
+        saved = dict(zip(keys, rest))
+        batch, heads, n, e = dy.shape
+        grads = _backward(_flat(dy), qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
+        out = []
+        for grad, dt, like in zip(grads, dtypes, (qa, ka, qb, kb, x, g)):
+            if grad is None or dt is None:
+                out.append(None)
+            else:
+                out.append(grad.view(batch, heads, *like.shape[1:]).to(dt))
+        return (*out, None, None, None, None)
+
+
+def _prepare(x, start, pattern, *tensors):
+    check_ready(*tensors, x)
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"the Triton kernels take float32, bfloat16 or float16 inputs, got {x.dtype}; "
+            "use impl='parallel' or impl='reference' for float64")
+    batch, _, n, _ = x.shape
+    if start is None:
+        start = torch.zeros(batch, dtype=torch.int32, device=x.device)
+    return make_plan(pattern, n), start
+
+
+def triton_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None) -> torch.Tensor:
+    """Y = (I - B)^-1 (1 - g) A~ X on the Triton kernels; same contract as ``ops.parallel_mix``.
+
+    Args:
+        qa, ka: (B, H, n, d) direct-channel queries/keys; qb, kb: (B, H, n, d') recurrent channel
+            (None for attention kinds); x: (B, H, n, e) values; g: (B, H, n) gate (None for attention
+            kinds); pattern: spec or Pattern; start: optional (B,) left padding; scale: default d ** -0.5
+            (d of qa, for both channels, as in ``ops.reference``).
+
+    Returns:
+        (B, H, n, e) in x's dtype. Differentiable in qa, ka, qb, kb, x and g.
+    """
+    pattern = get_pattern(pattern)
+    check_inputs(qa, ka, qb, kb, x, g, pattern, start)
+    plan, start = _prepare(x, start, pattern, qa, ka, qb, kb, g)
+    scale = qa.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not plan.has_b:
+        qb = kb = g = None
+    return _MixFunction.apply(qa, ka, qb, kb, x, g, start, plan, scale, False)
+
+
+def triton_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None) -> torch.Tensor:
+    """Tied variant on the Triton kernels: z = (I - B)^-1 (1 - g) x, y = z - d x (``ops.parallel_mix_tied``).
+
+    Args: qb, kb (B, H, n, d); x (B, H, n, e); g, d (B, H, n). Returns y (B, H, n, e) in x's dtype.
+    """
+    pattern = get_pattern(pattern)
+    check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
+    plan, start = _prepare(x, start, pattern, qb, kb, g, d)
+    scale = qb.shape[-1] ** -0.5 if scale is None else float(scale)
+    z = _MixFunction.apply(None, None, qb, kb, x, g, start, plan, scale, True)
+    valid = valid_rows(start, 1, x.shape[2]).view(x.shape[0], 1, x.shape[2], 1)
+    y = (z - d.float()[..., None] * x.float()) * valid
+    return y.to(x.dtype)
