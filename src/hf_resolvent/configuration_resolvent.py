@@ -1,0 +1,242 @@
+"""Configuration of resolvent language models: a GPT-2 backbone whose attention is a resolvent mixer.
+
+Each layer's token mixer is Y = (I - B)^-1 A X with a sparsity pattern of :mod:`hf_resolvent.patterns`
+(DESIGN.md sections 1 and 2). The ``mixer`` field names it, for all layers at once or one per layer.
+
+This file is copied into saved model folders (remote code): it may import only flat sibling modules.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from .patterns import get_pattern
+
+__all__ = ["ResolventConfig", "parse_mixer_spec", "GATE_INITS", "PRESETS"]
+
+# Gate initialisations, see ResolventConfig. A float in (0, 1) is accepted too.
+GATE_INITS = ("mamba2", "closed")
+# "closed" starts with g = exp(-16) ~ 1.1e-7 for every token: the layer is its direct channel A (plus ~1e-7),
+# yet the gate keeps a non-zero gradient in log space (d log g / d A_log = -16), so fine-tuning can open it.
+CLOSED_GATE_VALUE = math.exp(-16.0)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The papers' sizes (DESIGN.md section 5).
+    "44m": {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_inner": 2048, "n_positions": 512},
+    "355m": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_inner": 4096, "n_positions": 2048},
+    # Small enough to fine-tune for a few hundred steps on a laptop CPU in minutes.
+    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 256},
+}
+
+
+def _check_gate_init(value: Any, where: str) -> str | float:
+    if isinstance(value, str) and value in GATE_INITS:
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < float(value) < 1.0:
+        return float(value)
+    raise ValueError(
+        f"{where}: gate_init must be one of {GATE_INITS} or a number in (0, 1) (the gate value at "
+        f"initialisation), got {value!r}"
+    )
+
+
+def parse_mixer_spec(spec: Any, default_gate_init: str | float = "mamba2", where: str = "mixer") -> dict[str, Any]:
+    """Normalise one layer's mixer spec to ``{"pattern": str, "tied": bool, "gate_init": str | float}``.
+
+    Accepted forms: a pattern string of :func:`hf_resolvent.patterns.get_pattern` (``"exp2:ce"``, ``"dense"``,
+    ``"attention"``, ``"banded:8"``, ``"f:k**2+1:ce"``, ...) optionally followed by ``"+tied"`` (the tied variant
+    A = B D + D', paper B.3); or a dict with keys ``pattern`` (required), ``tied`` and ``gate_init``.
+    Raises ValueError naming ``where`` (the config field) and the fix.
+    """
+    if isinstance(spec, str):
+        text = spec.strip()
+        tied = False
+        if text.endswith("+tied"):
+            tied, text = True, text[: -len("+tied")].strip()
+        spec = {"pattern": text, "tied": tied}
+    if not isinstance(spec, dict):
+        raise ValueError(
+            f"{where}: a mixer spec is a pattern string such as 'exp2:ce' or 'dense+tied', or a dict "
+            f"{{'pattern': ..., 'tied': ..., 'gate_init': ...}}; got {type(spec).__name__}"
+        )
+    unknown = set(spec) - {"pattern", "tied", "gate_init"}
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)} in mixer spec; allowed: pattern, tied, gate_init")
+    if "pattern" not in spec or not isinstance(spec["pattern"], str):
+        raise ValueError(f"{where}: the mixer spec needs a 'pattern' string such as 'exp2:ce', got {spec!r}")
+    try:
+        pattern = get_pattern(spec["pattern"])
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    tied = spec.get("tied", False)
+    if not isinstance(tied, bool):
+        raise ValueError(f"{where}: 'tied' must be true or false, got {tied!r}")
+    if tied and not pattern.has_recurrence:
+        raise ValueError(
+            f"{where}: the tied variant needs a recurrent pattern (B != 0), but {pattern.name!r} has none; "
+            "drop '+tied' or use e.g. 'exp2:ce+tied'"
+        )
+    gate_init = _check_gate_init(spec.get("gate_init", default_gate_init), where)
+    return {"pattern": pattern.name, "tied": tied, "gate_init": gate_init}
+
+
+class ResolventConfig(PretrainedConfig):
+    r"""Configuration of :class:`~hf_resolvent.ResolventModel` and :class:`~hf_resolvent.ResolventForCausalLM`.
+
+    The backbone is GPT-2's (pre-norm blocks, GELU MLP, tied embeddings); each block's attention is replaced by
+    a resolvent mixer. Field names follow :class:`transformers.GPT2Config`, with the usual aliases
+    (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``max_position_embeddings``).
+
+    Args:
+        vocab_size: vocabulary size (50257, GPT-2's tokenizer).
+        n_positions: maximum sequence length (pattern positions, padding excluded).
+        n_embd: model width.
+        n_layer: number of blocks.
+        n_head: heads per mixer; the head width is ``n_embd // n_head``.
+        n_inner: MLP width, default ``4 * n_embd``.
+        activation_function: MLP activation (a key of ``transformers.activations.ACT2FN``).
+        resid_pdrop, embd_pdrop: dropout after each mixer / MLP and on the embeddings.
+        layer_norm_epsilon: LayerNorm epsilon.
+        initializer_range: std of the normal initialisation of weights.
+        position_embedding: ``"rope"`` (rotary, on all four queries/keys) or ``"learned"`` (GPT-2's table).
+        rope_theta: RoPE base.
+        mixer: the token mixer: one spec for every layer or a list with one spec per layer. A spec is a pattern
+            string (``"attention"``, ``"local_attention:64"``, ``"dense"``, ``"banded:8"``, ``"diagonal"``,
+            ``"exp2"``, ``"exp2:ce"``, ``"square:ce"``, ``"f:k**3+1"``, ...) with an optional ``"+tied"``
+            suffix, or a dict ``{"pattern": ..., "tied": bool, "gate_init": ...}``.
+        gate_init: default gate initialisation of resolvent layers: ``"mamba2"`` (g = exp(-softplus(w.u +
+            dt_bias) exp(A_log)), softplus(dt_bias) log-uniform in [1e-3, 1e-1], exp(A_log) uniform in [1, 16]),
+            ``"closed"`` (g = e^-16 ~ 1.1e-7 at start, input-independent: the layer starts as its direct channel,
+            used by :meth:`ResolventForCausalLM.from_gpt2`) or a float v in (0, 1) (g = v at start).
+        tie_word_embeddings: share the input embedding and the LM head.
+    """
+
+    model_type = "resolvent"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "hidden_size": "n_embd",
+        "max_position_embeddings": "n_positions",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+        "intermediate_size": "n_inner",
+    }
+
+    def __init__(
+        self,
+        vocab_size: int = 50257,
+        n_positions: int = 1024,
+        n_embd: int = 768,
+        n_layer: int = 12,
+        n_head: int = 12,
+        n_inner: int | None = None,
+        activation_function: str = "gelu_new",
+        resid_pdrop: float = 0.1,
+        embd_pdrop: float = 0.1,
+        layer_norm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        position_embedding: str = "rope",
+        rope_theta: float = 10000.0,
+        mixer: Any = "exp2:ce",
+        gate_init: str | float = "mamba2",
+        use_cache: bool = True,
+        bos_token_id: int | None = 50256,
+        eos_token_id: int | None = 50256,
+        pad_token_id: int | None = None,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.n_positions = n_positions
+        self.n_embd = n_embd
+        self.n_layer = n_layer
+        self.n_head = n_head
+        self.n_inner = n_inner
+        self.activation_function = activation_function
+        self.resid_pdrop = resid_pdrop
+        self.embd_pdrop = embd_pdrop
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_range = initializer_range
+        self.position_embedding = position_embedding
+        self.rope_theta = rope_theta
+        self.mixer = list(mixer) if isinstance(mixer, tuple) else mixer
+        self.gate_init = gate_init
+        self.use_cache = use_cache
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.tie_word_embeddings = tie_word_embeddings
+        self._validate()
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        def positive_int(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            positive_int(name)
+        if self.n_inner is not None:
+            positive_int("n_inner")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); pick n_head among the divisors"
+            )
+        if self.position_embedding not in ("rope", "learned"):
+            raise ValueError(f"position_embedding must be 'rope' or 'learned', got {self.position_embedding!r}")
+        if self.position_embedding == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(
+                f"position_embedding='rope' needs an even head width, got n_embd // n_head = {self.n_embd // self.n_head}"
+            )
+        if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        for name in ("resid_pdrop", "embd_pdrop"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be a dropout probability in [0, 1), got {value!r}")
+        if not isinstance(self.layer_norm_epsilon, (int, float)) or self.layer_norm_epsilon <= 0:
+            raise ValueError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
+        from transformers.activations import ACT2FN
+
+        if self.activation_function not in ACT2FN:
+            raise ValueError(
+                f"activation_function {self.activation_function!r} is unknown; use one of transformers' ACT2FN keys "
+                "such as 'gelu_new' or 'gelu'"
+            )
+        _check_gate_init(self.gate_init, "gate_init")
+        self.layer_mixers  # noqa: B018 - parses and validates every layer's spec
+
+    @property
+    def layer_mixers(self) -> list[dict[str, Any]]:
+        """One normalised spec per layer: ``{"pattern": str, "tied": bool, "gate_init": str | float}``."""
+        if isinstance(self.mixer, list):
+            if len(self.mixer) != self.n_layer:
+                raise ValueError(
+                    f"mixer is a list of {len(self.mixer)} specs but n_layer = {self.n_layer}; give one spec per "
+                    "layer or a single spec for all layers"
+                )
+            specs = self.mixer
+            return [parse_mixer_spec(s, self.gate_init, f"mixer[{i}]") for i, s in enumerate(specs)]
+        spec = parse_mixer_spec(self.mixer, self.gate_init, "mixer")
+        return [dict(spec) for _ in range(self.n_layer)]
+
+    @classmethod
+    def from_preset(cls, name: str, mixer: Any = "exp2:ce", **overrides) -> ResolventConfig:
+        """Config of a named size: ``"44m"`` (6 x 512, ff 2048, 8 heads, ctx 512), ``"355m"`` (24 x 1024, ff 4096,
+        16 heads, ctx 2048) or ``"tiny"`` (2 x 128, ff 512, 4 heads, ctx 256), with any ``mixer`` and overrides."""
+        key = str(name).lower()
+        if key not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+        fields = dict(PRESETS[key])
+        fields.update(overrides)
+        return cls(mixer=mixer, **fields)

@@ -1,0 +1,688 @@
+"""Resolvent language models for ``transformers``: GPT-2 blocks whose attention is a resolvent token mixer.
+
+Each block computes, per head, Y = (I - B)^-1 A X (DESIGN.md section 1) with
+
+- values x = W_x u, two query/key pairs (q^A, k^A) and (q^B, k^B) with RoPE on all four (or GPT-2's learned
+  position table), masked softmaxes A~ over P^A_i and B~ over P^B_i (the layer's pattern);
+- a Mamba-2 style gate g = exp(-softplus(w.u + dt_bias) * exp(A_log)) in (0, 1), A = (1 - g) A~, B = g B~;
+- attention patterns (``"attention"``, ``"local_attention:w"``) have B = 0 and no gate: plain softmax attention;
+- the tied variant (``"+tied"``, paper B.3) has no A scores: z = (I - B)^-1 (1 - g) x, y = z - d x with
+  d = (1 - g) sigmoid(w_d.u + b_d).
+
+Full sequences (training, prefill) run the parallel form (``ops.resolvent_mix``: PyTorch on CPU, the Triton
+kernels for CUDA tensors when available); decoding runs ``ops.recurrent_step`` on the per-layer states of a
+:class:`~hf_resolvent.ResolventCache`, built directly from the prefill (``ops.state.state_from_sequence``).
+
+Padding: a 2-D ``attention_mask`` with left padding becomes the ops' ``start`` (padded positions are never read
+and positions count from the first real token, so a left-padded batch gives the same outputs as each sequence
+alone); right padding needs nothing in a full forward (the mixer is causal); holes are refused.
+
+This file is copied into saved model folders (remote code): it imports only ``torch``, ``transformers`` and
+flat sibling modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .cache_resolvent import ResolventCache
+from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
+from .patterns import get_pattern
+from .resolvent_ops import (
+    IS_BUNDLE,
+    recurrent_step,
+    recurrent_step_tied,
+    resolvent_mix,
+    resolvent_mix_tied,
+    state_from_sequence,
+)
+
+__all__ = ["ResolventPreTrainedModel", "ResolventModel", "ResolventForCausalLM", "ResolventMixer", "ResolventBlock"]
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_resolvent.ResolventConfig",
+    "AutoModel": "modeling_resolvent.ResolventModel",
+    "AutoModelForCausalLM": "modeling_resolvent.ResolventForCausalLM",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Positions
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for integer positions (B, n): cos and sin, each (B, 1, n, head_dim) in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (B, n, head_dim / 2)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, n, d) queries or keys by the tables of :func:`rope_cos_sin` (rotate-half convention)."""
+    half = t.shape[-1] // 2
+    rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+    return (t.float() * cos + rotated.float() * sin).to(t.dtype)
+
+
+def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+# --------------------------------------------------------------------------------------------------
+# Modules
+
+
+class ResolventMixer(nn.Module):
+    """One layer's token mixer (the ``attn`` of a GPT-2 block), for the layer's spec in ``config.layer_mixers``.
+
+    Parameters: ``in_proj`` (width -> parts x width; parts ``qa, ka, x`` for attention kinds, ``qa, ka, x, qb,
+    kb`` for resolvent ones, ``x, qb, kb`` tied; GPT-2's ``c_attn`` order q, k, v first), ``out_proj``, and for
+    resolvent kinds the gate (``gate_proj`` width -> heads, ``dt_bias``, ``A_log``) and, tied, ``skip_proj``.
+    """
+
+    def __init__(self, config: ResolventConfig, layer_idx: int):
+        super().__init__()
+        spec = config.layer_mixers[layer_idx]
+        self.layer_idx = layer_idx
+        self.pattern = get_pattern(spec["pattern"])
+        self.tied = spec["tied"]
+        self.gate_init = spec["gate_init"]
+        self.recurrent = self.pattern.has_recurrence
+        self.num_heads = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        if not self.recurrent:
+            self.parts = ("qa", "ka", "x")
+        elif self.tied:
+            self.parts = ("x", "qb", "kb")
+        else:
+            self.parts = ("qa", "ka", "x", "qb", "kb")
+        width = config.n_embd
+        self.in_proj = nn.Linear(width, len(self.parts) * width)
+        self.out_proj = nn.Linear(width, width)
+        if self.recurrent:
+            self.gate_proj = nn.Linear(width, self.num_heads, bias=False)
+            self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
+            self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        if self.tied:
+            self.skip_proj = nn.Linear(width, self.num_heads)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def extra_repr(self) -> str:
+        return f"pattern={self.pattern.name!r}, tied={self.tied}, heads={self.num_heads}, head_dim={self.head_dim}"
+
+    @torch.no_grad()
+    def init_gate(self) -> None:
+        """Initialise the gate for ``self.gate_init`` (skips parameters already loaded from a checkpoint)."""
+        if not self.recurrent:
+            return
+        heads = self.num_heads
+        if self.gate_init == "mamba2":
+            log_dt = torch.empty(heads).uniform_(math.log(1e-3), math.log(1e-1))
+            init.copy_(self.dt_bias, _inverse_softplus(log_dt.exp()))
+            init.copy_(self.A_log, torch.empty(heads).uniform_(1.0, 16.0).log())
+        else:
+            value = CLOSED_GATE_VALUE if self.gate_init == "closed" else float(self.gate_init)
+            # g = exp(-softplus(0 + dt_bias) * exp(A_log)) with softplus(dt_bias) = 1: g = exp(-exp(A_log)).
+            init.zeros_(self.gate_proj.weight)
+            init.copy_(self.dt_bias, _inverse_softplus(torch.ones(heads)))
+            init.copy_(self.A_log, torch.full((heads,), math.log(-math.log(value))))
+
+    def gate(self, u: torch.Tensor) -> torch.Tensor:
+        """g (B, H, n) in (0, 1) from the block input u (B, n, width)."""
+        dt = F.softplus(self.gate_proj(u).float() + self.dt_bias.float())
+        return torch.exp(-dt * torch.exp(self.A_log.float())).transpose(1, 2).to(u.dtype)
+
+    def forward(self, hidden_states: torch.Tensor, rope=None, start=None, layer_cache=None) -> torch.Tensor:
+        """(B, n, width) -> (B, n, width). ``rope``: (cos, sin) or None; ``start``: (B,) left padding or None;
+        ``layer_cache``: this layer's :class:`~hf_resolvent.cache_resolvent.ResolventCacheLayer` or None."""
+        batch, n, width = hidden_states.shape
+        proj = self.in_proj(hidden_states).view(batch, n, len(self.parts), self.num_heads, self.head_dim)
+        t = {name: proj[:, :, i].transpose(1, 2) for i, name in enumerate(self.parts)}  # (B, H, n, hd)
+        if rope is not None:
+            cos, sin = rope
+            for name in ("qa", "ka", "qb", "kb"):
+                if name in t:
+                    t[name] = apply_rope(t[name], cos, sin)
+        g = self.gate(hidden_states) if self.recurrent else None
+        d = (1 - g) * torch.sigmoid(self.skip_proj(hidden_states)).transpose(1, 2) if self.tied else None
+        state = None if layer_cache is None else layer_cache.state
+        if state is None:
+            if self.tied:
+                y = resolvent_mix_tied(t["qb"], t["kb"], t["x"], g, d, self.pattern, start=start)
+            else:
+                y = resolvent_mix(t["qa"], t["ka"], t.get("qb"), t.get("kb"), t["x"], g, self.pattern, start=start)
+            if layer_cache is not None:
+                layer_cache.state = state_from_sequence(self.pattern, self._state_rows(t, y, d, start), start)
+        else:
+            y = self._decode(state, t, g, d, n)
+        out = y.transpose(1, 2).reshape(batch, n, width)
+        return self.resid_dropout(self.out_proj(out))
+
+    def _state_rows(self, t, y, d, start) -> dict[str, torch.Tensor]:
+        """The per-position tensors a decode state stores (DESIGN.md section 4), each (B, H, n, .)."""
+        if not self.recurrent:
+            return {"keys_a": t["ka"], "values": t["x"]}
+        if self.tied:
+            z = y + d[..., None] * t["x"]
+            if start is not None:
+                positions = torch.arange(y.shape[2], device=y.device)
+                z = z * (positions[None, :] >= start[:, None].to(y.device)).to(z.dtype)[:, None, :, None]
+            return {"keys_b": t["kb"], "outputs": z}
+        return {"keys_a": t["ka"], "values": t["x"], "keys_b": t["kb"], "outputs": y}
+
+    def _decode(self, state, t, g, d, n: int) -> torch.Tensor:
+        """Run the recurrent form over the n new tokens from ``state`` (advanced in place): (B, H, n, e)."""
+        ys = []
+        for i in range(n):
+            if self.tied:
+                y = recurrent_step_tied(state, t["qb"][:, :, i], t["kb"][:, :, i], t["x"][:, :, i], g[:, :, i],
+                                        d[:, :, i], self.pattern)
+            else:
+                step = {k: (v[:, :, i] if v is not None else None) for k, v in t.items()}
+                y = recurrent_step(state, step["qa"], step["ka"], step.get("qb"), step.get("kb"), step["x"],
+                                   None if g is None else g[:, :, i], self.pattern)
+            ys.append(y)
+        return torch.stack(ys, dim=2).to(t["x"].dtype)
+
+
+class ResolventMLP(nn.Module):
+    """GPT-2's MLP with ``nn.Linear`` layers: c_proj(act(c_fc(x))), then dropout."""
+
+    def __init__(self, config: ResolventConfig):
+        super().__init__()
+        inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, inner)
+        self.c_proj = nn.Linear(inner, config.n_embd)
+        self.act = ACT2FN[config.activation_function]
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
+
+
+class ResolventBlock(GradientCheckpointingLayer):
+    """Pre-norm block: h + mixer(ln_1(h)), then + mlp(ln_2(.))."""
+
+    def __init__(self, config: ResolventConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mixer = ResolventMixer(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = ResolventMLP(config)
+
+    def forward(self, hidden_states, rope=None, start=None, past_key_values=None, use_cache=False):
+        layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+        hidden_states = hidden_states + self.mixer(self.ln_1(hidden_states), rope, start, layer_cache)
+        return hidden_states + self.mlp(self.ln_2(hidden_states))
+
+
+# --------------------------------------------------------------------------------------------------
+# Remote code: saved folders get flat copies of the mixer functions
+
+
+# The ops modules the model calls directly; their relative imports inside hf_resolvent.ops are followed.
+_BUNDLE_ROOTS = ("parallel", "recurrent", "state")
+
+
+def _flat_name(module: str) -> str:
+    return f"resolvent_ops_{module}"
+
+
+_BUNDLE_ENTRY = '''"""Flat copy of hf_resolvent's mixer functions (PyTorch paths), written by save_pretrained.
+
+Generated file: it lets `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` run where
+hf_resolvent is not installed. Install hf-resolvent and load without remote code for the Triton kernels.
+"""
+
+from .resolvent_ops_parallel import parallel_mix, parallel_mix_tied
+from .resolvent_ops_recurrent import MixerState, recurrent_step, recurrent_step_tied
+from .resolvent_ops_state import state_from_sequence
+
+IS_BUNDLE = True
+
+
+def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl="auto", start=None, scale=None):
+    return parallel_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+
+
+def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl="auto", start=None, scale=None):
+    return parallel_mix_tied(qb, kb, x, g, d, pattern, start, scale)
+
+
+__all__ = ["IS_BUNDLE", "MixerState", "recurrent_step", "recurrent_step_tied", "resolvent_mix",
+           "resolvent_mix_tied", "state_from_sequence"]
+'''
+
+_RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+)([\w.]*)\s+import\s", flags=re.MULTILINE)
+
+
+def _flatten_imports(source: str, module: str) -> tuple[str, list[str]]:
+    """Rewrite the relative imports of ``hf_resolvent.ops.<module>`` for a flat folder.
+
+    ``from .x import`` (a sibling in ops) -> ``from .resolvent_ops_x import``; ``from ..patterns import`` ->
+    ``from .patterns import``; any other ``from ..y import`` -> ``from hf_resolvent.y import`` (absolute: only
+    usable where hf_resolvent is installed, so such imports must be optional in ops). Returns the new source and
+    the ops siblings it needs.
+    """
+    needed: list[str] = []
+
+    def replace(match: re.Match) -> str:
+        indent, dots, name = match.groups()
+        if len(dots) == 1 and name and "." not in name:
+            needed.append(name)
+            return f"{indent}from .{_flat_name(name)} import "
+        if len(dots) == 2 and name == "patterns":
+            return f"{indent}from .patterns import "
+        if len(dots) == 2 and name:
+            return f"{indent}from hf_resolvent.{name} import "
+        raise RuntimeError(f"hf_resolvent.ops.{module}: cannot flatten the import 'from {dots}{name} import'")
+
+    return _RELATIVE_IMPORT.sub(replace, source), needed
+
+
+def write_ops_bundle(folder: str | Path) -> list[Path]:
+    """Write the flat mixer modules (``resolvent_ops.py`` and ``resolvent_ops_*.py``) into a saved folder.
+
+    Starts from the ops modules the model calls and follows their imports within ``hf_resolvent.ops``. Nothing
+    to do when this code already runs from a saved folder: transformers copied the flat files along.
+    """
+    if IS_BUNDLE:
+        return []
+    folder = Path(folder)
+    written, todo, done = [], list(_BUNDLE_ROOTS), set()
+    while todo:
+        module = todo.pop()
+        if module in done:
+            continue
+        done.add(module)
+        source = Path(importlib.import_module(f"hf_resolvent.ops.{module}").__file__).read_text(encoding="utf-8")
+        flat, needed = _flatten_imports(source, module)
+        todo.extend(needed)
+        path = folder / f"{_flat_name(module)}.py"
+        path.write_text(flat, encoding="utf-8")
+        written.append(path)
+    entry = folder / "resolvent_ops.py"
+    entry.write_text(_BUNDLE_ENTRY, encoding="utf-8")
+    written.append(entry)
+    return written
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+
+
+class ResolventPreTrainedModel(PreTrainedModel):
+    """Weights initialisation, gradient checkpointing, and ``save_pretrained`` with the model code."""
+
+    config_class = ResolventConfig
+    config: ResolventConfig
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["ResolventBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    # The decode state of sparse patterns cannot be rolled back: generate() refuses assisted and prompt-lookup
+    # decoding with a clear error instead of producing wrong tokens.
+    _is_stateful = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, ResolventMixer):
+            # GPT-2's scaled init of the residual projections (two per block).
+            init.normal_(module.out_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+            module.init_gate()
+        elif isinstance(module, ResolventMLP):
+            init.normal_(module.c_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained`` (safetensors), plus the model code when the class is registered for
+        an auto class (``import hf_resolvent`` does that): ``auto_map`` for AutoConfig, AutoModel and
+        AutoModelForCausalLM, the modeling files, and flat copies of the mixer functions."""
+        remote = self.is_remote_code()
+        if remote:
+            auto_map = dict(getattr(self.config, "auto_map", None) or {})
+            auto_map.update(AUTO_MAP)
+            self.config.auto_map = auto_map
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if remote and kwargs.get("is_main_process", True):
+            write_ops_bundle(save_directory)
+        return result
+
+
+def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.Tensor | None):
+    """Leading padding per sequence (B,) from a 2-D attention mask, or None; raises on unsupported masks."""
+    if mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask must be 2-D (batch, length) with 1 for tokens and 0 for padding, got shape "
+            f"{tuple(mask.shape)}; resolvent mixers take their structure from the pattern, not from a 4-D mask"
+        )
+    mask = mask.to(torch.bool)
+    batch, length = mask.shape
+    columns = torch.arange(length, device=mask.device)
+    if past == 0:
+        if length != n:
+            raise ValueError(f"attention_mask has {length} columns but the input has {n} positions")
+        count = mask.sum(1)
+        if (count == 0).any():
+            raise ValueError("attention_mask has a sequence without any real token (all padding); remove it")
+        lead = (mask.long().cumsum(1) == 0).sum(1)
+        contiguous = (columns[None] >= lead[:, None]) & (columns[None] < (lead + count)[:, None])
+        if not torch.equal(contiguous, mask):
+            raise ValueError(
+                "attention_mask has holes (padding between real tokens); only left padding (and right padding in "
+                "a full forward) is supported: pad on the left (tokenizer.padding_side = 'left')"
+            )
+        return lead if bool(lead.any()) else None
+    if length == past + n:
+        if cache_start is None:
+            expected = torch.ones(batch, past, dtype=torch.bool, device=mask.device)
+        else:
+            expected = columns[None, :past] >= cache_start.to(mask.device)[:, None]
+        if not torch.equal(mask[:, :past], expected) or not bool(mask[:, past:].all()):
+            raise ValueError(
+                "attention_mask does not match the cache: when continuing from a cache the mask must be the "
+                "prefill's left padding followed by ones (right padding or holes cannot be continued; pad on the "
+                "left with tokenizer.padding_side = 'left')"
+            )
+    elif length == n:
+        if not bool(mask.all()):
+            raise ValueError("attention_mask of new tokens after a cache must be all ones (no padding after tokens)")
+    else:
+        raise ValueError(
+            f"attention_mask has {length} columns; expected {past + n} (cached {past} + new {n}) or {n} (new only)"
+        )
+    return cache_start
+
+
+class ResolventModel(ResolventPreTrainedModel):
+    """The bare model: embeddings (token, and learned positions if configured), blocks, final LayerNorm.
+
+    Forward inputs follow GPT-2/Llama: ``input_ids`` (B, n) or ``inputs_embeds`` (B, n, width),
+    ``attention_mask`` (B, n) or (B, cached + n), ``position_ids`` (B or 1, n) (default: counted from each
+    sequence's first real token), ``past_key_values`` (a :class:`ResolventCache`), ``use_cache`` (default
+    ``config.use_cache`` in eval mode, False in training mode), ``output_hidden_states``.
+    """
+
+    def __init__(self, config: ResolventConfig):
+        super().__init__(config)
+        self.embed_dim = config.n_embd
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd) if config.position_embedding == "learned" else None
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([ResolventBlock(config, i) for i in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings):
+        self.wte = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast | tuple:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids (B, n) and inputs_embeds (B, n, width)")
+        if output_attentions:
+            raise ValueError(
+                "output_attentions is not available: resolvent mixers never form attention matrices "
+                "(the effective mixing matrix is (I - B)^-1 A; see hf_resolvent.ops.mixer_matrices)"
+            )
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if inputs_embeds is None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+            inputs_embeds = self.wte(input_ids)
+        batch, n = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+
+        if past_key_values is not None and not isinstance(past_key_values, ResolventCache):
+            if isinstance(past_key_values, Cache) and past_key_values.get_seq_length() == 0:
+                past_key_values = ResolventCache(self.config)  # e.g. an empty DynamicCache made by a caller
+            else:
+                raise ValueError(
+                    f"past_key_values must be a ResolventCache (got {type(past_key_values).__name__}); create one "
+                    "with ResolventCache(model.config) or let the model make it (use_cache=True)"
+                )
+        if past_key_values is None and use_cache:
+            past_key_values = ResolventCache(self.config)
+        past = 0 if past_key_values is None else past_key_values.get_seq_length()
+        if past and past_key_values.batch_size not in (-1, batch):
+            raise ValueError(f"the cache holds {past_key_values.batch_size} sequences but the input has {batch}")
+        cache_start = None if past_key_values is None or not past else past_key_values.start
+        if attention_mask is not None:
+            start = _start_from_mask(attention_mask.to(device), past, n, cache_start)
+        else:
+            start = cache_start
+
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=device)[None].expand(batch, -1)
+            if start is not None:
+                position_ids = (position_ids - start.to(device)[:, None]).clamp(min=0)
+        else:
+            position_ids = position_ids.to(device).view(-1, n).expand(batch, -1)
+        if n and int(position_ids.max()) >= self.config.n_positions:
+            raise ValueError(
+                f"sequence too long: position {int(position_ids.max())} reached, but the model has "
+                f"max_position_embeddings = n_positions = {self.config.n_positions}; shorten the input or use a "
+                "config with a larger n_positions"
+            )
+
+        hidden_states = inputs_embeds
+        if self.wpe is not None:
+            hidden_states = hidden_states + self.wpe(position_ids).to(hidden_states.dtype)
+        hidden_states = self.drop(hidden_states)
+        rope = None
+        if self.config.position_embedding == "rope":
+            rope = rope_cos_sin(position_ids, self.config.n_embd // self.config.n_head, self.config.rope_theta)
+        start = None if start is None else start.to(device)
+
+        all_hidden_states = () if output_hidden_states else None
+        for block in self.h:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states = block(hidden_states, rope=rope, start=start, past_key_values=past_key_values,
+                                  use_cache=use_cache)
+        hidden_states = self.ln_f(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden_states,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
+    """:class:`ResolventModel` with a language-modelling head (tied to the token embedding by default).
+
+    ``labels`` (B, n) give the library's causal-LM loss (shifted inside, -100 ignored, ``num_items_in_batch``
+    honoured). ``generate()`` decodes through a :class:`ResolventCache`: greedy, sampling, beam search,
+    ``num_return_sequences``, continuing from a returned cache, chunked prefill (``prefill_chunk_size``);
+    assisted and prompt-lookup decoding are refused (the cache cannot be rolled back).
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: ResolventConfig):
+        super().__init__(config)
+        self.transformer = ResolventModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast | tuple:
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        outputs = self.transformer(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            if logits_to_keep:
+                hidden_states = hidden_states[:, -logits_to_keep:]
+        else:
+            hidden_states = hidden_states[:, logits_to_keep]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+        )
+        return output if return_dict else output.to_tuple()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() hook: make a :class:`ResolventCache` (instead of a ``DynamicCache``)."""
+        cache = model_kwargs.get("past_key_values")
+        if cache is not None:
+            if generation_config.cache_implementation is not None:
+                raise ValueError("pass either cache_implementation or past_key_values to generate(), not both")
+            if not isinstance(cache, ResolventCache):
+                if isinstance(cache, Cache) and cache.get_seq_length() == 0:
+                    cache = model_kwargs["past_key_values"] = ResolventCache(self.config)
+                else:
+                    raise ValueError(
+                        f"past_key_values must be a ResolventCache, got {type(cache).__name__}; continue from the "
+                        "cache that a previous generate()/forward returned"
+                    )
+            cache._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not available for resolvent "
+                "models: they use their own ResolventCache (leave cache_implementation unset)"
+            )
+        model_kwargs["past_key_values"] = ResolventCache(self.config)
+
+    # ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_gpt2(
+        cls,
+        model_or_path,
+        mixer: Any = "attention",
+        position_embedding: str = "learned",
+        gate_init: str | float = "closed",
+        **config_overrides,
+    ) -> ResolventForCausalLM:
+        """A resolvent model with a ``GPT2LMHeadModel``'s weights (a model, or a path/name for ``from_pretrained``).
+
+        Copies token and position embeddings, LayerNorms, MLPs (GPT-2's ``Conv1D`` weights are transposed) and
+        attention: q, k, v -> q^A, k^A, x, and also q, k -> q^B, k^B for resolvent mixers. With ``mixer=
+        "attention"`` and learned positions the logits equal GPT-2's; with ``mixer="dense"`` and the default
+        closed gate (g = e^-16 at start) they equal GPT-2's up to ~1e-6. Sparse patterns read only P^A_i through A,
+        so their logits differ from GPT-2's until fine-tuned. The tied variant has no A channel to copy into.
+        """
+        from transformers import GPT2LMHeadModel
+
+        gpt2 = model_or_path if isinstance(model_or_path, nn.Module) else GPT2LMHeadModel.from_pretrained(model_or_path)
+        gc = gpt2.config
+        if getattr(gc, "scale_attn_by_inverse_layer_idx", False) or not getattr(gc, "scale_attn_weights", True):
+            raise ValueError("from_gpt2 supports GPT-2 attention scaled by head_dim ** -0.5 only")
+        if getattr(gc, "add_cross_attention", False):
+            raise ValueError("from_gpt2 does not convert cross-attention (add_cross_attention=True)")
+        fields = dict(
+            vocab_size=gc.vocab_size, n_positions=gc.n_positions, n_embd=gc.n_embd, n_layer=gc.n_layer,
+            n_head=gc.n_head, n_inner=gc.n_inner, activation_function=gc.activation_function,
+            resid_pdrop=gc.resid_pdrop, embd_pdrop=gc.embd_pdrop, layer_norm_epsilon=gc.layer_norm_epsilon,
+            initializer_range=gc.initializer_range, bos_token_id=gc.bos_token_id, eos_token_id=gc.eos_token_id,
+            pad_token_id=gc.pad_token_id, tie_word_embeddings=gc.tie_word_embeddings,
+            position_embedding=position_embedding, mixer=mixer, gate_init=gate_init,
+        )
+        fields.update(config_overrides)
+        model = cls(ResolventConfig(**fields))
+        src, dst = gpt2.transformer, model.transformer
+        width = gc.n_embd
+        with torch.no_grad():
+            dst.wte.weight.copy_(src.wte.weight)
+            if dst.wpe is not None:
+                dst.wpe.weight.copy_(src.wpe.weight[: dst.wpe.weight.shape[0]])
+            dst.ln_f.load_state_dict(src.ln_f.state_dict())
+            for block_src, block in zip(src.h, dst.h):
+                block.ln_1.load_state_dict(block_src.ln_1.state_dict())
+                block.ln_2.load_state_dict(block_src.ln_2.state_dict())
+                block.mlp.c_fc.weight.copy_(block_src.mlp.c_fc.weight.t())
+                block.mlp.c_fc.bias.copy_(block_src.mlp.c_fc.bias)
+                block.mlp.c_proj.weight.copy_(block_src.mlp.c_proj.weight.t())
+                block.mlp.c_proj.bias.copy_(block_src.mlp.c_proj.bias)
+                w = block_src.attn.c_attn.weight.t()  # (3 width, width): rows q, k, v
+                b = block_src.attn.c_attn.bias
+                parts = {"qa": 0, "ka": 1, "x": 2, "qb": 0, "kb": 1}
+                mixer_mod = block.mixer
+                for i, name in enumerate(mixer_mod.parts):
+                    j = parts[name]
+                    mixer_mod.in_proj.weight[i * width:(i + 1) * width].copy_(w[j * width:(j + 1) * width])
+                    mixer_mod.in_proj.bias[i * width:(i + 1) * width].copy_(b[j * width:(j + 1) * width])
+                mixer_mod.out_proj.weight.copy_(block_src.attn.c_proj.weight.t())
+                mixer_mod.out_proj.bias.copy_(block_src.attn.c_proj.bias)
+            if not model.config.tie_word_embeddings:
+                model.lm_head.weight.copy_(gpt2.lm_head.weight)
+        return model
