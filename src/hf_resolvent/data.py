@@ -394,7 +394,8 @@ def prepare_dataset(
 
         tok = AutoTokenizer.from_pretrained(tok_dir)
         old_meta = json.loads((out / "tokenizer_info.json").read_text())
-        choice = TokenizerChoice(tok, old_meta["name"], old_meta["description"] + " (reused from this folder)")
+        choice = TokenizerChoice(tok, old_meta["name"], old_meta["description"])
+        log(f"[data] reusing the tokenizer saved in {tok_dir}")
     else:
         sample_texts = None
         if kind == "list":

@@ -1,0 +1,458 @@
+#!/usr/bin/env python
+"""Pretrain a causal LM (resolvent mixer or the GPT-2 baseline) with Accelerate.
+
+    python scripts/pretrain.py --config tiny --output-dir runs/tiny [--max-steps N] [--save-every N] [--resume]
+    accelerate launch --num_processes 2 --cpu scripts/pretrain.py --config tiny --output-dir runs/tiny2
+    accelerate launch --num_processes 8 scripts/pretrain.py --config 44m-dense --data data/openwebtext \\
+        --output-dir runs/44m-dense
+
+Configs live in scripts/configs/ (``tiny``, ``44m-<mixer>``, ``355m-<mixer>``, ``*-gpt2``); ``--set
+section.key=value`` overrides any field. Without ``--data`` (and ``data.dir`` in the config) the offline default
+corpus is prepared into ``data/stdlib`` first (Python's standard-library text; see scripts/prepare_data.py).
+
+The data order is a function of the optimizer step (``StepSampler``), checkpoints are written atomically
+(``checkpoints/.tmp_step_N`` renamed to ``checkpoints/step_N`` once complete) and hold the model, optimizer,
+RNG states and the step: killing the run at any moment and re-running the same command with ``--resume`` ends
+with the same weights as a run never interrupted. At the end OUTPUT_DIR is a ``save_pretrained`` folder (model,
+tokenizer, README.md model card), with ``metrics.jsonl``, ``loss.png`` and ``train_results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hf_resolvent import data as hdata
+from hf_resolvent import training as T
+
+DEFAULT_DATA_ROOT = "data"
+# fields that may change between an interrupted run and its resumption (they do not change the weights)
+RESUMABLE_CHANGES = {("eval", "every"), ("checkpoint", "every"), ("checkpoint", "keep"), ("log", "every"),
+                     ("log", "trackers"), ("eval", "max_windows"), ("eval", "micro_batch")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", help="config name in scripts/configs/ or a .yaml/.json path")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--data", default=None, help="prepared data folder (scripts/prepare_data.py)")
+    p.add_argument("--mixer", default=None, help="override model.mixer (a pattern spec such as dense or exp2:ce)")
+    p.add_argument("--max-steps", type=int, default=None, help="run length (the learning-rate schedule follows it)")
+    p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config field (repeatable), e.g. --set train.lr=3e-4")
+    p.add_argument("--no-final-save", action="store_true", help="skip the save_pretrained folder and card")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate a kill
+    return p
+
+
+def _resolve_config(args) -> dict:
+    overrides = list(args.overrides)
+    if args.mixer:
+        overrides.append(f"model.mixer={args.mixer}")
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    if args.save_every is not None:
+        overrides.append(f"checkpoint.every={args.save_every}")
+    if args.eval_every is not None:
+        overrides.append(f"eval.every={args.eval_every}")
+    if args.data:
+        overrides.append(f"data.dir={args.data}")
+    cfg = T.load_config(args.config, overrides)
+    if int(cfg["train"]["max_steps"]) < 1:
+        raise T.ConfigError("train.max_steps must be >= 1")
+    return cfg
+
+
+def _mixed_precision(setting: str) -> str | None:
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") and setting == "auto":
+        return None  # accelerate launch --mixed_precision decides
+    if setting != "auto":
+        return setting
+    if torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() != "true":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "no"
+
+
+def _trackers(setting) -> list[str] | None:
+    if setting in (None, "none", False):
+        return None
+    if setting == "auto":
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            try:
+                import tensorboardX  # noqa: F401
+            except ImportError:
+                return None
+        return ["tensorboard"]
+    return [setting] if isinstance(setting, str) else list(setting)
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def _check_resumable(saved: dict, cfg: dict) -> None:
+    diffs = []
+    for section, values in cfg.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if (section, key) in RESUMABLE_CHANGES:
+                continue
+            old = saved.get(section, {}).get(key)
+            if old != value:
+                diffs.append(f"{section}.{key}: {old!r} -> {value!r}")
+    if diffs:
+        raise T.ConfigError("--resume with a different configuration than the checkpointed run: "
+                            + "; ".join(diffs) + ". Use the same options or another --output-dir.")
+
+
+def _optimizer(model, tcfg: dict, device: torch.device) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": float(tcfg["weight_decay"])},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=float(tcfg["lr"]), betas=tuple(float(b) for b in tcfg["betas"]),
+                             eps=float(tcfg["eps"]), **kwargs)
+
+
+def _lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of windows ``batch`` (B, L + 1): inputs [:, :-1], targets [:, 1:]."""
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def evaluate_loss(accelerator, model, val: hdata.TokenShards, seq_len: int, max_windows: int, micro: int) -> dict:
+    """Mean validation loss over fixed non-overlapping windows, split across processes."""
+    starts = hdata.eval_windows(val, seq_len, max_windows)
+    mine = starts[accelerator.process_index::accelerator.num_processes]
+    raw = accelerator.unwrap_model(model)
+    was_training = raw.training
+    raw.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for i in range(0, len(mine), micro):
+        rows = np.stack([val.read(s, seq_len + 1) for s in mine[i:i + micro]])
+        batch = torch.from_numpy(rows).to(accelerator.device)
+        with accelerator.autocast():
+            loss = _lm_loss(raw, batch)
+        n = batch[:, 1:].numel()
+        total += torch.tensor([loss.item() * n, n], dtype=torch.float64, device=accelerator.device)
+    raw.train(was_training)
+    total = accelerator.reduce(total, reduction="sum")
+    val_loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(total[1].item())}
+
+
+def params_checksum(model) -> torch.Tensor:
+    """A float64 fingerprint of all parameters, shape (1,) (equal weights give equal numbers)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, p in enumerate(model.parameters()):
+        total += (p.detach().double().cpu() * (1.0 + 1e-3 * (i % 7))).sum()
+    return total.reshape(1)
+
+
+def ensure_data(accelerator, cfg: dict) -> Path:
+    """The prepared data folder; prepares the offline default on the main process when none is configured."""
+    data_dir = cfg["data"]["dir"]
+    if data_dir is None:
+        data_dir = Path(os.environ.get("HF_RESOLVENT_DATA", DEFAULT_DATA_ROOT)) / "stdlib"
+        if accelerator.is_main_process and not hdata.is_prepared(data_dir):
+            print(f"[pretrain] no --data given: preparing the offline default corpus in {data_dir}", flush=True)
+            hdata.prepare_dataset(data_dir, source=hdata.STDLIB)
+        accelerator.wait_for_everyone()
+    data_dir = Path(data_dir)
+    if not hdata.is_prepared(data_dir):
+        raise hdata.DataError(f"{data_dir} is not a prepared data folder (no meta.json): run "
+                              f"python scripts/prepare_data.py --output-dir {data_dir} [--source ...]")
+    return data_dir
+
+
+def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, keep: int) -> Path:
+    """accelerator.save_state into a temporary folder, then an atomic rename to checkpoints/step_N."""
+    final = T.checkpoint_dir(output_dir, step)
+    tmp = final.with_name(f".tmp_{final.name}")
+    if accelerator.is_main_process:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        hdata.atomic_write_json(tmp / "trainer_state.json", state)
+        T.finalize_checkpoint(tmp, final, keep)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data_meta: dict, results: dict,
+                argv: list[str]) -> None:
+    raw = accelerator.unwrap_model(model)
+    raw.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    T.plot_loss(output_dir / "metrics.jsonl", output_dir / "loss.png",
+                title=f"{T.model_label(cfg['model'])} ({cfg['name']})")
+    hdata.atomic_write_json(output_dir / "train_results.json", results)
+    card = T.render_model_card(card_info(cfg, data_meta, results, argv, raw))
+    (output_dir / "README.md").write_text(card)
+
+
+def card_info(cfg: dict, data_meta: dict, results: dict, argv: list[str], model) -> dict:
+    mixer = T.model_label(cfg["model"])
+    complexity = "n/a"
+    try:
+        from hf_resolvent.patterns import complexity_table
+
+        table = {r["pattern"].split(":")[0] + (":ce" if r["pattern"].endswith(":ce") else ""): r
+                 for r in complexity_table()}
+        key = "attention" if mixer == "gpt2" else mixer.split(":")[0] + (":ce" if mixer.endswith(":ce") else "")
+        if key in table:
+            complexity = f"{table[key]['time_per_token']} / {table[key]['cache']}"
+    except ImportError:
+        pass
+    source = data_meta.get("source")
+    hub_dataset = source if source not in (hdata.STDLIB, "files", None) else None
+    c = model.config
+    shape = ", ".join(f"{k} {getattr(c, k)}" for k in ("n_layer", "n_embd", "n_head", "n_inner", "vocab_size")
+                      if getattr(c, k, None) is not None)
+    return {
+        "model_name": Path(results.get("output_dir", "model")).name,
+        "mixer": mixer,
+        "complexity": complexity,
+        "model_type": type(model).__name__,
+        "shape": shape,
+        "params": f"{results['params']:,}",
+        "config_name": cfg["name"],
+        "data": data_meta.get("data"),
+        "datasets": [hub_dataset] if hub_dataset else [],
+        "dataset_id": hub_dataset or ("python-stdlib-text" if source == hdata.STDLIB else "local-files"),
+        "dataset_name": hub_dataset or data_meta.get("data", "n/a").split(":")[0],
+        "tokenizer": data_meta.get("tokenizer_description"),
+        "steps": results["steps"],
+        "tokens": f"{results['tokens']:,}",
+        "seq_len": cfg["data"]["seq_len"],
+        "batch_size": cfg["train"]["batch_size"],
+        "lr": cfg["train"]["lr"],
+        "val_loss": results.get("val_loss"),
+        "val_ppl": results.get("val_ppl"),
+        "train_command": "python scripts/pretrain.py " + " ".join(shlex.quote(a) for a in argv),
+        "repo_id": "REPO_ID",
+        "tags": ["hf-resolvent", "resolvent", "token-mixer", f"mixer-{T.mixer_slug(mixer)}", "causal-lm"],
+        "limitations": ("A small research model trained for a short time; it is not instruction-tuned and "
+                        "produces unreliable text. "
+                        + ("It was trained on the offline default corpus (Python standard-library text), "
+                           "so it writes Python documentation-like text only."
+                           if source == hdata.STDLIB else "")),
+    }
+
+
+def train(argv: list[str] | None = None) -> dict:
+    """Run (or resume) a pretraining run; returns the final results dict (on every process)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    cfg = _resolve_config(args)
+    output_dir = Path(args.output_dir)
+
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    trackers = _trackers(cfg["log"]["trackers"])
+    accelerator = Accelerator(
+        mixed_precision=_mixed_precision(cfg["train"]["mixed_precision"]),
+        log_with=trackers,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+    )
+    main = accelerator.is_main_process
+    log = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
+    data_dir = ensure_data(accelerator, cfg)
+    data_meta = json.loads((data_dir / "meta.json").read_text())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data_dir / data_meta.get("tokenizer_dir", "tokenizer"))
+    train_tokens = hdata.TokenShards(data_dir, "train")
+    val_tokens = hdata.TokenShards(data_dir, "val")
+    seq_len = int(cfg["data"]["seq_len"])
+    micro, accum = T.batch_layout(cfg, accelerator.num_processes)
+    tcfg = cfg["train"]
+    max_steps = int(tcfg["max_steps"])
+    sampler = hdata.StepSampler(train_tokens, seq_len, micro, accum, accelerator.num_processes, int(tcfg["seed"]))
+
+    # ---- resume bookkeeping
+    saved_cfg_path = output_dir / "run_config.json"
+    last = T.latest_checkpoint(output_dir)
+    if last is not None and not args.resume:
+        raise T.ConfigError(f"{output_dir} already holds checkpoints ({last.name}); pass --resume to continue "
+                            f"that run, or choose another --output-dir")
+    if args.resume and saved_cfg_path.exists():
+        _check_resumable(json.loads(saved_cfg_path.read_text()), cfg)
+    accelerator.wait_for_everyone()
+    if main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        T.clean_temporary_checkpoints(output_dir)
+        hdata.atomic_write_json(saved_cfg_path, cfg)
+
+    set_seed(int(tcfg["seed"]))
+    model = T.build_model(cfg["model"], len(tokenizer), seq_len, eos_token_id=tokenizer.eos_token_id)
+    if tcfg.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable()
+    params = T.count_parameters(model)
+    optimizer = _optimizer(model, tcfg, accelerator.device)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if tcfg.get("compile"):
+        model = torch.compile(model)
+
+    step, tokens_seen, train_time = 0, 0, 0.0
+    if args.resume and last is not None:
+        accelerator.load_state(str(last))
+        state = json.loads((last / "trainer_state.json").read_text())
+        step, tokens_seen, train_time = state["step"], state["tokens"], state.get("train_time", 0.0)
+        log(f"[pretrain] resumed from {last} (step {step}/{max_steps})")
+    elif args.resume:
+        log(f"[pretrain] --resume: no checkpoint in {output_dir}, starting from step 0")
+    if main:
+        T.truncate_metrics(output_dir / "metrics.jsonl", step)
+
+    tokens_per_step = sampler.global_batch * seq_len
+    label = T.model_label(cfg["model"])
+    log(f"[pretrain] model {type(accelerator.unwrap_model(model)).__name__} mixer={label}: {params:,} parameters")
+    log(f"[pretrain] data {data_dir}: {data_meta['data']}")
+    log(f"[pretrain] tokenizer: {data_meta['tokenizer_description']}")
+    log(f"[pretrain] {len(train_tokens):,} train / {len(val_tokens):,} val tokens; batch {sampler.global_batch} x "
+        f"{seq_len} = {tokens_per_step:,} tokens/step ({accelerator.num_processes} process(es) x micro-batch "
+        f"{micro} x accumulation {accum}); device {accelerator.device}, mixed precision "
+        f"{accelerator.mixed_precision}")
+    if trackers:
+        accelerator.init_trackers(T.mixer_slug(cfg["name"]), config=_flat(cfg))
+
+    metrics_path = output_dir / "metrics.jsonl"
+
+    def log_row(row: dict) -> None:
+        if main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if trackers:
+            accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=max_steps, initial=step, disable=not main or args.quiet, unit="step", dynamic_ncols=True)
+    ev = cfg["eval"]
+    last_eval: dict = {}
+    model.train()
+    window_loss, window_steps, window_t0 = torch.zeros((), device=accelerator.device), 0, time.time()
+    while step < max_steps:
+        lr = T.lr_at(step, tcfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t_step = time.time()
+        for m in range(accum):
+            batch = torch.from_numpy(sampler.batch(step, m, accelerator.process_index)).to(accelerator.device)
+            sync = contextlib.nullcontext() if m == accum - 1 else accelerator.no_sync(model)
+            with sync:
+                with accelerator.autocast():
+                    loss = _lm_loss(model, batch)
+                accelerator.backward(loss / accum)
+            window_loss += loss.detach() / accum
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), float(tcfg["grad_clip"]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += tokens_per_step
+        train_time += time.time() - t_step
+        window_steps += 1
+        if step % int(cfg["log"]["every"]) == 0 or step == max_steps:
+            mean_loss = accelerator.reduce(window_loss, reduction="mean").item() / window_steps
+            elapsed = time.time() - window_t0
+            tps = window_steps * tokens_per_step / max(elapsed, 1e-9)
+            row = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens_seen,
+                   "tokens_per_s": tps}
+            log_row(row)
+            bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+            window_loss.zero_()
+            window_steps, window_t0 = 0, time.time()
+        if step % int(ev["every"]) == 0 or step == max_steps:
+            last_eval = evaluate_loss(accelerator, model, val_tokens, seq_len, int(ev["max_windows"]),
+                                      int(ev["micro_batch"]))
+            log_row({"step": step, **last_eval})
+            if main:
+                bar.write(f"[pretrain] step {step}: val loss {last_eval['val_loss']:.4f}, "
+                          f"perplexity {last_eval['val_ppl']:.2f}")
+            window_t0 = time.time()
+        if step % int(cfg["checkpoint"]["every"]) == 0 or step == max_steps:
+            state = {"step": step, "tokens": tokens_seen, "train_time": train_time, **last_eval}
+            save_checkpoint(accelerator, output_dir, step, state, int(cfg["checkpoint"]["keep"]))
+            window_t0 = time.time()
+        bar.update(1)
+        if args.stop_after is not None and step >= args.stop_after and step < max_steps:
+            bar.close()
+            log(f"[pretrain] --stop-after {args.stop_after}: stopping as if killed (no final save)")
+            return {"stopped_at": step}
+    bar.close()
+
+    if not last_eval:  # resumed from the final checkpoint: the eval result is stored there
+        last = T.latest_checkpoint(output_dir)
+        state = json.loads((last / "trainer_state.json").read_text()) if last else {}
+        last_eval = {k: state[k] for k in ("val_loss", "val_ppl", "val_tokens") if k in state}
+        if not last_eval:
+            last_eval = evaluate_loss(accelerator, model, val_tokens, seq_len, int(ev["max_windows"]),
+                                      int(ev["micro_batch"]))
+    checksums = accelerator.gather(params_checksum(accelerator.unwrap_model(model)).to(accelerator.device))
+    results = {"output_dir": str(output_dir), "config": cfg["name"], "model": label, "params": params,
+               "steps": step, "tokens": tokens_seen, "train_time_s": round(train_time, 2),
+               "processes": accelerator.num_processes, "data": data_meta["data"],
+               "tokenizer": data_meta["tokenizer_description"],
+               "process_checksums": [float(c) for c in checksums.reshape(-1).tolist()], **last_eval}
+    if len(set(results["process_checksums"])) != 1:
+        raise RuntimeError(f"the processes ended with different weights: {results['process_checksums']}")
+    accelerator.wait_for_everyone()
+    if main and not args.no_final_save:
+        write_final(accelerator, model, tokenizer, cfg, output_dir, data_meta, results, argv)
+        log(f"[pretrain] done: {step} steps, {tokens_seen:,} tokens in {train_time:.0f}s; val loss "
+            f"{results.get('val_loss', float('nan')):.4f}, perplexity {results.get('val_ppl', float('nan')):.2f}")
+        log(f"[pretrain] wrote the model folder {output_dir} (save_pretrained + tokenizer + README.md), "
+            f"{output_dir / 'loss.png'} and {metrics_path}")
+    accelerator.wait_for_everyone()
+    if trackers:
+        accelerator.end_training()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        train(argv)
+    except (T.ConfigError, hdata.DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

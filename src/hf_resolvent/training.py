@@ -1,0 +1,392 @@
+"""Helpers shared by the training, evaluation and sharing scripts (``scripts/pretrain.py`` and friends).
+
+- run configs: YAML/JSON files with ``inherit:`` and dotted ``--set key=value`` overrides (:func:`load_config`);
+- the model factory for the papers' comparison: ``resolvent`` models with any mixer and the GPT-2 baseline
+  (``transformers.GPT2LMHeadModel`` with SDPA) at the same shape (:func:`build_model`);
+- the learning-rate schedule (linear warmup, cosine decay; :func:`lr_at`);
+- atomic checkpoint folders (:func:`finalize_checkpoint`, :func:`latest_checkpoint`);
+- metrics JSONL, the loss plot and the model card (:func:`render_model_card`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "scripts" / "configs"
+MODEL_CARD_TEMPLATE = REPO_ROOT / "model_cards" / "template.md"
+
+# The mixers of the papers' comparison (Table 1 / Figure 4), as core-library pattern specs.
+PAPER_MIXERS = ["attention", "local_attention:8", "dense", "banded:8", "diagonal", "exp2", "exp2:ce", "square",
+                "square:ce"]
+
+# Model shapes (GPT-2 backbone) for the GPT-2 baseline; resolvent models take theirs from ResolventConfig presets
+# and the same numbers.
+SHAPES = {
+    "tiny": {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 256},
+    "44m": {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_inner": 2048, "n_positions": 512},
+    "355m": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_inner": 4096, "n_positions": 2048},
+}
+
+DEFAULTS: dict[str, Any] = {
+    "model": {
+        "type": "resolvent",  # resolvent | gpt2
+        "preset": "tiny",  # ResolventConfig.from_preset name / SHAPES key
+        "mixer": "dense",  # pattern spec or list of specs (one per layer); ignored by gpt2
+        "overrides": {},  # extra config fields (e.g. n_layer, dropout)
+        "pad_vocab_multiple": 1,  # round the embedding up (64 is faster on GPUs)
+    },
+    "data": {
+        "dir": None,  # prepared folder (scripts/prepare_data.py); null: the offline default, prepared on demand
+        "seq_len": 256,
+    },
+    "train": {
+        "max_steps": 1000,
+        "batch_size": 16,  # global batch in sequences (micro_batch * grad_accum * processes)
+        "micro_batch": 16,
+        "lr": 1e-3,
+        "min_lr_ratio": 0.1,
+        "warmup_steps": 50,
+        "betas": [0.9, 0.98],
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "grad_clip": 1.0,
+        "mixed_precision": "auto",  # auto: bf16 on GPUs that support it, else fp16 on GPUs, none on CPU
+        "seed": 0,
+        "compile": False,
+        "gradient_checkpointing": False,
+    },
+    "eval": {"every": 100, "max_windows": 64, "micro_batch": 16},
+    "checkpoint": {"every": 200, "keep": 2},
+    "log": {"every": 10, "trackers": "auto"},  # auto: tensorboard when installed
+}
+
+
+class ConfigError(ValueError):
+    """A run configuration problem (message names the field and the fix)."""
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "overrides":
+            out[key] = deep_merge(out[key], value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _read_config_file(path: Path) -> dict:
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def resolve_config_path(name: str, config_dir: Path = CONFIG_DIR) -> Path:
+    """``tiny`` -> ``scripts/configs/tiny.yaml``; a path to a ``.yaml``/``.json`` file is used as is."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml", ".json") and p.exists():
+        return p
+    for ext in (".yaml", ".yml", ".json"):
+        cand = config_dir / f"{name}{ext}"
+        if cand.exists():
+            return cand
+    known = sorted(q.stem for q in config_dir.glob("*.yaml"))
+    raise ConfigError(f"no config named {name!r}: pass a file path or one of {known}")
+
+
+def load_config(name: str, overrides: list[str] | None = None, config_dir: Path = CONFIG_DIR) -> dict:
+    """Read a run config: DEFAULTS <- inherited files <- the file <- ``overrides`` (``"train.lr=3e-4"``).
+
+    A file may say ``inherit: other.yaml`` (relative to itself). Unknown keys raise :class:`ConfigError`.
+    """
+    path = resolve_config_path(name, config_dir)
+    chain, seen = [], set()
+    while path is not None:
+        if path in seen:
+            raise ConfigError(f"config inheritance loop at {path}")
+        seen.add(path)
+        data = _read_config_file(path)
+        chain.append(data)
+        parent = data.pop("inherit", None)
+        path = (path.parent / parent).resolve() if parent else None
+    cfg = copy.deepcopy(DEFAULTS)
+    for data in reversed(chain):
+        _check_keys(data)
+        cfg = deep_merge(cfg, data)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.lr=3e-4)")
+        key, raw = item.split("=", 1)
+        import yaml
+
+        set_dotted(cfg, key.strip(), yaml.safe_load(raw))
+    cfg["name"] = cfg.get("name") or Path(name).stem
+    return cfg
+
+
+def _check_keys(data: dict) -> None:
+    for section, value in data.items():
+        if section in ("name", "description"):
+            continue
+        if section not in DEFAULTS:
+            raise ConfigError(f"unknown config section {section!r}; known: {sorted(DEFAULTS)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping")
+        for key in value:
+            if key not in DEFAULTS[section]:
+                raise ConfigError(f"unknown config key {section}.{key}; known: {sorted(DEFAULTS[section])}")
+
+
+def set_dotted(cfg: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if parts[0] == "model" and len(parts) == 3 and parts[1] == "overrides":
+        cfg["model"]["overrides"][parts[2]] = value
+        return
+    if len(parts) != 2 or parts[0] not in DEFAULTS or parts[1] not in DEFAULTS[parts[0]]:
+        raise ConfigError(f"unknown config key {key!r} (use section.key, e.g. train.lr or model.overrides.n_layer)")
+    cfg[parts[0]][parts[1]] = value
+
+
+def mixer_slug(spec: str | list) -> str:
+    """File-name form of a mixer spec: ``exp2:ce`` -> ``exp2_ce``, ``local_attention:8`` -> ``local_attention_8``."""
+    if isinstance(spec, (list, tuple)):
+        return "-".join(mixer_slug(s) for s in spec)
+    return re.sub(r"[^A-Za-z0-9]+", "_", str(spec)).strip("_")
+
+
+def batch_layout(cfg: dict, world: int) -> tuple[int, int]:
+    """(micro_batch, grad_accum) so that micro_batch * grad_accum * world == train.batch_size."""
+    batch, micro = int(cfg["train"]["batch_size"]), int(cfg["train"]["micro_batch"])
+    micro = min(micro, max(1, batch // world))
+    if batch % (micro * world):
+        raise ConfigError(f"train.batch_size={batch} is not a multiple of train.micro_batch={micro} x {world} "
+                          f"processes; change one of them")
+    return micro, batch // (micro * world)
+
+
+def lr_at(step: int, cfg_train: dict) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr_ratio * lr."""
+    lr, warmup, total = float(cfg_train["lr"]), int(cfg_train["warmup_steps"]), int(cfg_train["max_steps"])
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    ratio = float(cfg_train["min_lr_ratio"])
+    return lr * (ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ------------------------------------------------------------------------------------------------- models
+
+
+def resolvent_available() -> bool:
+    try:
+        from hf_resolvent import ResolventConfig, ResolventForCausalLM  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_model(model_cfg: dict, vocab_size: int, seq_len: int, eos_token_id: int | None = None):
+    """A freshly initialised causal LM for a run config's ``model`` section.
+
+    ``type: gpt2`` builds ``transformers.GPT2LMHeadModel`` (SDPA attention, learned positions) with the shape of
+    ``SHAPES[preset]``; ``type: resolvent`` builds ``hf_resolvent.ResolventForCausalLM`` from
+    ``ResolventConfig.from_preset(preset, mixer=...)``. ``overrides`` (GPT-2 field names: ``n_layer``,
+    ``n_embd``, ``resid_pdrop``, ...) are passed to the config either way; dropout defaults to 0.
+    """
+    kind = model_cfg["type"]
+    overrides = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, **dict(model_cfg.get("overrides") or {})}
+    if eos_token_id is not None:
+        overrides.setdefault("bos_token_id", eos_token_id)
+        overrides.setdefault("eos_token_id", eos_token_id)
+    mult = int(model_cfg.get("pad_vocab_multiple") or 1)
+    vocab = ((vocab_size + mult - 1) // mult) * mult
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        preset = model_cfg.get("preset", "tiny")
+        if preset not in SHAPES:
+            raise ConfigError(f"model.preset {preset!r} unknown for gpt2; one of {sorted(SHAPES)}")
+        fields = {**SHAPES[preset], "attn_pdrop": 0.0, **overrides}
+        fields["n_positions"] = max(seq_len, fields["n_positions"])
+        config = GPT2Config(vocab_size=vocab, **fields)
+        config._attn_implementation = "sdpa"
+        return GPT2LMHeadModel(config)
+    if kind == "resolvent":
+        try:
+            from hf_resolvent import ResolventConfig, ResolventForCausalLM
+        except ImportError as err:
+            raise ConfigError("model.type 'resolvent' needs hf_resolvent.ResolventForCausalLM (not importable: "
+                              f"{err}); use model.type=gpt2 meanwhile") from err
+        config = ResolventConfig.from_preset(model_cfg.get("preset", "tiny"), mixer=model_cfg["mixer"],
+                                             vocab_size=vocab, **overrides)
+        for name in ("n_positions", "max_position_embeddings"):
+            if hasattr(config, name) and getattr(config, name) < seq_len:
+                setattr(config, name, seq_len)
+        return ResolventForCausalLM(config)
+    raise ConfigError(f"model.type must be 'resolvent' or 'gpt2', got {kind!r}")
+
+
+def model_label(model_cfg: dict) -> str:
+    """``gpt2`` or the mixer spec (``dense``, ``exp2:ce``, ...) for tables and plots."""
+    if model_cfg["type"] == "gpt2":
+        return "gpt2"
+    mixer = model_cfg["mixer"]
+    return ",".join(mixer) if isinstance(mixer, (list, tuple)) else str(mixer)
+
+
+def count_parameters(model) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+# --------------------------------------------------------------------------------------------- checkpoints
+
+
+CKPT_RE = re.compile(r"^step_(\d{7,})$")
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step_{step:07d}"
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The finished checkpoint with the highest step (temporary folders of interrupted saves are ignored)."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    found = []
+    for p in root.iterdir():
+        m = CKPT_RE.match(p.name)
+        if m and (p / "trainer_state.json").exists():
+            found.append((int(m.group(1)), p))
+    return max(found)[1] if found else None
+
+
+def finalize_checkpoint(tmp: Path, final: Path, keep: int) -> None:
+    """Rename a fully written checkpoint folder into place (the atomic step), then prune to the newest ``keep``."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep and keep > 0:
+        root = final.parent
+        steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CKPT_RE.match(p.name)))
+        for _, p in steps[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def clean_temporary_checkpoints(output_dir: str | os.PathLike) -> None:
+    root = Path(output_dir) / "checkpoints"
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".tmp"):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+    return rows
+
+
+def truncate_metrics(path: str | os.PathLike, step: int) -> None:
+    """Drop rows logged after ``step`` (a resumed run logs those steps again)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> None:
+    """Training loss (and validation loss points) against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", ms=3)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- model card
+
+
+def _yaml_list(items: list[str]) -> str:
+    return "".join(f"\n- {json.dumps(str(i))}" for i in items) if items else " []"
+
+
+def render_model_card(info: dict, template: str | os.PathLike = MODEL_CARD_TEMPLATE) -> str:
+    """Fill ``model_cards/template.md`` (``{{key}}`` placeholders) from a run's ``info``.
+
+    Expected keys: ``model_name``, ``mixer``, ``model_type``, ``params``, ``config_name``, ``data``,
+    ``datasets`` (Hub dataset ids, may be empty), ``tokenizer``, ``steps``, ``tokens``, ``seq_len``,
+    ``batch_size``, ``lr``, ``val_loss``, ``val_ppl``, ``dataset_name``, ``train_command``, ``repo_id``,
+    ``base_tags``. Missing values render as ``n/a``.
+    """
+    text = Path(template).read_text()
+    values = dict(info)
+    values.setdefault("datasets_yaml", _yaml_list(values.get("datasets") or []))
+    values.setdefault("tags_yaml", _yaml_list(values.get("tags") or []))
+    for key in ("val_loss", "val_ppl"):
+        if isinstance(values.get(key), float):
+            values[key] = f"{values[key]:.4f}"
+
+    def sub(m: re.Match) -> str:
+        v = values.get(m.group(1))
+        return "n/a" if v is None else str(v)
+
+    out = re.sub(r"\{\{\s*([A-Za-z0-9_]+)\s*\}\}", sub, text)
+    if "model-index" in out and values.get("val_ppl") is None:
+        # no eval result: drop the model-index block rather than publish n/a metrics
+        out = re.sub(r"model-index:\n(?:[ -].*\n)+", "", out)
+    return out
