@@ -14,8 +14,12 @@ import torch.nn.functional as F
 
 from ..patterns import Pattern, get_pattern
 from .common import check_inputs, row_valid_mask
+from .slots import SlotDot, slot_attention, slot_layout, slot_softmax
+from .solve import DenseSolve, SparseSolve
 
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = 64  # rows per block of the forward substitution
+DENSE_CHUNK = 64
+SPARSE_CHUNK = 64
 
 
 def sparse_index(pattern: Pattern, n: int, start: torch.Tensor | None, device) -> torch.Tensor:
@@ -41,89 +45,72 @@ def gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(t, 2, flat).view(batch, heads, m, slots, d)
 
 
-def _dense_pad_mask(start: torch.Tensor | None, n: int, device) -> torch.Tensor | None:
-    """(B, 1, 1, n) bool: True on real key positions, or None without padding."""
-    if start is None:
-        return None
-    return (torch.arange(n, device=device)[None, :] >= start[:, None].to(device))[:, None, None, :]
-
-
 def direct_mix(qa, ka, x, pattern: Pattern, start=None, scale=None) -> torch.Tensor:
-    """A~ X: softmax attention of qa over ka restricted to P^A (which always holds the row itself)."""
-    n = x.shape[-2]
-    if pattern.is_dense:
-        if start is None:
-            return F.scaled_dot_product_attention(qa, ka, x, is_causal=True, scale=scale)
-        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        mask = causal & _dense_pad_mask(start, n, x.device)
-        mask = mask | torch.eye(n, dtype=torch.bool, device=x.device)  # padded rows read themselves
-        return F.scaled_dot_product_attention(qa, ka, x, attn_mask=mask, scale=scale)
-    scale = qa.shape[-1] ** -0.5 if scale is None else scale
-    idx = sparse_index(pattern, n, start, x.device)  # P^A minus the row itself
-    s_self = (qa * ka).sum(-1, keepdim=True) * scale
-    s_slots = torch.einsum("bhnd,bhnmd->bhnm", qa, gather_slots(ka, idx)) * scale
-    s_slots = s_slots.masked_fill((idx < 0)[:, None], float("-inf"))
-    w = torch.softmax(torch.cat([s_self, s_slots], dim=-1), dim=-1)
-    return w[..., :1] * x + torch.einsum("bhnm,bhnme->bhne", w[..., 1:], gather_slots(x, idx))
+    """A~ X (B, H, n, e): softmax attention of qa over ka restricted to P^A (which holds the row itself).
 
-
-def _solve_chunk(lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """Solve (I - lower) y = rhs for a strictly lower (.., C, C) block.
-
-    The unit diagonal is stored and ``unitriangular=False`` used: about 3x faster on CPU than
-    asking for ``unitriangular=True`` (DESIGN.md section 3).
+    Dense kinds use causal SDPA; sparse kinds score P^A = {t} U P^B_t by shifted / strided slices.
+    Padded rows (``start``) come out as garbage-free but meaningless rows: callers zero them.
     """
-    eye = torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device)
-    return torch.linalg.solve_triangular(eye - lower, rhs, upper=False)
+    pattern = get_pattern(pattern)
+    n = x.shape[-2]
+    scale = qa.shape[-1] ** -0.5 if scale is None else scale
+    roll = _Roll.make(start, n)
+    if roll is not None:
+        qa, ka, x = roll.forward(qa), roll.forward(ka), roll.forward(x)
+    out = _direct(qa, ka, x, pattern, scale)
+    return out if roll is None else roll.back(out)
 
 
-def solve_sparse(qb, kb, g, z, pattern: Pattern, start=None, scale=None, chunk=DEFAULT_CHUNK) -> torch.Tensor:
-    """Y = Z + B Y for a sparse B (banded, diagonal, f-patterns) by block forward substitution."""
-    n = z.shape[-2]
-    scale = qb.shape[-1] ** -0.5 if scale is None else scale
-    idx = sparse_index(pattern, n, start, z.device)  # (Bi, n, M)
-    scores = torch.einsum("bhnd,bhnmd->bhnm", qb, gather_slots(kb, idx)) * scale
-    scores = scores.masked_fill((idx < 0)[:, None], float("-inf"))
-    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) * g[..., None]  # (B, H, n, M)
-    batch, heads = z.shape[:2]
-    solved: list[torch.Tensor] = []
-    for c0 in range(0, n, chunk):
-        c1 = min(c0 + chunk, n)
-        idx_c, w_c = idx[:, c0:c1], weights[:, :, c0:c1]
-        earlier = (idx_c >= 0) & (idx_c < c0)
-        rhs = z[:, :, c0:c1]
-        if c0 > 0:
-            y_prev = torch.cat(solved, dim=2)
-            src = gather_slots(y_prev, idx_c.clamp(max=c0 - 1))
-            rhs = rhs + torch.einsum("bhcm,bhcme->bhce", w_c * earlier[:, None], src)
-        inside = (idx_c >= c0)[:, None]
-        cols = (idx_c - c0).clamp(min=0)[:, None].expand(batch, heads, -1, -1)
-        lower = torch.zeros(batch, heads, c1 - c0, c1 - c0, dtype=z.dtype, device=z.device)
-        lower = lower.scatter_add(-1, cols, w_c * inside)
-        solved.append(_solve_chunk(lower, rhs))
-    return torch.cat(solved, dim=2)
+class _Roll:
+    """Left padding turned into right padding: sequence b is rotated left by start[b].
+
+    The mixer is causal, so real rows never read the rotated padding that now sits at the end; every
+    kernel then runs without masks and the same pattern rows for all sequences.
+    """
+
+    def __init__(self, start: torch.Tensor, n: int):
+        t = torch.arange(n, device=start.device)
+        self.fwd = (t[None, :] + start[:, None]) % n  # (B, n): new row -> old row
+        self.bwd = (t[None, :] - start[:, None]) % n
+
+    @staticmethod
+    def make(start, n):
+        if start is None or not bool((start != 0).any()):
+            return None
+        return _Roll(start.long(), n)
+
+    @staticmethod
+    def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 3:
+            return torch.gather(t, 2, idx.to(t.device)[:, None, :].expand(t.shape))
+        return torch.gather(t, 2, idx.to(t.device)[:, None, :, None].expand(t.shape))
+
+    def forward(self, t):
+        return None if t is None else self._take(t, self.fwd)
+
+    def back(self, t):
+        return self._take(t, self.bwd)
 
 
-def solve_dense(qb, kb, g, z, start=None, scale=None, chunk=DEFAULT_CHUNK) -> torch.Tensor:
-    """Y = Z + B Y for the dense pattern (P^B_i = all earlier positions), chunk by chunk."""
-    n = z.shape[-2]
-    scale = qb.shape[-1] ** -0.5 if scale is None else scale
-    pad = _dense_pad_mask(start, n, z.device)
-    solved: list[torch.Tensor] = []
-    for c0 in range(0, n, chunk):
-        c1 = min(c0 + chunk, n)
-        q = qb[:, :, c0:c1]
-        scores = q @ kb[:, :, :c1].transpose(-1, -2) * scale  # (B, H, C, c1)
-        allowed = torch.ones(c1 - c0, c1, dtype=torch.bool, device=z.device).tril(c0 - 1)
-        if pad is not None:
-            allowed = allowed & pad[..., :c1]
-        probs = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1), nan=0.0)
-        probs = probs * g[:, :, c0:c1, None]
-        rhs = z[:, :, c0:c1]
-        if c0 > 0:
-            rhs = rhs + probs[..., :c0] @ torch.cat(solved, dim=2)
-        solved.append(_solve_chunk(probs[..., c0:], rhs))
-    return torch.cat(solved, dim=2)
+def _direct(qa, ka, x, pattern: Pattern, scale: float) -> torch.Tensor:
+    if pattern.is_dense:
+        return F.scaled_dot_product_attention(qa, ka, x, is_causal=True, scale=scale)
+    return slot_attention(qa, ka, x, slot_layout(pattern, x.shape[-2], with_self=True), scale)
+
+
+def _recurrent_rows(pattern: Pattern, n: int, device) -> torch.Tensor:
+    """(1, 1, n) float: 1 where P^B of the row is non-empty (no padding)."""
+    if pattern.kind == "dense":
+        return (torch.arange(n, device=device) > 0).float()[None, None]
+    return slot_layout(pattern, n).valid.any(0).to(device).float()[None, None]
+
+
+def _solve(qb, kb, g_eff, z, pattern: Pattern, scale: float, chunk) -> torch.Tensor:
+    if pattern.kind == "dense":
+        return DenseSolve.apply(qb, kb, g_eff, z, scale, chunk or DENSE_CHUNK)
+    layout = slot_layout(pattern, z.shape[-2])
+    w = slot_softmax(SlotDot.apply(qb, kb, layout) * scale, layout) * g_eff[:, :, None, :]
+    return SparseSolve.apply(w, z, layout, chunk or SPARSE_CHUNK)
 
 
 def has_recurrent_row(pattern: Pattern, n: int, start, device) -> torch.Tensor:
@@ -135,40 +122,55 @@ def has_recurrent_row(pattern: Pattern, n: int, start, device) -> torch.Tensor:
     return (sparse_index(pattern, n, start, device) >= 0).any(-1).float()[:, None]
 
 
-def _solve(qb, kb, g_eff, z, pattern, start, scale, chunk):
-    if pattern.kind == "dense":
-        return solve_dense(qb, kb, g_eff, z, start, scale, chunk)
-    return solve_sparse(qb, kb, g_eff, z, pattern, start, scale, chunk)
-
-
 def _promote(*ts):
     dtype = torch.promote_types(next(t for t in ts if t is not None).dtype, torch.float32)
     return [None if t is None else t.to(dtype) for t in ts]
 
 
-def parallel_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk=DEFAULT_CHUNK) -> torch.Tensor:
+def _check_chunk(chunk) -> None:
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        raise ValueError(f"chunk must be a positive integer (rows per block of the solve) or None, got {chunk!r}")
+
+
+def parallel_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk=None) -> torch.Tensor:
     """Y = (I - B)^-1 (1 - g) A~ X in the parallel form. Returns (B, H, n, e) in x's dtype.
 
-    Computation is in float32 (or float64 for float64 inputs), whatever the input dtype.
+    Args as :func:`hf_resolvent.ops.resolvent_mix`; ``chunk`` is the number of rows per block of the
+    forward substitution (default: 64 for sparse patterns, 64 for dense). Computation is in float32
+    (float64 for float64 inputs), whatever the input dtype. Differentiable in all tensor inputs.
     """
     pattern = get_pattern(pattern)
     check_inputs(qa, ka, qb, kb, x, g, pattern, start)
+    _check_chunk(chunk)
     out_dtype, n = x.dtype, x.shape[-2]
     qa, ka, qb, kb, x, g = _promote(qa, ka, qb, kb, x, g)
-    z = direct_mix(qa, ka, x, pattern, start, scale)
+    scale = qa.shape[-1] ** -0.5 if scale is None else scale
+    roll = _Roll.make(start, n)
+    if roll is not None:
+        qa, ka, qb, kb, x, g = (roll.forward(t) for t in (qa, ka, qb, kb, x, g))
+    y = _direct(qa, ka, x, pattern, scale)
     if pattern.has_recurrence:
-        g_eff = g * has_recurrent_row(pattern, n, start, x.device)
-        z = _solve(qb, kb, g_eff, (1 - g_eff)[..., None] * z, pattern, start, scale, chunk)
-    return (z * row_valid_mask(start, n, z)).to(out_dtype)
+        g_eff = g * _recurrent_rows(pattern, n, x.device)[0]
+        y = _solve(qb, kb, g_eff, (1 - g_eff)[..., None] * y, pattern, scale, chunk)
+    if roll is not None:
+        y = roll.back(y) * row_valid_mask(start, n, y)
+    return y.to(out_dtype)
 
 
-def parallel_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None, chunk=DEFAULT_CHUNK) -> torch.Tensor:
-    """Tied variant: z = (I - B)^-1 (1 - g) x, y = z - d x. Returns y (B, H, n, e)."""
+def parallel_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None, chunk=None) -> torch.Tensor:
+    """Tied variant: z = (I - B)^-1 (1 - g) x, y = z - d x. Returns y (B, H, n, e) in x's dtype."""
     pattern = get_pattern(pattern)
     check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
+    _check_chunk(chunk)
     out_dtype, n = x.dtype, x.shape[-2]
     qb, kb, x, g, d = _promote(qb, kb, x, g, d)
-    g_eff = g * has_recurrent_row(pattern, n, start, x.device)
-    z = _solve(qb, kb, g_eff, (1 - g_eff)[..., None] * x, pattern, start, scale, chunk)
+    scale = qb.shape[-1] ** -0.5 if scale is None else scale
+    roll = _Roll.make(start, n)
+    if roll is not None:
+        qb, kb, x, g, d = (roll.forward(t) for t in (qb, kb, x, g, d))
+    g_eff = g * _recurrent_rows(pattern, n, x.device)[0]
+    z = _solve(qb, kb, g_eff, (1 - g_eff)[..., None] * x, pattern, scale, chunk)
     y = z - d[..., None] * x
-    return (y * row_valid_mask(start, n, y)).to(out_dtype)
+    if roll is not None:
+        y = roll.back(y) * row_valid_mask(start, n, y)
+    return y.to(out_dtype)
