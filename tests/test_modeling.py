@@ -12,6 +12,15 @@ import hf_resolvent as hr
 from hf_resolvent.configuration_resolvent import CLOSED_GATE_VALUE
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: one intra-op thread is ~10x faster on a shared 2-core machine (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(mixer="exp2:ce", **kw) -> hr.ResolventConfig:
     fields = dict(vocab_size=61, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=None,
                   pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0)

@@ -1,0 +1,313 @@
+"""ResolventCache and generate(): decode equals the full forward for every mixer kind, generation modes, cache size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_resolvent as hr
+from hf_resolvent.ops import MixerState, recurrent_mix, recurrent_mix_tied
+from hf_resolvent.ops.state import state_from_sequence
+from hf_resolvent.patterns import get_pattern
+
+KINDS = [
+    "attention",
+    "local_attention:4",
+    "dense",
+    "banded:3",
+    "diagonal",
+    "exp2",
+    "exp2:ce",
+    "square",
+    "square:ce",
+    "f:k**3+1:ce",
+    "dense+tied",
+    "exp2:ce+tied",
+    "banded:3+tied",
+    ["exp2:ce", "dense"],  # hybrid stack
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: one intra-op thread is ~10x faster on a shared 2-core machine (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(mixer="exp2:ce", seed=0, **kw) -> hr.ResolventForCausalLM:
+    fields = dict(vocab_size=61, n_positions=128, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=None,
+                  pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0)
+    fields.update(kw)
+    torch.manual_seed(seed)
+    return hr.ResolventForCausalLM(hr.ResolventConfig(mixer=mixer, **fields)).eval()
+
+
+def _kind_id(kind) -> str:
+    return "+".join(kind) if isinstance(kind, list) else kind
+
+
+# --------------------------------------------------------------------------------------------------
+# The state built from a prefill equals the one left by replaying the recurrent steps
+
+
+STATE_SPECS = ["attention", "local_attention:3", "dense", "banded:3", "diagonal", "exp2", "exp2:ce", "square:ce",
+               "f:k**3+1:ce"]
+
+
+@pytest.mark.parametrize("spec, tied", [(s, False) for s in STATE_SPECS]
+                         + [(s, True) for s in STATE_SPECS if get_pattern(s).has_recurrence])
+def test_state_from_sequence_equals_replayed_steps(spec, tied):
+    pattern = get_pattern(spec)
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 2, 5, 9, 20):
+        for start in (None, torch.tensor([0, min(3, n - 1), n - 1])):
+            qa, ka, qb, kb = (torch.randn(3, 2, n, 4, generator=gen, dtype=torch.float64) for _ in range(4))
+            x = torch.randn(3, 2, n, 3, generator=gen, dtype=torch.float64)
+            g = torch.rand(3, 2, n, generator=gen, dtype=torch.float64)
+            d = torch.rand(3, 2, n, generator=gen, dtype=torch.float64)
+            replayed = MixerState(start=start)
+            if tied:
+                y = recurrent_mix_tied(qb, kb, x, g, d, pattern, start=start, state=replayed)
+                valid = torch.ones(3, 1, n, 1, dtype=torch.float64)
+                if start is not None:
+                    valid = (torch.arange(n)[None] >= start[:, None]).double()[:, None, :, None]
+                rows = {"keys_b": kb, "outputs": (y + d[..., None] * x) * valid}
+            else:
+                y = recurrent_mix(qa, ka, qb, kb, x, g, pattern, start=start, state=replayed)
+                rows = {"keys_a": ka, "values": x}
+                if pattern.has_recurrence:
+                    rows.update(keys_b=kb, outputs=y)
+            built = state_from_sequence(pattern, rows, start)
+            assert built.seen == replayed.seen == n
+            assert torch.equal(built.positions, replayed.positions)
+            if replayed.slots is not None or built.slots is not None:
+                assert torch.equal(built.slots, replayed.slots)
+            held = (replayed.positions >= 0)[:, None, :, None]
+            assert set(built.tensors()) == set(replayed.tensors())
+            for name, t in replayed.tensors().items():
+                torch.testing.assert_close(built.tensors()[name] * held, t * held)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding through the cache equals the full forward
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=_kind_id)
+def test_decode_through_cache_equals_full_forward(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(1, 61, (2, 19))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = hr.ResolventCache(model.config)
+        steps = torch.cat([model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(19)], 1)
+        assert cache.get_seq_length() == 19
+        cache2 = hr.ResolventCache(model.config)
+        prefill = model(ids[:, :11], past_key_values=cache2).logits
+        rest = [model(ids[:, t:t + 1], past_key_values=cache2).logits for t in range(11, 19)]
+        # chunked: the rest in one multi-token call on a filled cache
+        cache3 = hr.ResolventCache(model.config)
+        chunks = torch.cat([model(ids[:, :7], past_key_values=cache3).logits,
+                            model(ids[:, 7:], past_key_values=cache3).logits], 1)
+    torch.testing.assert_close(steps, full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([prefill] + rest, 1), full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunks, full, atol=1e-4, rtol=1e-4)
+    assert cache.nbytes() == cache2.nbytes() == cache3.nbytes()
+
+
+def test_left_padded_prefill_then_decode_equals_alone():
+    model = tiny_model(["exp2:ce", "square:ce+tied"])
+    a, b = torch.randint(1, 61, (1, 5)), torch.randint(1, 61, (1, 9))
+    batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), a], 1), b])
+    mask = (torch.arange(9)[None] >= torch.tensor([[4], [0]])).long()
+    nxt = torch.randint(1, 61, (2, 3))
+    with torch.no_grad():
+        cache = hr.ResolventCache(model.config)
+        model(batch, attention_mask=mask, past_key_values=cache)
+        out = []
+        for t in range(3):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            out.append(model(nxt[:, t:t + 1], attention_mask=mask, past_key_values=cache).logits)
+        out = torch.cat(out, 1)
+        alone_a = model(torch.cat([a, nxt[:1]], 1)).logits[:, -3:]
+        alone_b = model(torch.cat([b, nxt[1:]], 1)).logits[:, -3:]
+    torch.testing.assert_close(out[:1], alone_a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1:], alone_b, atol=1e-4, rtol=1e-4)
+    # a right-padded prefill cannot be continued
+    cache = hr.ResolventCache(model.config)
+    right = torch.tensor([[1] * 5 + [0] * 4, [1] * 9])
+    model(batch, attention_mask=right, past_key_values=cache)
+    with pytest.raises(ValueError, match="left"):
+        model(nxt[:, :1], attention_mask=torch.cat([right, torch.ones(2, 1, dtype=torch.long)], 1),
+              past_key_values=cache)
+
+
+# --------------------------------------------------------------------------------------------------
+# generate()
+
+
+@pytest.mark.parametrize("kind", ["attention", "dense", "exp2:ce", "square:ce+tied", "banded:3"])
+def test_greedy_with_cache_equals_without(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(1, 61, (2, 7))
+    with_cache = model.generate(ids, max_new_tokens=8, do_sample=False)
+    without = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False)
+    assert with_cache.shape == (2, 15)
+    assert torch.equal(with_cache, without)
+
+
+def test_generate_modes():
+    model = tiny_model(["exp2:ce", "dense+tied"])
+    ids = torch.randint(1, 61, (2, 9))
+    greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
+    # chunked prefill equals the prompt at once
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, prefill_chunk_size=4), greedy)
+    # continue from a returned cache
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, hr.ResolventCache)
+    assert out.past_key_values.get_seq_length() == 12
+    more = model.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=4, do_sample=False)
+    assert torch.equal(more, greedy)
+    # beam search reorders the cache: same as without cache
+    beams = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False)
+    assert torch.equal(beams, model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False, use_cache=False))
+    beams4 = model.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False)
+    assert beams4.shape == (6, 15)
+    # sampling with num_return_sequences: same draws with and without cache
+    torch.manual_seed(3)
+    s1 = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=10, num_return_sequences=3)
+    torch.manual_seed(3)
+    s2 = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=10, num_return_sequences=3, use_cache=False)
+    assert s1.shape == (6, 15) and torch.equal(s1, s2)
+    # inputs_embeds
+    emb = model.generate(inputs_embeds=model.transformer.wte(ids), max_new_tokens=8, do_sample=False)
+    assert torch.equal(emb, greedy[:, 9:])
+
+
+def test_left_padded_batch_generates_like_each_prompt_alone():
+    model = tiny_model(["square:ce", "exp2:ce+tied"], position_embedding="learned")
+    a, b = torch.randint(1, 61, (1, 4)), torch.randint(1, 61, (1, 10))
+    batch = torch.cat([torch.cat([torch.zeros(1, 6, dtype=torch.long), a], 1), b])
+    mask = (torch.arange(10)[None] >= torch.tensor([[6], [0]])).long()
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=7, do_sample=False)
+    assert torch.equal(out[0, 6:], model.generate(a, max_new_tokens=7, do_sample=False)[0])
+    assert torch.equal(out[1], model.generate(b, max_new_tokens=7, do_sample=False)[0])
+    beams = model.generate(batch, attention_mask=mask, max_new_tokens=5, num_beams=2, do_sample=False)
+    assert torch.equal(beams[0, 6:], model.generate(a, max_new_tokens=5, num_beams=2, do_sample=False)[0])
+
+
+def test_assisted_and_prompt_lookup_refused():
+    model = tiny_model("exp2:ce")
+    ids = torch.randint(1, 61, (1, 6))
+    with pytest.raises(ValueError, match="assisted generation is not supported"):
+        model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
+    with pytest.raises(ValueError, match="assisted generation is not supported"):
+        model.generate(ids, max_new_tokens=3, assistant_model=tiny_model("attention"))
+    with pytest.raises(ValueError, match="cache_implementation"):
+        model.generate(ids, max_new_tokens=3, cache_implementation="static")
+
+
+# --------------------------------------------------------------------------------------------------
+# The cache object
+
+
+def test_cache_api():
+    model = tiny_model(["exp2:ce", "dense"])
+    ids = torch.randint(1, 61, (3, 8))
+    cache = hr.ResolventCache(model.config)
+    assert cache.get_seq_length() == 0 and cache.nbytes() == 0 and not cache.is_compileable
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    assert cache.get_seq_length() == 8 and cache.batch_size == 3 and len(cache) == 2
+    # reorder (beam search) == running the reordered batch
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    nxt = torch.randint(1, 61, (3, 1))
+    with torch.no_grad():
+        got = model(nxt, past_key_values=cache).logits
+        want = model(torch.cat([ids[[2, 0, 0]], nxt], 1)).logits[:, -1:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    cache.batch_repeat_interleave(2)
+    assert cache.batch_size == 6
+    cache.batch_select_indices(torch.tensor([1, 4]))
+    assert cache.batch_size == 2
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(5)
+    with pytest.raises(TypeError, match="update"):
+        cache.update(torch.zeros(1), torch.zeros(1), 0)
+    with pytest.raises(ValueError, match="cache holds"):
+        model(torch.randint(1, 61, (5, 1)), past_key_values=cache)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+
+
+def test_crop_where_every_position_is_kept():
+    model = tiny_model(["dense", "attention"])
+    ids = torch.randint(1, 61, (1, 10))
+    cache = hr.ResolventCache(model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        cache.crop(-4)
+        assert cache.get_seq_length() == 6
+        got = model(ids[:, 6:7], past_key_values=cache).logits
+        want = model(ids[:, :7]).logits[:, -1:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert cache.is_croppable
+
+
+@pytest.mark.parametrize("spec, rows, slots", [("exp2:ce", 12, 12), ("square:ce", 34, 46), ("banded:8", 8, None),
+                                               ("dense", 2048, None), ("exp2:ce+tied", 12, 12)])
+def test_cache_bytes_follow_the_pattern_plan(spec, rows, slots):
+    """After 2048 tokens each layer holds what token 2049 may read: S_2049 for cache-efficient patterns."""
+    fields = dict(vocab_size=11, n_positions=4096, n_embd=8, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=None,
+                  resid_pdrop=0.0, embd_pdrop=0.0)
+    torch.manual_seed(0)
+    model = hr.ResolventForCausalLM(hr.ResolventConfig(mixer=spec, **fields)).eval()
+    pattern = get_pattern(spec.replace("+tied", ""))
+    assert pattern.cache_size(2048) == rows
+    cache = hr.ResolventCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 11, (1, 2048)), past_key_values=cache)
+    tied = spec.endswith("+tied")
+    head_dim, heads, itemsize = 4, 2, 4
+    per_row = heads * head_dim * itemsize * (2 if tied else 4)  # keys_b, z  |  keys_a, keys_b, x, y
+    for state in cache.states:
+        assert state.rows() == rows
+        assert (state.positions >= 0).sum() == rows
+        expected = rows * per_row + rows * 8 + (0 if slots is None else slots * 8)  # + int64 positions, slots
+        assert state.nbytes() == expected
+        assert (state.slots is None) == (slots is None)
+    assert cache.nbytes() == 2 * expected
+    with torch.no_grad():  # one more token: still the plan
+        model(torch.randint(0, 11, (1, 1)), past_key_values=cache)
+    assert all(s.rows() == pattern.cache_size(2049) for s in cache.states)
+
+
+# --------------------------------------------------------------------------------------------------
+# pipeline
+
+
+def _local_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today", "we read a book"]
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(text, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
+
+
+def test_text_generation_pipeline():
+    from transformers import pipeline
+
+    tokenizer = _local_tokenizer()
+    tokenizer.padding_side = "left"
+    model = tiny_model("exp2:ce", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    out = pipe(["the cat sat", "a dog ran in the park"], max_new_tokens=5, do_sample=False)
+    assert len(out) == 2 and out[0][0]["generated_text"].startswith("the cat sat")
+    alone = pipe("the cat sat", max_new_tokens=5, do_sample=False)
+    assert alone[0]["generated_text"] == out[0][0]["generated_text"]
