@@ -250,9 +250,7 @@ Generated file: it lets `AutoModelForCausalLM.from_pretrained(folder, trust_remo
 hf_resolvent is not installed. Install hf-resolvent and load without remote code for the Triton kernels.
 """
 
-from .resolvent_ops_parallel import parallel_mix, parallel_mix_tied
-from .resolvent_ops_recurrent import MixerState, recurrent_step, recurrent_step_tied
-from .resolvent_ops_state import state_from_sequence
+{imports}
 
 IS_BUNDLE = True
 
@@ -268,6 +266,13 @@ def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl="auto", start=None, scale=
 __all__ = ["IS_BUNDLE", "MixerState", "recurrent_step", "recurrent_step_tied", "resolvent_mix",
            "resolvent_mix_tied", "state_from_sequence"]
 '''
+
+# Kept out of the template's text: transformers scans this file for lines starting with relative imports.
+_BUNDLE_IMPORTS = (
+    ("parallel", "parallel_mix, parallel_mix_tied"),
+    ("recurrent", "MixerState, recurrent_step, recurrent_step_tied"),
+    ("state", "state_from_sequence"),
+)
 
 _RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+)([\w.]*)\s+import\s", flags=re.MULTILINE)
 
@@ -318,7 +323,8 @@ def write_ops_bundle(folder: str | Path) -> list[Path]:
         path.write_text(flat, encoding="utf-8")
         written.append(path)
     entry = folder / "resolvent_ops.py"
-    entry.write_text(_BUNDLE_ENTRY, encoding="utf-8")
+    imports = "\n".join(f"from .{_flat_name(module)} import {names}" for module, names in _BUNDLE_IMPORTS)
+    entry.write_text(_BUNDLE_ENTRY.replace("{imports}", imports), encoding="utf-8")
     written.append(entry)
     return written
 

@@ -1,0 +1,150 @@
+"""save_pretrained / from_pretrained (safetensors) and remote code in a fresh process without hf_resolvent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM
+
+import hf_resolvent as hr
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(mixer, seed=0, **kw) -> hr.ResolventForCausalLM:
+    fields = dict(vocab_size=61, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=None,
+                  pad_token_id=0)
+    fields.update(kw)
+    torch.manual_seed(seed)
+    return hr.ResolventForCausalLM(hr.ResolventConfig(mixer=mixer, **fields)).eval()
+
+
+MIXER = ["exp2:ce", {"pattern": "dense", "tied": True, "gate_init": 0.3}]
+
+
+def test_round_trip_safetensors(tmp_path):
+    model = tiny_model(MIXER, position_embedding="learned", tie_word_embeddings=False)
+    ids = torch.randint(1, 61, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert not (tmp_path / "pytorch_model.bin").exists()
+    for cls in (hr.ResolventForCausalLM, AutoModelForCausalLM):
+        back = cls.from_pretrained(tmp_path).eval()
+        assert type(back) is hr.ResolventForCausalLM
+        assert back.config.layer_mixers == model.config.layer_mixers
+        with torch.no_grad():
+            assert torch.equal(back(ids).logits, ref)
+        for (name, p), (_, q) in zip(model.state_dict().items(), back.state_dict().items()):
+            assert torch.equal(p, q), name
+    base = AutoModel.from_pretrained(tmp_path)
+    assert type(base) is hr.ResolventModel
+    with torch.no_grad():
+        torch.testing.assert_close(model.lm_head(base.eval()(ids).last_hidden_state), ref)
+
+
+def test_saved_folder_carries_the_code(tmp_path):
+    tiny_model(MIXER).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "resolvent"
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_resolvent.ResolventConfig",
+        "AutoModel": "modeling_resolvent.ResolventModel",
+        "AutoModelForCausalLM": "modeling_resolvent.ResolventForCausalLM",
+    }
+    names = {p.name for p in tmp_path.iterdir()}
+    for needed in ("configuration_resolvent.py", "modeling_resolvent.py", "cache_resolvent.py", "patterns.py",
+                   "resolvent_ops.py", "resolvent_ops_parallel.py", "resolvent_ops_recurrent.py",
+                   "resolvent_ops_state.py"):
+        assert needed in names
+    entry = (tmp_path / "resolvent_ops.py").read_text()
+    assert "IS_BUNDLE = True" in entry
+    for path in tmp_path.glob("*.py"):  # flat: no package-relative or hf_resolvent imports at module level
+        for line in path.read_text().splitlines():
+            assert not line.startswith("from .."), (path.name, line)
+            assert not line.startswith(("from hf_resolvent", "import hf_resolvent")), (path.name, line)
+
+
+_LOADER = textwrap.dedent(
+    """
+    import importlib.abc
+    import sys
+
+
+    class _Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "hf_resolvent" or name.startswith("hf_resolvent."):
+                raise ImportError(name + " is blocked in this test")
+            return None
+
+
+    sys.meta_path.insert(0, _Block())
+    try:
+        import hf_resolvent  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("hf_resolvent is importable: the test would prove nothing")
+
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    folder, ids_path, out_path = sys.argv[1:4]
+    ids = torch.load(ids_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert "hf_resolvent" not in type(model).__module__, type(model).__module__
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    base = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    with torch.no_grad():
+        logits = model(ids).logits
+        greedy = model.generate(ids, max_new_tokens=6, do_sample=False)
+    model.save_pretrained(folder + "_again")  # re-saving remote code keeps the bundle
+    again = AutoModelForCausalLM.from_pretrained(folder + "_again", trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits_again = again(ids).logits
+    torch.save({"logits": logits, "greedy": greedy, "again": logits_again, "config": type(config).__name__,
+                "base": type(base).__name__, "modules": sorted(m for m in sys.modules if m.split(".")[0] == "hf_resolvent")},
+               out_path)
+    """
+)
+
+
+def test_trust_remote_code_in_a_fresh_process_without_hf_resolvent(tmp_path):
+    model = tiny_model(MIXER)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    ids = torch.randint(1, 61, (2, 10))
+    with torch.no_grad():
+        ref_logits = model(ids).logits
+        ref_greedy = model.generate(ids, max_new_tokens=6, do_sample=False)
+    torch.save(ids, tmp_path / "ids.pt")
+    (tmp_path / "load.py").write_text(_LOADER)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1",
+               TRANSFORMERS_VERBOSITY="error")
+    result = subprocess.run(
+        [sys.executable, "-I", str(tmp_path / "load.py"), str(folder), str(tmp_path / "ids.pt"),
+         str(tmp_path / "out.pt")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["modules"] == []
+    assert out["config"] == "ResolventConfig" and out["base"] == "ResolventModel"
+    assert torch.equal(out["logits"], ref_logits)
+    assert torch.equal(out["again"], ref_logits)
+    assert torch.equal(out["greedy"], ref_greedy)
