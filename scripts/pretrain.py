@@ -446,6 +446,8 @@ def train(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        T.relaunch_cpu_processes_if_needed(__file__, sys.argv[1:])
     try:
         train(argv)
     except (T.ConfigError, hdata.DataError) as err:

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -390,3 +391,59 @@ def render_model_card(info: dict, template: str | os.PathLike = MODEL_CARD_TEMPL
         # no eval result: drop the model-index block rather than publish n/a metrics
         out = re.sub(r"model-index:\n(?:[ -].*\n)+", "", out)
     return out
+
+
+# ------------------------------------------------------------------------------------- multi-process on CPU
+
+_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def _requested_processes_from_parent() -> int | None:
+    """``--num_processes N`` of the parent ``accelerate launch`` command line (Linux /proc), else None."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return None
+    args = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    if not any("accelerate" in a for a in args[:3]):
+        return None
+    for i, a in enumerate(args):
+        for flag in ("--num_processes", "--num-processes"):
+            if a == flag and i + 1 < len(args):
+                return int(args[i + 1])
+            if a.startswith(flag + "="):
+                return int(a.split("=", 1)[1])
+    return None
+
+
+def relaunch_cpu_processes_if_needed(script: str | os.PathLike, argv: list[str]) -> None:
+    """Make ``accelerate launch --num_processes N --cpu script.py`` start N processes.
+
+    Accelerate's launcher runs multi-process CPU jobs only through ``mpirun`` (``--mpirun_hostfile``); without it
+    ``--cpu --num_processes N`` starts ONE process (with ``MASTER_ADDR`` set and no rank variables). In that case
+    this replaces the current process by ``python -m torch.distributed.run --nproc_per_node N script.py ...`` with
+    ``ACCELERATE_USE_CPU=true``, which Accelerate runs as ``MULTI_CPU`` over gloo. Does nothing otherwise.
+    """
+    env = os.environ
+    if env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1", "yes") or "MASTER_ADDR" not in env:
+        return
+    if any(v in env for v in _RANK_VARS) or env.get("HF_RESOLVENT_RELAUNCHED"):
+        return
+    n = _requested_processes_from_parent()
+    if not n or n < 2:
+        return
+    port = env.get("MASTER_PORT", "29500")
+    if port in ("", "0"):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr",
+           env["MASTER_ADDR"], "--master_port", port, str(script), *argv]
+    print(f"[hf_resolvent] accelerate launch --cpu --num_processes {n} starts one process without mpirun; "
+          f"starting {n} CPU processes with torch.distributed.run (gloo) instead", flush=True)
+    new_env = {**env, "HF_RESOLVENT_RELAUNCHED": "1", "ACCELERATE_USE_CPU": "true"}
+    new_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or n) // n)))
+    sys.stdout.flush()
+    os.execve(sys.executable, cmd, new_env)

@@ -1,0 +1,173 @@
+"""scripts/pretrain.py: an interrupted + resumed run ends with the same weights as an uninterrupted one; the same
+script under ``accelerate launch --num_processes 2 --cpu``; the final folder (model, tokenizer, card, plot)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_resolvent import data as D
+from hf_resolvent import training as T
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+pretrain = _load_script("pretrain")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    D.prepare_dataset(out, source=D.STDLIB, tokenizer="bpe", vocab_size=300, max_docs=12, num_proc=1,
+                      log=lambda *a: None)
+    return out
+
+
+def _args(data_dir, out, *extra):
+    return ["--config", "tiny", "--data", str(data_dir), "--output-dir", str(out), "--quiet",
+            "--set", "model.overrides={n_layer: 2, n_embd: 32, n_head: 2, n_inner: 64, n_positions: 64}",
+            "--set", "data.seq_len=32", "--set", "train.batch_size=4", "--set", "train.micro_batch=2",
+            "--set", "train.warmup_steps=2", "--set", "eval.max_windows=4", "--set", "eval.micro_batch=4",
+            "--set", "log.every=1", "--set", "log.trackers=none", "--eval-every", "3", "--save-every", "3",
+            *extra]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _losses(folder: Path) -> list[tuple]:
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in T.read_metrics(folder / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    results = pretrain.train(_args(data_dir, out, "--max-steps", "7"))
+    return out, results
+
+
+def test_interrupted_and_resumed_run_equals_uninterrupted(data_dir, straight, tmp_path):
+    out_a, results_a = straight
+    out_b = tmp_path / "b"
+    # "killed" after step 5: the last checkpoint is step 3, steps 4-5 were logged but are lost
+    assert pretrain.train(_args(data_dir, out_b, "--max-steps", "7", "--stop-after", "5")) == {"stopped_at": 5}
+    assert T.latest_checkpoint(out_b).name == "step_0000003"
+    assert not (out_b / "model.safetensors").exists()
+    # a kill during a checkpoint write leaves a temporary folder that must be ignored and cleaned
+    (out_b / "checkpoints" / ".tmp_step_0000006").mkdir()
+    results_b = pretrain.train(_args(data_dir, out_b, "--max-steps", "7", "--resume"))
+    wa, wb = _weights(out_a), _weights(out_b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    assert _losses(out_a) == _losses(out_b)  # metrics of the lost steps were replaced, not duplicated
+    assert results_a["val_loss"] == results_b["val_loss"] and results_b["steps"] == 7
+    ckpts = sorted(p.name for p in (out_b / "checkpoints").iterdir())
+    assert ckpts == ["step_0000006", "step_0000007"]  # keep: 2, no temporary folder left
+
+    # resuming a finished run trains nothing and rewrites the same final folder
+    results_c = pretrain.train(_args(data_dir, out_b, "--max-steps", "7", "--resume"))
+    assert results_c["val_loss"] == results_b["val_loss"]
+    assert all(torch.equal(wa[k], v) for k, v in _weights(out_b).items())
+
+
+def test_training_reduces_loss_and_writes_a_model_folder(straight):
+    out, results = straight
+    rows = T.read_metrics(out / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 7 and losses[-1] < losses[0]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6, 7]
+    assert results["val_ppl"] == pytest.approx(float(torch.tensor(results["val_loss"]).exp()), rel=1e-5)
+    assert (out / "loss.png").stat().st_size > 1000
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_resolvent  # noqa: F401  (registers the model type)
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert type(model).__name__ == "ResolventForCausalLM" and model.config.n_layer == 2
+    assert tok.eos_token == D.EOT
+    ids = tok("The", return_tensors="pt")["input_ids"]
+    gen = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert gen.shape == (1, ids.shape[1] + 5)
+
+    import yaml
+
+    card = (out / "README.md").read_text()
+    header = yaml.safe_load(card.split("---")[1])
+    assert header["library_name"] == "transformers" and "mixer-dense" in header["tags"]
+    metrics = header["model-index"][0]["results"][0]["metrics"]
+    assert metrics[0]["value"] == pytest.approx(results["val_ppl"], rel=1e-3)
+    assert "{{" not in card and "standard library" in card
+
+
+def test_usage_errors_are_clear(data_dir, straight, tmp_path, capsys):
+    out, _ = straight
+    assert pretrain.main(_args(data_dir, out, "--max-steps", "7")) == 2  # checkpoints exist, no --resume
+    assert "--resume" in capsys.readouterr().err
+    assert pretrain.main(_args(data_dir, out, "--max-steps", "9", "--resume")) == 2  # schedule would change
+    assert "train.max_steps: 7 -> 9" in capsys.readouterr().err
+    assert pretrain.main(_args(data_dir, tmp_path / "x", "--set", "train.nope=1")) == 2
+    assert "unknown config key" in capsys.readouterr().err
+    assert pretrain.main(_args(data_dir, tmp_path / "y", "--set", "train.batch_size=5")) == 2
+    assert "multiple" in capsys.readouterr().err
+    assert pretrain.main(["--config", "tiny", "--data", str(tmp_path), "--output-dir", str(tmp_path / "z")]) == 2
+    assert "prepare_data.py" in capsys.readouterr().err
+
+
+def test_paper_configs_resolve():
+    for size, steps, batch, lr, betas, ctx in (("44m", 100_000, 256, 5e-4, [0.9, 0.98], 512),
+                                               ("355m", 25_000, 128, 2.5e-4, [0.9, 0.95], 2048)):
+        for mixer in T.PAPER_MIXERS + ["gpt2"]:
+            cfg = T.load_config(f"{size}-{T.mixer_slug(mixer)}")
+            assert cfg["train"]["max_steps"] == steps and cfg["train"]["batch_size"] == batch
+            assert cfg["train"]["lr"] == lr and cfg["train"]["betas"] == betas and cfg["data"]["seq_len"] == ctx
+            assert cfg["train"]["weight_decay"] == 0.1 and cfg["train"]["grad_clip"] == 1.0
+            if mixer == "gpt2":
+                assert cfg["model"]["type"] == "gpt2"
+            else:
+                assert cfg["model"]["mixer"] == mixer and cfg["model"]["preset"] == size
+    assert T.batch_layout(T.load_config("44m-dense"), 8) == (32, 1)
+    assert T.batch_layout(T.load_config("44m-dense"), 1) == (32, 8)
+    tcfg = {"lr": 1.0, "warmup_steps": 10, "max_steps": 110, "min_lr_ratio": 0.1}
+    assert T.lr_at(0, tcfg) == pytest.approx(0.1) and T.lr_at(9, tcfg) == pytest.approx(1.0)
+    assert T.lr_at(60, tcfg) == pytest.approx(0.55) and T.lr_at(110, tcfg) == pytest.approx(0.1)
+
+
+def test_two_processes_under_accelerate_launch_agree(data_dir, straight, tmp_path):
+    out_a, _ = straight
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    accelerate = Path(sys.executable).with_name("accelerate")
+    cmd = [str(accelerate), "launch", "--num_processes", "2", "--cpu",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+           str(ROOT / "scripts" / "pretrain.py"), *_args(data_dir, out, "--max-steps", "7")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "train_results.json").read_text())
+    assert results["processes"] == 2
+    sums = results["process_checksums"]
+    assert len(sums) == 2 and sums[0] == sums[1]  # both processes hold the same weights
+    assert "2 process(es) x micro-batch 2 x accumulation 1" in proc.stdout
+    # same global batches as the single-process run (2 x 1 instead of 1 x 2 accumulation): same weights up to
+    # the order of floating-point summation
+    wa, wb = _weights(out_a), _weights(out)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-4)
