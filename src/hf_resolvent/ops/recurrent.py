@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..patterns import Pattern, get_pattern
+from .common import check_inputs
 
 
 @dataclass
@@ -220,6 +221,7 @@ def _promote(*ts):
 def recurrent_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, state=None) -> torch.Tensor:
     """Run the recurrent form over a whole sequence (B, H, n, .) -> (B, H, n, e); tests and prefill."""
     pattern = get_pattern(pattern)
+    check_inputs(qa, ka, qb, kb, x, g, pattern, start)
     out_dtype = x.dtype
     qa, ka, qb, kb, x, g = _promote(qa, ka, qb, kb, x, g)
     state = state if state is not None else MixerState(start=start)
@@ -233,6 +235,7 @@ def recurrent_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, state=N
 def recurrent_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None, state=None) -> torch.Tensor:
     """Tied variant of :func:`recurrent_mix`."""
     pattern = get_pattern(pattern)
+    check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
     out_dtype = x.dtype
     qb, kb, x, g, d = _promote(qb, kb, x, g, d)
     state = state if state is not None else MixerState(start=start)
