@@ -218,15 +218,24 @@ def _small_gpt2(seed=0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(cfg).eval()
 
 
-def test_from_gpt2_attention_equals_gpt2():
+def test_from_gpt2_attention_equals_gpt2(tmp_path):
     gpt2 = _small_gpt2()
-    model = hr.ResolventForCausalLM.from_gpt2(gpt2, mixer="attention").eval()
-    assert model.config.position_embedding == "learned"
+    gpt2.save_pretrained(tmp_path)
     ids = torch.randint(0, 61, (2, 20))
     with torch.no_grad():
-        ref = gpt2(ids).logits
-        out = model(ids).logits
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        ref = gpt2(ids, output_hidden_states=True)
+    for source in (gpt2, str(tmp_path)):  # a model or a folder
+        model = hr.ResolventForCausalLM.from_gpt2(source, mixer="attention").eval()
+        assert model.config.position_embedding == "learned" and model.config.tie_word_embeddings
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+        torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+        assert len(out.hidden_states) == len(ref.hidden_states)
+        for mine, theirs in zip(out.hidden_states, ref.hidden_states):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    # greedy decoding through the caches agrees too
+    assert torch.equal(model.generate(ids[:, :8], max_new_tokens=6, do_sample=False),
+                       gpt2.generate(ids[:, :8], max_new_tokens=6, do_sample=False))
 
 
 def test_from_gpt2_closed_dense_gate_equals_gpt2():
