@@ -159,6 +159,31 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+# Rectangles (rows x keys) up to this size use plain matmuls: the flash kernel's per-call set-up and
+# thread hand-off cost more than the work there.
+SMALL_RECTANGLE = 128 * 128
+
+
+def _attend_block(q, k, v, scale):
+    """Non-causal attention of q over k, v: (out, lse), like the CPU flash kernel."""
+    if q.shape[-2] * k.shape[-2] > SMALL_RECTANGLE:
+        return _flash(q, k, v, 0.0, False, scale=scale)
+    s = q @ k.mT * scale
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    return (p @ v) / total, (m + torch.log(total)).squeeze(-1)
+
+
+def _attend_block_backward(do, q, k, v, o, lse, scale):
+    """Gradients (dq, dk, dv) of one block of a softmax row whose full output is o and full lse is lse."""
+    if q.shape[-2] * k.shape[-2] > SMALL_RECTANGLE:
+        return _flash_backward(do, q, k, v, o, lse, 0.0, False, scale=scale)
+    p = torch.exp(q @ k.mT * scale - lse[..., None])
+    ds = p * (do @ v.mT - (do * o).sum(-1, keepdim=True)) * scale
+    return ds @ k, ds.mT @ q, p.mT @ do
+
+
 def _split(a: int, b: int, chunk: int) -> int:
     """Split point of rows [a, b) on a chunk boundary (a is one)."""
     return a + (-(-(b - a) // chunk) // 2) * chunk
@@ -198,7 +223,7 @@ def _dense_forward(q, k, g, z, scale, chunk):
             return
         mid = _split(a, c, chunk)
         solve(a, mid)
-        ob, lb = _flash(q[:, :, mid:c], k[:, :, a:mid], y[:, :, a:mid], 0.0, False, scale=scale)
+        ob, lb = _attend_block(q[:, :, mid:c], k[:, :, a:mid], y[:, :, a:mid], scale)
         acc_l = lse[:, :, mid:c]
         total = torch.logaddexp(acc_l, lb)
         o[:, :, mid:c] = o[:, :, mid:c] * torch.exp(acc_l - total)[..., None] + ob * torch.exp(lb - total)[..., None]
@@ -235,8 +260,8 @@ def _dense_backward(q, k, g, y, o, lse, grad, scale, chunk):
         mid = _split(a, c, chunk)
         solve(mid, c)
         do = g[:, :, mid:c, None] * dz[:, :, mid:c]
-        gq, gk, gv = _flash_backward(
-            do, q[:, :, mid:c], k[:, :, a:mid], y[:, :, a:mid], o[:, :, mid:c], lse[:, :, mid:c], 0.0, False, scale=scale
+        gq, gk, gv = _attend_block_backward(
+            do, q[:, :, mid:c], k[:, :, a:mid], y[:, :, a:mid], o[:, :, mid:c], lse[:, :, mid:c], scale
         )
         dq[:, :, mid:c] += gq
         dk[:, :, a:mid] += gk

@@ -1,0 +1,160 @@
+"""Internals of the parallel form: slot arithmetic, chunk inverses, the custom solves and their memory.
+
+The agreement of the public functions with the reference is tested in test_mixer.py; these tests pin
+the pieces that make the parallel form fast, so a regression shows where it is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_resolvent.ops import parallel_mix, reference_mix
+from hf_resolvent.ops import slots as slots_mod
+from hf_resolvent.ops.slots import SlotCombine, SlotDot, slot_combine, slot_dot, slot_layout, slot_pieces, slot_scatter
+from hf_resolvent.ops.solve import DenseSolve, SparseSolve, unit_lower_inverse
+from hf_resolvent.patterns import get_pattern
+
+F64 = torch.float64
+@pytest.fixture
+def one_thread():
+    """gradcheck runs thousands of tiny forwards: thread hand-offs would dominate on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+SPARSE = ["banded:3", "diagonal", "exp2", "exp2:ce", "square", "square:ce", "f:3*k+1:ce", "local_attention:4"]
+
+
+def _dense_slot_matrix(layout):
+    """(K, n, n) 0/1 matrices: entry [k, t, s] = 1 where slot k of row t reads s."""
+    k, n = layout.src.shape
+    m = torch.zeros(k, n, n, dtype=F64)
+    src = torch.from_numpy(layout.src)
+    rows = torch.arange(n)
+    for j in range(k):
+        ok = src[j] >= 0
+        m[j, rows[ok], src[j][ok]] = 1
+    return m
+
+
+@pytest.mark.parametrize("spec", SPARSE)
+@pytest.mark.parametrize("with_self", [False, True])
+def test_slot_ops_match_dense_matrices(spec, with_self, monkeypatch):
+    monkeypatch.setattr(slots_mod, "ROW_BLOCK", 16)  # several row blocks, runs cut at block edges
+    n = 53
+    layout = slot_layout(get_pattern(spec), n, with_self)
+    m = _dense_slot_matrix(layout)
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 3, n, 5, generator=gen, dtype=F64) for _ in range(2))
+    v, u = (torch.randn(2, 3, n, 4, generator=gen, dtype=F64) for _ in range(2))
+    w = torch.randn(2, 3, layout.num_slots, n, generator=gen, dtype=F64) * layout.valid
+    valid = layout.valid.to(F64)
+    torch.testing.assert_close(slot_dot(q, k, layout) * valid, torch.einsum("kts,bhtd,bhsd->bhkt", m, q, k))
+    torch.testing.assert_close(slot_combine(w, v, layout), torch.einsum("kts,bhkt,bhse->bhte", m, w, v))
+    torch.testing.assert_close(slot_scatter(w, u, layout), torch.einsum("kts,bhkt,bhte->bhse", m, w, u))
+
+
+@pytest.mark.parametrize("f,a", [(1, 1), (5, 3), (10, 6), (4, 4), (26, 12)])
+def test_slot_pieces_cover_rows_once_with_their_sources(f, a):
+    n, r0, r1 = 97, 13, 80
+    seen = {}
+    for p in slot_pieces(f, a, 0, r0, r1):
+        for m in range(p.runs):
+            for t in range(p.t0 + m * p.length, p.t0 + (m + 1) * p.length):
+                assert t not in seen
+                seen[t] = p.s0 + m * p.stride
+    expected = {t: a * ((t - f) // a + 1) - 1 for t in range(max(r0, f), r1)}
+    assert seen == expected
+    assert all(s < t for t, s in seen.items()) and n > r1
+
+
+@pytest.mark.parametrize("c", [1, 2, 8, 32])
+def test_unit_lower_inverse(c):
+    lower = torch.randn(3, 2, c, c, dtype=F64).tril(-1) * 0.3
+    inv = unit_lower_inverse(lower)
+    torch.testing.assert_close(inv @ (torch.eye(c, dtype=F64) - lower), torch.eye(c, dtype=F64).expand(3, 2, c, c))
+    with pytest.raises(ValueError, match="power-of-two"):
+        unit_lower_inverse(torch.zeros(1, 3, 3))
+
+
+@pytest.mark.parametrize("spec,chunk", [("exp2:ce", 4), ("square", 5), ("banded:2", 8)])
+def test_sparse_solve_gradcheck(spec, chunk, one_thread):
+    n = 19
+    layout = slot_layout(get_pattern(spec), n)
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.rand(1, 2, layout.num_slots, n, generator=gen, dtype=F64) / layout.num_slots).requires_grad_()
+    z = torch.randn(1, 2, n, 3, generator=gen, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda w_, z_: SparseSolve.apply(w_, z_, layout, chunk), (w, z))
+    q, k = (torch.randn(1, 2, n, 3, generator=gen, dtype=F64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda a, b: SlotDot.apply(a, b, layout), (q, k))
+    assert torch.autograd.gradcheck(lambda a, b: SlotCombine.apply(a, b, layout), (w, z))
+
+
+@pytest.mark.parametrize("d,e,chunk", [(4, 4, 4), (3, 5, 3), (6, 2, 8)])
+def test_dense_solve_gradcheck(d, e, chunk, one_thread):
+    n = 13
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 1, n, d, generator=gen, dtype=F64, requires_grad=True) for _ in range(2))
+    g = torch.rand(2, 1, n, generator=gen, dtype=F64).requires_grad_()
+    z = torch.randn(2, 1, n, e, generator=gen, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: DenseSolve.apply(*a, d**-0.5, chunk), (q, k, g, z))
+
+
+def test_dense_solve_matches_direct_solve():
+    n, chunk = 70, 8  # several recursion levels, a partial last chunk
+    gen = torch.Generator().manual_seed(4)
+    q, k, z = (torch.randn(1, 2, n, 4, generator=gen, dtype=F64) for _ in range(3))
+    g = torch.rand(1, 2, n, generator=gen, dtype=F64)
+    s = (q @ k.mT * 0.5).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(-1), float("-inf"))
+    b = g[..., None] * torch.nan_to_num(torch.softmax(s, -1))
+    expected = torch.linalg.solve_triangular(torch.eye(n, dtype=F64) - b, z, upper=False)
+    torch.testing.assert_close(DenseSolve.apply(q, k, g, z, 0.5, chunk), expected)
+
+
+def _saved_elements(pattern, n):
+    gen = torch.Generator().manual_seed(5)
+    ins = [torch.randn(1, 2, n, 8, generator=gen, requires_grad=True) for _ in range(5)]
+    g = torch.rand(1, 2, n, generator=gen).requires_grad_()
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        parallel_mix(*ins, g, pattern, chunk=16)
+    return sum(sizes), max(sizes)
+
+
+@pytest.mark.parametrize("pattern", ["dense", "exp2", "square:ce"])
+def test_autograd_memory_is_linear_in_n(pattern):
+    """Everything autograd keeps is O(n (d + K + C)): no n x n score matrix, no (n, K, d) gather."""
+    n, heads, d, chunk = 512, 2, 8, 16
+    slots = 1 if pattern == "dense" else slot_layout(get_pattern(pattern), n, True).num_slots
+    row = heads * n * max(d, slots, chunk)  # the size of one (B, H, n, width) tensor
+    total, largest = _saved_elements(pattern, n)
+    assert largest <= row
+    assert total <= 16 * row
+    assert heads * n * n > 16 * row  # an n x n tensor per head would not fit the bound
+
+
+def test_parallel_bfloat16_and_padding_quick():
+    n = 40
+    gen = torch.Generator().manual_seed(6)
+    ins = [torch.randn(2, 2, n, 8, generator=gen) for _ in range(5)] + [torch.rand(2, 2, n, generator=gen)]
+    start = torch.tensor([3, 0])
+    for spec in ["dense", "exp2:ce"]:
+        ref = reference_mix(*ins, spec, start=start)
+        out = parallel_mix(*[t.to(torch.bfloat16) for t in ins], spec, start=start)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+        assert torch.all(out[0, :, :3] == 0)
+
+
+def test_bad_chunk_is_a_clear_error():
+    x = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="chunk"):
+        parallel_mix(x, x, x, x, x, torch.rand(1, 1, 8), "exp2", chunk=0)
