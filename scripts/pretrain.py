@@ -227,17 +227,8 @@ def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data
 
 def card_info(cfg: dict, data_meta: dict, results: dict, argv: list[str], model) -> dict:
     mixer = T.model_label(cfg["model"])
-    complexity = "n/a"
-    try:
-        from hf_resolvent.patterns import complexity_table
-
-        table = {r["pattern"].split(":")[0] + (":ce" if r["pattern"].endswith(":ce") else ""): r
-                 for r in complexity_table()}
-        key = "attention" if mixer == "gpt2" else mixer.split(":")[0] + (":ce" if mixer.endswith(":ce") else "")
-        if key in table:
-            complexity = f"{table[key]['time_per_token']} / {table[key]['cache']}"
-    except ImportError:
-        pass
+    cx = T.complexity_of(mixer)
+    complexity = f"{cx['time_per_token']} / {cx['cache']}" if cx else "n/a"
     source = data_meta.get("source")
     hub_dataset = source if source not in (hdata.STDLIB, "files", None) else None
     c = model.config

@@ -252,6 +252,27 @@ def model_label(model_cfg: dict) -> str:
     return ",".join(mixer) if isinstance(mixer, (list, tuple)) else str(mixer)
 
 
+# order of the per-token classes on the figure's x axis
+COMPLEXITY_ORDER = ["O(1)", "O(w)", "O(log n)", "O(sqrt n)", "O(n)"]
+
+
+def complexity_of(mixer: str) -> dict[str, str] | None:
+    """Per-token time and decode-cache classes of a mixer label (``gpt2`` counts as attention), from
+    :func:`hf_resolvent.patterns.complexity_table`; None for custom patterns and per-layer lists."""
+    from hf_resolvent.patterns import complexity_table
+
+    if "," in mixer:
+        return None
+    spec = mixer.split("+")[0]
+    base = "attention" if spec == "gpt2" else spec.split(":")[0]
+    ce = spec.endswith(":ce")
+    key = {"local_attention": "local_attention:w", "banded": "banded:w"}.get(base, base + (":ce" if ce else ""))
+    for row in complexity_table():
+        if row["pattern"] == key:
+            return {"time_per_token": row["time_per_token"], "cache": row["cache"]}
+    return None
+
+
 def count_parameters(model) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     seen, total = set(), 0
