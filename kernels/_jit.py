@@ -13,12 +13,13 @@ Conventions shared by every kernel
 - Scores are kept in base 2: ``s2 = q . k * scale * log2(e)``; log-sum-exps are base 2 as well
   (``p = exp2(s2 - lse2)``). Gradients of scores are natural (dS = P (dP - D)), so dq, dk get ``scale``.
 - Every accumulation is float32; q . k products run in the input dtype (bf16 on tensor cores), other
-  products in float32 with input precision ``PREC`` ("ieee" for float32 inputs). The small in-block
-  solves always run in IEEE float32.
+  products take float32 operands with input precision ``PREC`` ("tf32x3", float32-accurate, for float32
+  inputs; "tf32" for 16-bit inputs). The in-block solves use ``SOLVE_PREC`` ("tf32x3"). "ieee" works
+  too but lowers to FMA loops that spill registers at 64-row blocks.
 - A = (1 - geff) softmax over P^A, B = geff softmax over P^B, geff = g where P^B of the row is non-empty.
   OA is the direct channel's normalised output softmax(P^A) X, R the recurrent read softmax(P^B) Y:
   Y = (1 - geff) OA + geff R.
-- Sparse patterns are described by a small table of offsets f(k) (OFFS, K entries) and, for
+- Sparse patterns are described by a small table of offsets f(k) (OFFS, NSLOT entries) and, for
   cache-efficient patterns (CE), periods a_k (STEPS); slot k of pattern row rel reads
   rel - f(k) (translation-invariant) or a_k * ceil((rel + 1 - f(k)) / a_k) - 1 (cache-efficient,
   duplicates of slot k - 1 dropped), valid when f(k) <= rel.
@@ -27,22 +28,61 @@ Conventions shared by every kernel
 import triton
 import triton.language as tl
 
+# Triton's own tl.sum / tl.max / tl.zeros / tl.cdiv are @triton.jit functions decorated when triton is
+# first imported: if that happened before TRITON_INTERPRET=1 was set (transformers imports triton), the
+# interpreter cannot call them. The kernels therefore use only builtins and the helpers below, which
+# reduce with Triton's standard combine functions (the interpreter runs those with numpy).
+_SUM_COMBINE = tl.standard._sum_combine
+_MAX_COMBINE = tl.standard._elementwise_max
+
 
 @triton.jit
-def _unit_lower_inverse(L, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
-    """(I - L)^-1 for a strictly lower (BLOCK, BLOCK) float32 tile, by repeated squaring.
+def _sum(x, axis: tl.constexpr):
+    """Sum of a float32 tensor along ``axis`` (tl.sum without the dtype promotion)."""
+    return tl.reduce(x, axis, _SUM_COMBINE)
 
-    L is nilpotent (L^BLOCK = 0), so (I - L)^-1 = (I + L)(I + L^2)(I + L^4)...: after step j, T holds
-    the sum of L^m for m < 2^(j+1). L's entries are >= 0 with row sums <= 1, so every product is
-    non-negative and bounded (no cancellation). 2 (log2(BLOCK) - 1) matrix products.
+
+@triton.jit
+def _max(x, axis: tl.constexpr):
+    """Maximum along ``axis`` (tl.max)."""
+    return tl.reduce(x, axis, _MAX_COMBINE)
+
+
+# Triton's interpreter multiplies bfloat16 tiles as raw 16-bit integers; there, _dot upcasts the
+# operands to float32 first, which gives the same numbers as a bf16 tensor-core product with float32
+# accumulation (products of bf16 values are exact in float32). This file is loaded once per mode.
+_UPCAST_DOTS = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """tl.dot(a, b) with float32 accumulation; PREC is the input precision of float32 operands."""
+    if _UPCAST_DOTS:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _unit_lower_solve(L, rhs, LOG2_BLOCK: tl.constexpr, TRANS: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """(I - L)^-1 rhs, or (I - L)^-T rhs with TRANS, for a strictly lower (BLOCK, BLOCK) float32 tile L.
+
+    L is nilpotent (L^BLOCK = 0), so (I - L)^-1 = (I + L)(I + L^2)(I + L^4)...(I + L^(BLOCK/2)), the
+    factors commuting: y <- y + P y, P <- P P, log2(BLOCK) times (with P = L^T for the transpose).
+    L's entries are >= 0 with row sums <= 1, so every product is non-negative and bounded (no
+    cancellation). log2(BLOCK) products (BLOCK, BLOCK) x (BLOCK, e) and log2(BLOCK) - 1 squarings,
+    all on tensor cores (SOLVE_PREC "tf32x3" keeps float32 accuracy).
     """
-    idx = tl.arange(0, BLOCK)
-    T = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0) + L
-    P = L
-    for _ in tl.static_range(LOG2_BLOCK - 1):
-        P = tl.dot(P, P, input_precision="ieee")
-        T = T + tl.dot(T, P, input_precision="ieee")
-    return T
+    if TRANS:
+        P = tl.trans(L)
+    else:
+        P = L
+    y = rhs
+    for j in tl.static_range(LOG2_BLOCK):
+        y = y + _dot(P, y, SOLVE_PREC)
+        if j < LOG2_BLOCK - 1:
+            P = _dot(P, P, SOLVE_PREC)
+    return y
 
 
 @triton.jit
@@ -90,8 +130,8 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, START, n, H, d, e, qk_scale2,
     rmask = rows < n
     q = tl.load(Q + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & (cd[None, :] < d), other=0.0)
     m = tl.full([BM], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, BE], tl.float32)
+    l_sum = tl.full([BM], 0.0, tl.float32)
+    acc = tl.full([BM, BE], 0.0, tl.float32)
     lo = (s // BN) * BN
     hi = tl.minimum((pid + 1) * BM, n)
     for j0 in range(lo, hi, BN):
@@ -101,15 +141,15 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, START, n, H, d, e, qk_scale2,
                     other=0.0)
         v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
                     other=0.0)
-        s2 = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale2
+        s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
         ok = (keys[None, :] <= rows[:, None]) & (keys[None, :] >= s) & kmask[None, :]
         s2 = tl.where(ok, s2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s2, 1))
+        m_new = tl.maximum(m, _max(s2, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s2 - m_use[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        l_sum = l_sum * alpha + _sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
         m = m_new
     has = l_sum > 0
     l_safe = tl.where(has, l_sum, 1.0)
@@ -140,8 +180,8 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
     k = tl.load(K + bh * n * d + keys[:, None] * d + cd[None, :], mask=kmask[:, None] & (cd[None, :] < d), other=0.0)
     v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
                 other=0.0).to(tl.float32)
-    dk = tl.zeros([BN, BD], tl.float32)
-    dv = tl.zeros([BN, BE], tl.float32)
+    dk = tl.full([BN, BD], 0.0, tl.float32)
+    dv = tl.full([BN, BE], 0.0, tl.float32)
     lo = ((pid * BN) // BM) * BM
     for i0 in range(lo, n, BM):
         rows = i0 + tl.arange(0, BM)
@@ -153,7 +193,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
         coef = tl.load(COEF + bh * n + rows, mask=rmask, other=0.0)
         delta = tl.load(DELTA + bh * n + rows, mask=rmask, other=0.0)
         lse = tl.load(LSE + bh * n + rows, mask=rmask, other=0.0)
-        s2 = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale2
+        s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
         if STRICT:
             causal = keys[None, :] < rows[:, None]
         else:
@@ -162,10 +202,10 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
         p = tl.exp2(tl.where(ok, s2 - lse[:, None], float("-inf")))
         do = w * coef[:, None]
         if HAS_DV:
-            dv += tl.dot(tl.trans(p), do, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            dv += _dot(tl.trans(p), do, PREC)
+        dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
+        dk += _dot(tl.trans(ds).to(q.dtype), q, PREC)
     tl.store(DK + bh * n * d + keys[:, None] * d + cd[None, :], dk * scale, mask=kmask[:, None] & (cd[None, :] < d))
     if HAS_DV:
         tl.store(DV + bh * n * e + keys[:, None] * e + ce[None, :], dv, mask=kmask[:, None] & (ce[None, :] < e))
@@ -192,7 +232,7 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
     delta = tl.load(DELTA + bh * n + rows, mask=rmask, other=0.0)
     lse = tl.load(LSE + bh * n + rows, mask=rmask, other=0.0)
     do = w * coef[:, None]
-    dq = tl.zeros([BM, BD], tl.float32)
+    dq = tl.full([BM, BD], 0.0, tl.float32)
     lo = (s // BN) * BN
     hi = tl.minimum((pid + 1) * BM, n)
     for j0 in range(lo, hi, BN):
@@ -202,30 +242,30 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
                     other=0.0)
         v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
                     other=0.0).to(tl.float32)
-        s2 = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale2
+        s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
         if STRICT:
             causal = keys[None, :] < rows[:, None]
         else:
             causal = keys[None, :] <= rows[:, None]
         ok = causal & kmask[None, :] & (keys[None, :] >= s) & rmask[:, None]
         p = tl.exp2(tl.where(ok, s2 - lse[:, None], float("-inf")))
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dq += _dot(ds.to(k.dtype), k, PREC)
     tl.store(DQ + bh * n * d + rows[:, None] * d + cd[None, :], dq * scale, mask=rmask[:, None] & (cd[None, :] < d))
 
 
 @triton.jit
 def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, n, H, d, e, qk_scale2,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                           PREC: tl.constexpr):
+                           PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, forward: Y = (1 - geff) OA + geff softmax_{j<i}(qb_i . kb_j) Y_j, by blocks.
 
     Grid (BH,): one program walks the row blocks in order (block c needs Y of blocks < c). For block c:
     (1) online softmax of its B-queries over the keys of earlier blocks, accumulating the already
     solved Y (read back from the output buffer); (2) the in-block strictly lower scores, merged into
     the same running max / sum, which gives the full-row normaliser; (3) the in-block unit lower
-    triangular system (I - geff Bt) Y_c = rhs solved with (I - L)^-1 by repeated squaring.
+    triangular system (I - geff Bt) Y_c = rhs, solved by repeated squaring (``_unit_lower_solve``).
     Writes Y and R = softmax(P^B) Y (BH, n, e) float32 and the base-2 log-sum-exp LSEB (BH, n).
     Memory beyond the inputs: O(n e) per (batch, head); nothing n x n.
     """
@@ -247,31 +287,31 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, n, H, d, e, qk_scal
         g = tl.load(G + bh * n + rows, mask=rmask, other=0.0).to(tl.float32)
         geff = tl.where(hasb, g, 0.0)
         m = tl.full([BLOCK], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK], tl.float32)
-        acc = tl.zeros([BLOCK, BE], tl.float32)
+        l_sum = tl.full([BLOCK], 0.0, tl.float32)
+        acc = tl.full([BLOCK, BE], 0.0, tl.float32)
         for j0 in range(lo, c0, BLOCK):
             keys = j0 + ar
             k = tl.load(KB + bh * n * d + keys[:, None] * d + cd[None, :], mask=dmask, other=0.0)
             yv = tl.load(Y + bh * n * e + keys[:, None] * e + ce[None, :], mask=emask, other=0.0)
-            s2 = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale2
+            s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
             s2 = tl.where(keys[None, :] >= s, s2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s2, 1))
+            m_new = tl.maximum(m, _max(s2, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m - m_use)
             p = tl.exp2(s2 - m_use[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, yv, input_precision=PREC)
+            l_sum = l_sum * alpha + _sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p, yv, PREC)
             m = m_new
         # In-block scores (strictly lower), merged into the running normaliser.
         kc = tl.load(KB + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & dmask, other=0.0)
-        s2 = tl.dot(q, tl.trans(kc), input_precision=PREC) * qk_scale2
+        s2 = _dot(q, tl.trans(kc), PREC) * qk_scale2
         ok = (ar[None, :] < ar[:, None]) & (rows[None, :] >= s) & rmask[None, :]
         s2 = tl.where(ok, s2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s2, 1))
+        m_new = tl.maximum(m, _max(s2, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s2 - m_use[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
+        l_sum = l_sum * alpha + _sum(p, 1)
         acc = acc * alpha[:, None]
         m = m_new
         has = l_sum > 0
@@ -281,10 +321,9 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, n, H, d, e, qk_scal
         oa = tl.load(OA + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
                      other=0.0).to(tl.float32)
         rhs = (1.0 - geff)[:, None] * oa + geff[:, None] * earlier
-        T = _unit_lower_inverse(geff[:, None] * bt, BLOCK, LOG2_BLOCK)
-        y = tl.dot(T, rhs, input_precision="ieee")
+        y = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, False, SOLVE_PREC)
         y = tl.where(valid[:, None], y, 0.0)
-        r_read = earlier + tl.dot(bt, y, input_precision="ieee")
+        r_read = earlier + _dot(bt, y, SOLVE_PREC)
         out_mask = rmask[:, None] & emask
         tl.store(Y + bh * n * e + rows[:, None] * e + ce[None, :], y, mask=out_mask)
         tl.store(R + bh * n * e + rows[:, None] * e + ce[None, :], r_read, mask=out_mask)
@@ -296,12 +335,12 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, n, H, d, e, qk_scal
 @triton.jit
 def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, n, H, d, e, qk_scale2,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                           PREC: tl.constexpr):
+                           PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, backward solve: W = (I - B)^-T dY by blocks, last block first.
 
     Grid (BH,). For block c (positions j): rhs = dY_c + sum over later blocks r of B_rc^T W_r, with
     B_rc = geff_i exp2(s2_ij - LSEB_i) recomputed from the scores (nothing n x n is stored); then
-    W_c = (I - B_cc)^-T rhs with the same in-block inverse as the forward. Also writes the row
+    W_c = (I - B_cc)^-T rhs with the transposed in-block solve. Also writes the row
     scalars of the attention-style gradients: DA = (1 - geff) W.OA, DB = geff W.R, and
     DG = dL/dg = W.(R - OA) on rows with a recurrent set (0 elsewhere).
     """
@@ -312,7 +351,7 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, n, 
     ce = tl.arange(0, BE)
     dmask = cd[None, :] < d
     emask = ce[None, :] < e
-    nblk = tl.cdiv(n, BLOCK)
+    nblk = (n + BLOCK - 1) // BLOCK
     for it in range(0, nblk):
         c0 = (nblk - 1 - it) * BLOCK
         cols = c0 + ar
@@ -331,25 +370,24 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, n, 
             geff_r = tl.where(hasb_r, tl.load(G + bh * n + rows, mask=rmask, other=0.0).to(tl.float32), 0.0)
             w_later = tl.load(W + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
                               other=0.0)
-            s2 = tl.dot(qr, tl.trans(kc), input_precision=PREC) * qk_scale2
+            s2 = _dot(qr, tl.trans(kc), PREC) * qk_scale2
             ok = cvalid[None, :] & hasb_r[:, None]
             pb = tl.exp2(tl.where(ok, s2 - lse_r[:, None], float("-inf"))) * geff_r[:, None]
-            rhs += tl.dot(tl.trans(pb), w_later, input_precision=PREC)
+            rhs += _dot(tl.trans(pb), w_later, PREC)
         qc = tl.load(QB + bh * n * d + cols[:, None] * d + cd[None, :], mask=cmask[:, None] & dmask, other=0.0)
         lse_c = tl.load(LSEB + bh * n + cols, mask=cmask, other=0.0)
         geff_c = tl.where(hasb_c, tl.load(G + bh * n + cols, mask=cmask, other=0.0).to(tl.float32), 0.0)
-        s2 = tl.dot(qc, tl.trans(kc), input_precision=PREC) * qk_scale2
+        s2 = _dot(qc, tl.trans(kc), PREC) * qk_scale2
         ok = (ar[None, :] < ar[:, None]) & cvalid[None, :] & hasb_c[:, None]
         bt = tl.exp2(tl.where(ok, s2 - lse_c[:, None], float("-inf")))
-        T = _unit_lower_inverse(geff_c[:, None] * bt, BLOCK, LOG2_BLOCK)
-        w = tl.dot(tl.trans(T), rhs, input_precision="ieee")
+        w = _unit_lower_solve(geff_c[:, None] * bt, rhs, LOG2_BLOCK, True, SOLVE_PREC)
         w = tl.where(cvalid[:, None], w, 0.0)
         tl.store(W + bh * n * e + cols[:, None] * e + ce[None, :], w, mask=cmask[:, None] & emask)
         oa = tl.load(OA + bh * n * e + cols[:, None] * e + ce[None, :], mask=cmask[:, None] & emask,
                      other=0.0).to(tl.float32)
         rr = tl.load(R + bh * n * e + cols[:, None] * e + ce[None, :], mask=cmask[:, None] & emask, other=0.0)
-        w_oa = tl.sum(w * oa, 1)
-        w_rr = tl.sum(w * rr, 1)
+        w_oa = _sum(w * oa, 1)
+        w_rr = _sum(w * rr, 1)
         tl.store(DA + bh * n + cols, (1.0 - geff_c) * w_oa, mask=cmask)
         tl.store(DB + bh * n + cols, geff_c * w_rr, mask=cmask)
         tl.store(DG + bh * n + cols, tl.where(hasb_c, w_rr - w_oa, 0.0), mask=cmask)
@@ -362,7 +400,7 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, n, 
 
 
 @triton.jit
-def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, K, n, H, da, db, e, qk_scale2,
+def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, NSLOT, n, H, da, db, e, qk_scale2,
                          BM: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BE: tl.constexpr,
                          CE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr):
     """Sparse patterns, the parallel part of the forward: direct channel and recurrent normaliser.
@@ -389,7 +427,7 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
                      other=0.0).to(tl.float32)
         ka = tl.load(KA + bh * n * da + rows[:, None] * da + ca[None, :], mask=rmask[:, None] & amask,
                      other=0.0).to(tl.float32)
-        m = tl.sum(qa * ka, 1) * qk_scale2
+        m = _sum(qa * ka, 1) * qk_scale2
         l_sum = tl.full([BM], 1.0, tl.float32)
         acc = tl.load(X + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
                       other=0.0).to(tl.float32)
@@ -399,9 +437,9 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
         qb = tl.load(QB + bh * n * db + rows[:, None] * db + cb[None, :], mask=rmask[:, None] & bmask,
                      other=0.0).to(tl.float32)
         mb = tl.full([BM], float("-inf"), tl.float32)
-        lb = tl.zeros([BM], tl.float32)
+        lb = tl.full([BM], 0.0, tl.float32)
     prev = tl.full([BM], -1, tl.int32)
-    for k in range(0, K):
+    for k in range(0, NSLOT):
         src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
         src = src + s
         if HAS_A:
@@ -409,7 +447,7 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
                          other=0.0).to(tl.float32)
             xk = tl.load(X + bh * n * e + src[:, None] * e + ce[None, :], mask=ok[:, None] & emask,
                          other=0.0).to(tl.float32)
-            sk = tl.where(ok, tl.sum(qa * kk, 1) * qk_scale2, float("-inf"))
+            sk = tl.where(ok, _sum(qa * kk, 1) * qk_scale2, float("-inf"))
             m_new = tl.maximum(m, sk)
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sk - m_new)
@@ -419,7 +457,7 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
         if HAS_B:
             kk = tl.load(KB + bh * n * db + src[:, None] * db + cb[None, :], mask=ok[:, None] & bmask,
                          other=0.0).to(tl.float32)
-            sk = tl.where(ok, tl.sum(qb * kk, 1) * qk_scale2, float("-inf"))
+            sk = tl.where(ok, _sum(qb * kk, 1) * qk_scale2, float("-inf"))
             mb_new = tl.maximum(mb, sk)
             m_use = tl.where(mb_new == float("-inf"), 0.0, mb_new)
             lb = lb * tl.exp2(mb - m_use) + tl.exp2(sk - m_use)
@@ -434,9 +472,9 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
 
 
 @triton.jit
-def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, OFFS, STEPS, K, F0, n, H, d, e, qk_scale2,
+def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, OFFS, STEPS, NSLOT, F0, n, H, d, e, qk_scale2,
                             BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                            CE: tl.constexpr):
+                            CE: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Sparse patterns, forward solve: Y = (1 - geff) OA + geff sum_slots softmax(qb . kb) Y[src].
 
     Grid (BH,); row blocks in order. Slots whose source lies in an earlier block gather the solved
@@ -461,15 +499,15 @@ def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, OFFS, STEPS, K, F0
                     other=0.0).to(tl.float32)
         lse = tl.load(LSEB + bh * n + rows, mask=rmask, other=0.0)
         geff = tl.where(hasb, tl.load(G + bh * n + rows, mask=rmask, other=0.0).to(tl.float32), 0.0)
-        earlier = tl.zeros([BLOCK, BE], tl.float32)
-        bt = tl.zeros([BLOCK, BLOCK], tl.float32)
+        earlier = tl.full([BLOCK, BE], 0.0, tl.float32)
+        bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
         prev = tl.full([BLOCK], -1, tl.int32)
-        for k in range(0, K):
+        for k in range(0, NSLOT):
             src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
             src = src + s
             kk = tl.load(KB + bh * n * d + src[:, None] * d + cd[None, :], mask=ok[:, None] & dmask,
                          other=0.0).to(tl.float32)
-            p = tl.exp2(tl.where(ok, tl.sum(q * kk, 1) * qk_scale2 - lse, float("-inf")))
+            p = tl.exp2(tl.where(ok, _sum(q * kk, 1) * qk_scale2 - lse, float("-inf")))
             early = ok & (src < c0)
             yk = tl.load(Y + bh * n * e + src[:, None] * e + ce[None, :], mask=early[:, None] & emask, other=0.0)
             earlier += tl.where(early, p, 0.0)[:, None] * yk
@@ -478,10 +516,9 @@ def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, OFFS, STEPS, K, F0
         oa = tl.load(OA + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
                      other=0.0).to(tl.float32)
         rhs = (1.0 - geff)[:, None] * oa + geff[:, None] * earlier
-        T = _unit_lower_inverse(geff[:, None] * bt, BLOCK, LOG2_BLOCK)
-        y = tl.dot(T, rhs, input_precision="ieee")
+        y = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, False, SOLVE_PREC)
         y = tl.where(valid[:, None], y, 0.0)
-        r_read = earlier + tl.dot(bt, y, input_precision="ieee")
+        r_read = earlier + _dot(bt, y, SOLVE_PREC)
         out_mask = rmask[:, None] & emask
         tl.store(Y + bh * n * e + rows[:, None] * e + ce[None, :], y, mask=out_mask)
         tl.store(R + bh * n * e + rows[:, None] * e + ce[None, :], r_read, mask=out_mask)
@@ -489,10 +526,10 @@ def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, OFFS, STEPS, K, F0
 
 
 @triton.jit
-def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, START, OFFS, STEPS, K, F0,
+def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, START, OFFS, STEPS, NSLOT, F0,
                             n, H, d, e, qk_scale2,
                             BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                            CE: tl.constexpr):
+                            CE: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Sparse patterns, backward solve: W = (I - B)^-T dY, last block first.
 
     Grid (BH,). GACC (BH, n, e) float32, zero on entry, collects B^T W from later blocks: once W_c is
@@ -507,7 +544,7 @@ def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, STA
     ce = tl.arange(0, BE)
     dmask = cd[None, :] < d
     emask = ce[None, :] < e
-    nblk = tl.cdiv(n, BLOCK)
+    nblk = (n + BLOCK - 1) // BLOCK
     for it in range(0, nblk):
         c0 = (nblk - 1 - it) * BLOCK
         rows = c0 + ar
@@ -522,36 +559,35 @@ def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, STA
         row_e = bh * n * e + rows[:, None] * e + ce[None, :]
         rhs = tl.load(DY + row_e, mask=valid[:, None] & emask, other=0.0).to(tl.float32)
         rhs += tl.load(GACC + row_e, mask=rmask[:, None] & emask, other=0.0)
-        bt = tl.zeros([BLOCK, BLOCK], tl.float32)
+        bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
         prev = tl.full([BLOCK], -1, tl.int32)
-        for k in range(0, K):
+        for k in range(0, NSLOT):
             src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
             src = src + s
             inside = ok & (src >= c0)
             kk = tl.load(KB + bh * n * d + src[:, None] * d + cd[None, :], mask=inside[:, None] & dmask,
                          other=0.0).to(tl.float32)
-            p = tl.exp2(tl.where(inside, tl.sum(q * kk, 1) * qk_scale2 - lse, float("-inf")))
+            p = tl.exp2(tl.where(inside, _sum(q * kk, 1) * qk_scale2 - lse, float("-inf")))
             bt += tl.where(ar[None, :] == (src - c0)[:, None], p[:, None], 0.0)
-        T = _unit_lower_inverse(geff[:, None] * bt, BLOCK, LOG2_BLOCK)
-        w = tl.dot(tl.trans(T), rhs, input_precision="ieee")
+        w = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, True, SOLVE_PREC)
         w = tl.where(valid[:, None], w, 0.0)
         tl.store(W + row_e, w, mask=rmask[:, None] & emask)
         oa = tl.load(OA + row_e, mask=rmask[:, None] & emask, other=0.0).to(tl.float32)
         rr = tl.load(R + row_e, mask=rmask[:, None] & emask, other=0.0)
-        w_oa = tl.sum(w * oa, 1)
-        w_rr = tl.sum(w * rr, 1)
+        w_oa = _sum(w * oa, 1)
+        w_rr = _sum(w * rr, 1)
         tl.store(DA + bh * n + rows, (1.0 - geff) * w_oa, mask=rmask)
         tl.store(DB + bh * n + rows, geff * w_rr, mask=rmask)
         tl.store(DG + bh * n + rows, tl.where(hasb, w_rr - w_oa, 0.0), mask=rmask)
         # Scatter B_ij W_i to the sources j of earlier blocks.
         prev = tl.full([BLOCK], -1, tl.int32)
-        for k in range(0, K):
+        for k in range(0, NSLOT):
             src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
             src = src + s
             early = ok & (src < c0)
             kk = tl.load(KB + bh * n * d + src[:, None] * d + cd[None, :], mask=early[:, None] & dmask,
                          other=0.0).to(tl.float32)
-            p = tl.exp2(tl.where(early, tl.sum(q * kk, 1) * qk_scale2 - lse, float("-inf")))
+            p = tl.exp2(tl.where(early, _sum(q * kk, 1) * qk_scale2 - lse, float("-inf")))
             tl.atomic_add(GACC + bh * n * e + src[:, None] * e + ce[None, :], (geff * p)[:, None] * w,
                           mask=early[:, None] & emask)
         tl.debug_barrier()
@@ -559,7 +595,7 @@ def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, STA
 
 @triton.jit
 def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA, DX, DQB, DKB,
-                        START, OFFS, STEPS, K, F0, n, H, da, db, e, qk_scale2, scale,
+                        START, OFFS, STEPS, NSLOT, F0, n, H, da, db, e, qk_scale2, scale,
                         BM: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BE: tl.constexpr,
                         CE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr):
     """Sparse patterns, attention-style gradients of both channels once W = (I - B)^-T dY is known.
@@ -588,9 +624,9 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
                      other=0.0).to(tl.float32)
         lseb = tl.load(LSEB + bh * n + rows, mask=rmask, other=0.0)
         delta_b = tl.load(DB + bh * n + rows, mask=rmask, other=0.0)
-        dqb = tl.zeros([BM, BDB], tl.float32)
+        dqb = tl.full([BM, BDB], 0.0, tl.float32)
     else:
-        geff = tl.zeros([BM], tl.float32)
+        geff = tl.full([BM], 0.0, tl.float32)
     if HAS_A:
         ca = tl.arange(0, BDA)
         amask = ca[None, :] < da
@@ -603,15 +639,15 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
                      other=0.0).to(tl.float32)
         xs = tl.load(X + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
                      other=0.0).to(tl.float32)
-        p0 = tl.exp2(tl.where(valid, tl.sum(qa * ka, 1) * qk_scale2 - lsea, float("-inf")))
-        ds0 = p0 * (tl.sum(do_a * xs, 1) - delta_a)
+        p0 = tl.exp2(tl.where(valid, _sum(qa * ka, 1) * qk_scale2 - lsea, float("-inf")))
+        ds0 = p0 * (_sum(do_a * xs, 1) - delta_a)
         dqa = ds0[:, None] * ka
         tl.atomic_add(DKA + bh * n * da + rows[:, None] * da + ca[None, :], ds0[:, None] * qa * scale,
                       mask=valid[:, None] & amask)
         tl.atomic_add(DX + bh * n * e + rows[:, None] * e + ce[None, :], p0[:, None] * do_a,
                       mask=valid[:, None] & emask)
     prev = tl.full([BM], -1, tl.int32)
-    for k in range(0, K):
+    for k in range(0, NSLOT):
         src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
         src = src + s
         if HAS_A:
@@ -619,8 +655,8 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
                          other=0.0).to(tl.float32)
             xk = tl.load(X + bh * n * e + src[:, None] * e + ce[None, :], mask=ok[:, None] & emask,
                          other=0.0).to(tl.float32)
-            p = tl.exp2(tl.where(ok, tl.sum(qa * kk, 1) * qk_scale2 - lsea, float("-inf")))
-            ds = p * (tl.sum(do_a * xk, 1) - delta_a)
+            p = tl.exp2(tl.where(ok, _sum(qa * kk, 1) * qk_scale2 - lsea, float("-inf")))
+            ds = p * (_sum(do_a * xk, 1) - delta_a)
             dqa += ds[:, None] * kk
             tl.atomic_add(DKA + bh * n * da + src[:, None] * da + ca[None, :], ds[:, None] * qa * scale,
                           mask=ok[:, None] & amask)
@@ -630,8 +666,8 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
             kk = tl.load(KB + bh * n * db + src[:, None] * db + cb[None, :], mask=ok[:, None] & bmask,
                          other=0.0).to(tl.float32)
             yk = tl.load(Y + bh * n * e + src[:, None] * e + ce[None, :], mask=ok[:, None] & emask, other=0.0)
-            p = tl.exp2(tl.where(ok, tl.sum(qb * kk, 1) * qk_scale2 - lseb, float("-inf")))
-            ds = p * (geff * tl.sum(w * yk, 1) - delta_b)
+            p = tl.exp2(tl.where(ok, _sum(qb * kk, 1) * qk_scale2 - lseb, float("-inf")))
+            ds = p * (geff * _sum(w * yk, 1) - delta_b)
             dqb += ds[:, None] * kk
             tl.atomic_add(DKB + bh * n * db + src[:, None] * db + cb[None, :], ds[:, None] * qb * scale,
                           mask=ok[:, None] & bmask)
@@ -647,7 +683,7 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
 
 @triton.jit
 def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, Y, Z,
-                       S, H, da, db, e, qk_scale2, W_LO, K,
+                       S, H, da, db, e, qk_scale2, W_LO, NSLOT,
                        BS: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BE: tl.constexpr,
                        MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, TIED: tl.constexpr):
     """One decode step for one (batch, head): the new token against the S rows of the layer's cache.
@@ -655,11 +691,12 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
     Grid (BH,). Cache tensors are (B, H, S, w) contiguous, POS (B, S) the pattern position of each row
     (-1: not readable), RPOS (B,) the new token's pattern position r (negative on padding). Which
     rows are read (``ops.recurrent._read_mask``): MODE 0 every row with POS >= 0; MODE 1 rows with
-    POS >= r - W_LO (local attention, banded); MODE 2 rows with r - POS in OFFS[:K] (plain f-pattern).
+    POS >= r - W_LO (local attention, banded); MODE 2 rows with r - POS in OFFS[:NSLOT] (plain f-pattern).
     Channel A reads those rows plus the token itself (its key KA, value X); channel B those rows
     (keys CKB, outputs CO). Online softmax over blocks of BS rows, float32.
-    Writes Y (BH, e) float32; TIED: z = geff R + (1 - geff) x to Z and y = z - DD x to Y (no A).
-    Both are 0 where r < 0.
+    Writes Y (BH, e) float32, 0 where r < 0, and (with B) what the cache keeps: Z = y unmasked, as
+    ``recurrent_step`` stores it; TIED (no A): Z = z = geff R + (1 - geff) x and Y = z - DD x, both 0
+    where r < 0.
     """
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
@@ -672,7 +709,7 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
         amask = ca < da
         qa = tl.load(QA + bh * da + ca, mask=amask, other=0.0).to(tl.float32)
         ka = tl.load(KA + bh * da + ca, mask=amask, other=0.0).to(tl.float32)
-        m = tl.sum(qa * ka, 0) * qk_scale2
+        m = _sum(qa * ka, 0) * qk_scale2
         l_sum = tl.full((), 1.0, tl.float32)
         acc = x
     if HAS_B:
@@ -681,7 +718,7 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
         qb = tl.load(QB + bh * db + cb, mask=bmask, other=0.0).to(tl.float32)
         mb = tl.full((), float("-inf"), tl.float32)
         lb = tl.full((), 0.0, tl.float32)
-        accb = tl.zeros([BE], tl.float32)
+        accb = tl.full([BE], 0.0, tl.float32)
     for s0 in range(0, S, BS):
         sl = s0 + tl.arange(0, BS)
         smask = sl < S
@@ -691,7 +728,7 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
             read = read & (pos >= r - W_LO)
         if MODE == 2:
             hit = pos < 0
-            for k in range(0, K):
+            for k in range(0, NSLOT):
                 hit = hit | ((r - pos) == tl.load(OFFS + k))
             read = read & hit
         if HAS_A:
@@ -699,25 +736,25 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
                          other=0.0).to(tl.float32)
             vv = tl.load(CV + (bh * S + sl[:, None]) * e + ce[None, :], mask=read[:, None] & emask[None, :],
                          other=0.0).to(tl.float32)
-            sc = tl.where(read, tl.sum(qa[None, :] * kk, 1) * qk_scale2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 0))
+            sc = tl.where(read, _sum(qa[None, :] * kk, 1) * qk_scale2, float("-inf"))
+            m_new = tl.maximum(m, _max(sc, 0))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sc - m_new)
-            l_sum = l_sum * alpha + tl.sum(p, 0)
-            acc = acc * alpha + tl.sum(p[:, None] * vv, 0)
+            l_sum = l_sum * alpha + _sum(p, 0)
+            acc = acc * alpha + _sum(p[:, None] * vv, 0)
             m = m_new
         if HAS_B:
             kk = tl.load(CKB + (bh * S + sl[:, None]) * db + cb[None, :], mask=read[:, None] & bmask[None, :],
                          other=0.0).to(tl.float32)
             vv = tl.load(CO + (bh * S + sl[:, None]) * e + ce[None, :], mask=read[:, None] & emask[None, :],
                          other=0.0).to(tl.float32)
-            sc = tl.where(read, tl.sum(qb[None, :] * kk, 1) * qk_scale2, float("-inf"))
-            mb_new = tl.maximum(mb, tl.max(sc, 0))
+            sc = tl.where(read, _sum(qb[None, :] * kk, 1) * qk_scale2, float("-inf"))
+            mb_new = tl.maximum(mb, _max(sc, 0))
             m_use = tl.where(mb_new == float("-inf"), 0.0, mb_new)
             p = tl.exp2(sc - m_use)
             alpha = tl.exp2(mb - m_use)
-            lb = lb * alpha + tl.sum(p, 0)
-            accb = accb * alpha + tl.sum(p[:, None] * vv, 0)
+            lb = lb * alpha + _sum(p, 0)
+            accb = accb * alpha + _sum(p[:, None] * vv, 0)
             mb = mb_new
     live = r >= 0
     if HAS_B:
@@ -731,6 +768,7 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
             tl.store(Y + bh * e + ce, tl.where(live, z - dd * x, 0.0), mask=emask)
         else:
             y = (1.0 - geff) * (acc / l_sum) + geff * rb
+            tl.store(Z + bh * e + ce, y, mask=emask)
             tl.store(Y + bh * e + ce, tl.where(live, y, 0.0), mask=emask)
     else:
         tl.store(Y + bh * e + ce, tl.where(live, acc / l_sum, 0.0), mask=emask)

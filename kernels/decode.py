@@ -60,7 +60,7 @@ def _step(state: MixerState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool
         return x if t is None or S == 0 else t.contiguous()
 
     y = _new((batch, heads, e), dev)
-    z = _new((batch, heads, e), dev) if tied else y
+    z = _new((batch, heads, e), dev) if has_b else y
     offs = torch.tensor(offsets or [1], dtype=torch.int32, device=dev)
     jit_module().decode_step_kernel[(batch * heads,)](
         flat(qa), flat(ka), x.contiguous(), flat(qb), flat(g), flat(d),
@@ -75,7 +75,7 @@ def _step(state: MixerState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool
     else:
         new = {"keys_a": ka, "values": x}
         if has_b:
-            new.update(keys_b=kb, outputs=y)
+            new.update(keys_b=kb, outputs=z.to(x.dtype))
     _update(pattern, state, new, r)
     return y
 

@@ -33,6 +33,9 @@ from hf_resolvent.patterns import Pattern, get_pattern
 from ._loader import check_ready, jit_module
 
 LOG2E = math.log2(math.e)
+# Input precision of products with float32 operands (see _jit.py): float32-accurate on tensor cores.
+FP32_PREC = "tf32x3"
+SOLVE_PREC = "tf32x3"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -200,7 +203,8 @@ def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockCon
             y, r, lseb = _new((BH, n, e), dev), _new((BH, n, e), dev), _new((BH, n), dev)
             jit.dense_solve_fwd_kernel[(BH,)](qb, kb, oa, g, y, r, lseb, start, n, H, sh.db, e, qk2,
                                               BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
-                                              BD=_width(sh.db), BE=BE, PREC=sh.prec, num_warps=cfg.solve_warps)
+                                              BD=_width(sh.db), BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC,
+                                              num_warps=cfg.solve_warps)
         else:
             y = oa
     else:
@@ -224,7 +228,8 @@ def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockCon
             jit.sparse_solve_fwd_kernel[(BH,)](qb, kb, oa, g, lseb, y, r, start, offs, steps, K, plan.f0,
                                                n, H, sh.db, e, qk2,
                                                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
-                                               BD=_width(sh.db), BE=BE, CE=plan.ce, num_warps=cfg.solve_warps)
+                                               BD=_width(sh.db), BE=BE, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
+                                               num_warps=cfg.solve_warps)
         else:
             y = oa
     return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r)
@@ -251,13 +256,15 @@ def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, c
         if plan.dense:
             jit.dense_solve_bwd_kernel[(BH,)](qb, kb, oa, r, g, lseb, dy, w, da, db, dg, start, n, H, sh.db, e, qk2,
                                               BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
-                                              BD=_width(sh.db), BE=BE, PREC=sh.prec, num_warps=cfg.solve_warps)
+                                              BD=_width(sh.db), BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC,
+                                              num_warps=cfg.solve_warps)
         else:
             gacc = torch.zeros(BH, n, e, device=dev)
             jit.sparse_solve_bwd_kernel[(BH,)](qb, kb, oa, r, g, lseb, dy, gacc, w, da, db, dg, start, offs, steps,
                                                K, plan.f0, n, H, sh.db, e, qk2,
                                                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
-                                               BD=_width(sh.db), BE=BE, CE=plan.ce, num_warps=cfg.solve_warps)
+                                               BD=_width(sh.db), BE=BE, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
+                                               num_warps=cfg.solve_warps)
     else:
         w = dy.float() * valid_rows(start, heads, n)[..., None]
         da = (w * oa).sum(-1)
@@ -330,7 +337,7 @@ class _MixFunction(torch.autograd.Function):
         cfg = _CONFIG
         sh = _Shapes(BH=batch * heads, H=heads, n=n, da=0 if qa is None else qa.shape[-1],
                      db=0 if qb is None else qb.shape[-1], e=e, scale=scale,
-                     prec="ieee" if dtype == torch.float32 else "tf32")
+                     prec=FP32_PREC if dtype == torch.float32 else "tf32")
         flat = [_flat(t, dtype) for t in (qa, ka, qb, kb, x)] + [_flat(g)]
         start = start.to(device=x.device, dtype=torch.int32).contiguous()
         y, saved = _forward(*flat, start, plan, sh, cfg, tied)

@@ -1,0 +1,255 @@
+"""Triton kernels against the PyTorch forms, on CPU through Triton's interpreter.
+
+The whole module runs with ``TRITON_INTERPRET=1`` set by an autouse fixture and removed afterwards:
+``hf_resolvent.kernels`` loads its ``@triton.jit`` functions once per Triton mode (see
+kernels/_loader.py), so the setting does not leak into other test modules (there, ``impl="triton"``
+on CPU still raises its error). Shapes are tiny (the interpreter is slow) and the tile sizes are set to
+16 so that every length spans several blocks and ends in a partial one. Every kernel output is
+allocated filled with NaN (``set_nan_fill``), so an unwritten element fails the comparison.
+
+Oracles: ``ops.reference_mix`` / ``reference_mix_tied`` in float64 on the same (rounded) inputs, and
+``ops.recurrent_step`` for the decode kernel.
+
+Tolerances: float32 inputs 1e-4 (absolute and relative; the kernels accumulate in float32 and agree
+to ~1e-6 in practice). bfloat16 inputs: max error / max magnitude <= 3e-2 (outputs and gradients are
+rounded to bfloat16, probabilities are rounded to bfloat16 before the products with values).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_resolvent import kernels
+from hf_resolvent.ops import (
+    MixerState,
+    recurrent_step,
+    recurrent_step_tied,
+    reference_mix,
+    reference_mix_tied,
+    resolvent_mix,
+)
+
+BLOCK = 16
+PATTERNS = [
+    "attention",
+    "local_attention:3",
+    "dense",
+    "banded:2",
+    "diagonal",
+    "exp2",
+    "exp2:ce",
+    "square",
+    "square:ce",
+    "f:k**2+2",  # f(0) = 2: rows 0 and 1 have no recurrent set
+]
+RECURRENT = [p for p in PATTERNS if not p.startswith(("attention", "local_attention"))]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        old = kernels.set_nan_fill(True)
+        with kernels.block_config(attn_m=BLOCK, attn_n=BLOCK, solve=BLOCK, sparse_m=BLOCK, decode=BLOCK):
+            yield
+        kernels.set_nan_fill(old)
+
+
+def _inputs(batch, heads, n, d, e, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    qa, ka, qb, kb = (torch.randn(batch, heads, n, d, generator=gen) for _ in range(4))
+    x = torch.randn(batch, heads, n, e, generator=gen)
+    g = torch.rand(batch, heads, n, generator=gen) * 0.9 + 0.05
+    tied_d = torch.rand(batch, heads, n, generator=gen)
+    return [t.to(dtype) for t in (qa, ka, qb, kb, x, g, tied_d)]
+
+
+def _uses_b(pattern: str) -> bool:
+    return not pattern.startswith(("attention", "local_attention"))
+
+
+def _run(fn, inputs, cotangent):
+    """Output and gradients of sum(fn(*inputs) * cotangent) for the inputs that are not None."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    y = fn(*leaves)
+    used = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad((y.double() * cotangent).sum(), used, allow_unused=True)
+    return y, grads
+
+
+def _close(actual, expected, rel):
+    """max |actual - expected| <= rel * max(|expected|, 1)."""
+    actual, expected = actual.double(), expected.double()
+    assert torch.isfinite(actual).all(), "kernel output has NaN/inf (unwritten memory?)"
+    err = (actual - expected).abs().max().item()
+    scale = max(expected.abs().max().item(), 1.0)
+    assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
+
+
+def _check_mix(pattern, batch, heads, n, d, e, dtype, rel, start=None, seed=0):
+    qa, ka, qb, kb, x, g, _ = _inputs(batch, heads, n, d, e, seed, dtype)
+    if not _uses_b(pattern):
+        qb = kb = g = None
+    inputs = [qa, ka, qb, kb, x, g]
+    cot = torch.randn(batch, heads, n, e, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    y, grads = _run(lambda *t: kernels.triton_mix(*t, pattern, start=start), inputs, cot)
+    assert y.dtype == dtype and y.shape == (batch, heads, n, e)
+    as64 = [None if t is None else t.double() for t in inputs]
+    y_ref, grads_ref = _run(lambda *t: reference_mix(*t, pattern, start=start), as64, cot)
+    _close(y, y_ref, rel)
+    names = [nm for nm, t in zip(("qa", "ka", "qb", "kb", "x", "g"), inputs) if t is not None]
+    for name, got, want in zip(names, grads, grads_ref):
+        assert got is not None and got.dtype == dtype, name
+        try:
+            _close(got, want, rel)
+        except AssertionError as err:
+            raise AssertionError(f"gradient of {name}: {err}") from None
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_float32_forward_and_gradients(pattern):
+    # n = 37: three blocks of 16, the last one partial; e != d exercises the column masks.
+    _check_mix(pattern, batch=2, heads=2, n=37, d=16, e=24, dtype=torch.float32, rel=1e-4)
+
+
+@pytest.mark.parametrize("pattern", ["attention", "local_attention:3", "dense", "exp2:ce", "banded:3", "square"])
+def test_bfloat16_forward_and_gradients(pattern):
+    _check_mix(pattern, batch=2, heads=2, n=29, d=16, e=16, dtype=torch.bfloat16, rel=3e-2)
+
+
+@pytest.mark.parametrize("pattern", ["attention", "local_attention:4", "dense", "banded:2", "exp2:ce", "square"])
+def test_left_padding(pattern):
+    start = torch.tensor([0, 7, 18])  # 18 > one block: a whole block of padding
+    _check_mix(pattern, batch=3, heads=1, n=33, d=16, e=16, dtype=torch.float32, rel=1e-4, start=start)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16])
+def test_short_sequences(n):
+    for pattern in ("dense", "exp2:ce"):
+        _check_mix(pattern, batch=1, heads=2, n=n, d=16, e=16, dtype=torch.float32, rel=1e-4)
+
+
+def test_pattern_with_no_slot_in_range():
+    # f(0) = 2 >= n: no row has a recurrent set, the slot table is empty (K = 0).
+    _check_mix("f:k**2+2", batch=1, heads=1, n=2, d=16, e=16, dtype=torch.float32, rel=1e-4)
+
+
+@pytest.mark.parametrize(("pattern", "dtype", "rel", "padded"), [
+    ("dense", torch.float32, 1e-4, False),
+    ("square:ce", torch.float32, 1e-4, True),
+    ("diagonal", torch.float32, 1e-4, False),
+    ("exp2", torch.bfloat16, 3e-2, False),
+])
+def test_tied_variant(pattern, dtype, rel, padded):
+    batch, heads, n = 2, 2, 35
+    qa, ka, qb, kb, x, g, tied_d = _inputs(batch, heads, n, 16, 16, 3, dtype)
+    start = torch.tensor([0, 9]) if padded else None
+    inputs = [qb, kb, x, g, tied_d]
+    cot = torch.randn(batch, heads, n, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    y, grads = _run(lambda *t: kernels.triton_mix_tied(*t, pattern, start=start), inputs, cot)
+    y_ref, grads_ref = _run(lambda *t: reference_mix_tied(*t, pattern, start=start), [t.double() for t in inputs],
+                            cot)
+    _close(y, y_ref, rel)
+    for name, got, want in zip(("qb", "kb", "x", "g", "d"), grads, grads_ref):
+        try:
+            _close(got, want, rel)
+        except AssertionError as err:
+            raise AssertionError(f"gradient of {name}: {err}") from None
+
+
+def test_resolvent_mix_dispatches_to_triton(monkeypatch):
+    qa, ka, qb, kb, x, g, _ = _inputs(1, 2, 21, 16, 16, 5)
+    calls = []
+    real = kernels.triton_mix
+    monkeypatch.setattr(kernels, "triton_mix", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = resolvent_mix(qa, ka, qb, kb, x, g, "exp2", impl="triton")
+    assert calls, "impl='triton' did not reach hf_resolvent.kernels.triton_mix"
+    torch.testing.assert_close(y, resolvent_mix(qa, ka, qb, kb, x, g, "exp2", impl="parallel"), rtol=1e-4, atol=1e-4)
+
+
+def test_clear_error_when_triton_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    qa, ka, qb, kb, x, g, _ = _inputs(1, 1, 8, 16, 16, 6)
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines: CPU tensors are the error case
+        assert kernels.triton_ready()
+    else:
+        assert not kernels.triton_ready()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1") as info:
+        resolvent_mix(qa, ka, qb, kb, x, g, "dense", impl="triton")
+    assert "CUDA" in str(info.value)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.triton_decode_step(MixerState(), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0],
+                                   g[:, :, 0], "dense")
+
+
+def test_unsupported_dtype_is_refused():
+    qa, ka, qb, kb, x, g, _ = _inputs(1, 1, 8, 16, 16, 7, torch.float64)
+    with pytest.raises(ValueError, match="float64"):
+        kernels.triton_mix(qa, ka, qb, kb, x, g, "dense")
+
+
+def test_nan_fill_catches_unwritten_outputs():
+    # The NaN switch itself: fresh buffers are NaN, so a kernel that skipped rows would fail above.
+    from hf_resolvent.kernels.resolvent import _new
+
+    assert torch.isnan(_new((3, 4), torch.device("cpu"))).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode step
+
+
+def _state_tensors(state: MixerState):
+    out = {k: v for k, v in state.tensors().items()}
+    out["positions"] = state.positions
+    return out
+
+
+@pytest.mark.parametrize(("pattern", "padded"), [
+    ("attention", True),
+    ("local_attention:3", False),
+    ("dense", True),
+    ("banded:2", False),
+    ("exp2", True),
+    ("exp2:ce", True),
+    ("square:ce", False),
+])
+def test_decode_step_matches_recurrent_step(pattern, padded):
+    batch, heads, n = 2, 2, 13
+    qa, ka, qb, kb, x, g, _ = _inputs(batch, heads, n, 16, 24, 8)
+    start = torch.tensor([0, 4]) if padded else None
+    ref_state, tri_state = MixerState(start=start), MixerState(start=start)
+    for t in range(n):
+        args = [None if a is None else a[:, :, t] for a in (qa, ka, qb, kb, x, g)]
+        if not _uses_b(pattern):
+            args[2] = args[3] = args[5] = None
+        want = recurrent_step(ref_state, *args, pattern)
+        got = kernels.triton_decode_step(tri_state, *args, pattern)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, t=t: f"step {t}: {m}")
+    ref_t, tri_t = _state_tensors(ref_state), _state_tensors(tri_state)
+    assert ref_t.keys() == tri_t.keys()
+    for name in ref_t:
+        torch.testing.assert_close(tri_t[name], ref_t[name], rtol=1e-5, atol=1e-5, msg=lambda m, k=name: f"{k}: {m}")
+    assert tri_state.seen == ref_state.seen == n
+
+
+def test_decode_step_tied_and_bfloat16():
+    batch, heads, n = 2, 1, 11
+    qa, ka, qb, kb, x, g, tied_d = _inputs(batch, heads, n, 16, 16, 9)
+    ref_state, tri_state = MixerState(), MixerState()
+    for t in range(n):
+        args = [a[:, :, t] for a in (qb, kb, x, g, tied_d)]
+        want = recurrent_step_tied(ref_state, *args, "exp2:ce")
+        got = kernels.triton_decode_step_tied(tri_state, *args, "exp2:ce")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # bfloat16 inputs, float32 accumulation: compare with the float32 recurrent form on the same values.
+    ref_state, tri_state = MixerState(), MixerState()
+    low = [a.bfloat16() for a in (qa, ka, qb, kb, x, g)]
+    for t in range(n):
+        args = [a[:, :, t] for a in low]
+        want = recurrent_step(ref_state, *[a.float() for a in args], "dense")
+        got = kernels.triton_decode_step(tri_state, *args, "dense")
+        assert got.dtype == torch.bfloat16
+        _close(got, want, 3e-2)
