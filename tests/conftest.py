@@ -5,6 +5,8 @@ Shapes follow the library: B batch, H heads, n positions, d key width, e value w
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -16,6 +18,11 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("hf_resolvent")
+
+# The tests run many small tensor ops; on a CPU shared with other jobs, intra-op threads spin and wait on
+# each other (measured 10-20x slower with 2 threads than with 1 on a loaded 2-core machine).
+# HF_RESOLVENT_TEST_THREADS overrides the count.
+torch.set_num_threads(int(os.environ.get("HF_RESOLVENT_TEST_THREADS", "1")))
 
 
 def cubic_plus_one(k: int) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import cubic_plus_one, make_mixer_inputs
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hf_resolvent.ops import (
     MixerState,
@@ -178,6 +180,39 @@ def test_reference_is_the_definition():
             y[i - 1] = out
         for impl in FORMS:
             assert_close(mix(spec, inp, impl)[0, 0], y, f"{impl} {spec} vs the definition", tol=1e-12)
+
+
+EDGE_SPECS = list(SPECS.values()) + ["f:2*k+3", "local_attention:40", "banded:40"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 66])
+def test_forms_agree_float64_edge_lengths(n):
+    """float64, every pattern plus f(0) > 1 and windows longer than n, single-token and short sequences,
+    a start leaving one real token; 'auto' is the parallel form on CPU tensors."""
+    for spec in EDGE_SPECS:
+        pattern = get_pattern(spec)
+        inp = make_mixer_inputs(batch=2, heads=2, n=n, d=4, e=3, dtype=torch.float64, seed=n)
+        for start in (None, torch.tensor([n - 1, 0], dtype=torch.int32)):
+            ref = mix(spec, inp, "reference", start=start)
+            assert ref.dtype == torch.float64
+            for impl in ("parallel", "recurrent", "auto"):
+                assert_close(mix(spec, inp, impl, start=start), ref, f"{impl} {pattern.name} n={n}", tol=1e-12)
+            if pattern.has_recurrence:
+                ref = mix_tied(spec, inp, "reference", start=start)
+                for impl in ("parallel", "recurrent", "auto"):
+                    assert_close(mix_tied(spec, inp, impl, start=start), ref, f"tied {impl} {pattern.name}",
+                                 tol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_keep_their_dtype(dtype):
+    inp = make_mixer_inputs(batch=1, heads=2, n=40, d=8, e=4, seed=21)
+    ref = mix("exp2:ce", inp, "reference")
+    low = {k: v.to(dtype) for k, v in inp.items()}
+    for impl in FORMS:
+        y = mix("exp2:ce", low, impl)
+        assert y.dtype == dtype
+        assert_close(y.float(), ref, f"{impl} in {dtype}", tol=0.05)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -350,6 +385,39 @@ def test_cache_efficient_state_holds_exactly_s_next(key):
     assert plain.rows() == n and state.rows() < n / 5
 
 
+@st.composite
+def _random_f(draw):
+    values = [1]
+    for step in draw(st.lists(st.integers(1, 12), min_size=1, max_size=8)):
+        values.append(values[-1] + step)
+
+    def f(k):
+        return values[k] if k < len(values) else values[-1] + 10**6 * (k - len(values) + 1)
+
+    return f
+
+
+@settings(max_examples=12)
+@given(f=_random_f(), pad=st.integers(0, 6))
+def test_cache_efficient_state_random_f(f, pad):
+    """The decode register follows S_{n+1} for random f too, and the steps equal the reference."""
+    pattern = get_pattern(f, cache_efficient=True)
+    n = 45
+    inp = make_mixer_inputs(batch=2, heads=1, n=n, d=2, e=2, dtype=torch.float64, seed=pad)
+    start = torch.tensor([pad, 0])
+    state = MixerState(start=start)
+    ys = []
+    for t in range(n):
+        step = {k: v[:, :, t] for k, v in inp.items()}
+        ys.append(recurrent_step(state, step["qa"], step["ka"], step["qb"], step["kb"], step["x"], step["g"], pattern))
+        for b in range(2):
+            m = t + 1 - int(start[b])
+            got = sorted(int(p) + 1 for p in state.positions[b] if p >= 0)
+            assert got == (pattern.attended(m + 1) if m >= 1 else [])
+    ref = reference_mix(inp["qa"], inp["ka"], inp["qb"], inp["kb"], inp["x"], inp["g"], pattern, start=start)
+    assert_close(torch.stack(ys, 2), ref, "recurrent steps vs reference", tol=1e-12)
+
+
 def test_state_select_batch_and_continue():
     """Reordering the batch of a state (beam search) then decoding on equals decoding the reordered batch."""
     n, split = 40, 25
@@ -393,6 +461,8 @@ def _shape_error_cases():
          ["start must be (batch,) = (2,)"]),
         ("start too large", (q, k, qb, kb, x, g, "dense"), {"start": torch.tensor([0, 12])}, ["[0, n)"]),
         ("start negative", (q, k, qb, kb, x, g, "dense"), {"start": torch.tensor([-1, 0])}, ["[0, n)"]),
+        ("start float", (q, k, qb, kb, x, g, "dense"), {"start": torch.tensor([1.0, 0.0])}, ["integer tensor"]),
+        ("start list", (q, k, qb, kb, x, g, "exp2"), {"start": [1, 0]}, ["integer tensor", "got list"]),
     ] + [
         ("tied d wrong shape", ("tied", qb, kb, x, g, dd[:, :, :4], "dense"), {}, ["d must be (batch, heads, n)"]),
         ("tied without recurrence", ("tied", qb, kb, x, g, dd, "attention"), {}, ["needs a recurrent pattern"]),

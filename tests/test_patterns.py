@@ -8,8 +8,9 @@ Positions are 1-indexed as in the papers unless a name says otherwise; ``source_
 from __future__ import annotations
 
 import math
-import subprocess
+import runpy
 import sys
+import warnings
 
 import pytest
 import torch
@@ -364,15 +365,16 @@ def test_cost_and_cache_growth_follow_the_classes():
     assert get_pattern("banded:8").cost(n) == 9 and get_pattern("banded:8").cache_size(n) == 8
 
 
-def test_plot_cli_writes_png(tmp_path):
+def test_plot_cli_writes_png(tmp_path, monkeypatch, capsys):
+    """``python -m hf_resolvent.patterns --plot X.png`` (run in-process with runpy: no second torch import)."""
     out = tmp_path / "patterns.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_resolvent.patterns", "--plot", str(out), "-n", "64"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    monkeypatch.setattr(sys, "argv", ["hf_resolvent.patterns", "--plot", str(out), "-n", "64"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is already imported
+        runpy.run_module("hf_resolvent.patterns", run_name="__main__")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "exp2:ce" in proc.stdout
+    printed = capsys.readouterr().out
+    assert "exp2:ce" in printed and "wrote" in printed
     other = tmp_path / "two.png"
     plot_patterns(str(other), ["dense", "square:ce"], n=16)
     assert other.read_bytes()[:4] == b"\x89PNG"

@@ -41,6 +41,9 @@ def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None
     elif tied_d is not None:
         raise ValueError(f"the tied variant needs a recurrent pattern, got {pattern.name!r}")
     if start is not None:
+        if not isinstance(start, torch.Tensor) or start.dtype.is_floating_point or start.dtype in (torch.bool, torch.complex64, torch.complex128):
+            got = type(start).__name__ if not isinstance(start, torch.Tensor) else f"a {start.dtype} tensor"
+            raise ValueError(f"start must be an integer tensor (torch.long) of shape (batch,), got {got}")
         if start.dim() != 1 or start.shape[0] != batch:
             raise ValueError(f"start must be (batch,) = ({batch},), got {tuple(start.shape)}")
         if (start < 0).any() or (start >= n).any():
