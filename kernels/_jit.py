@@ -169,6 +169,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
     Grid (cdiv(n, BN), BH). dS_ij = P_ij (dO_i . V_j - DELTA_i); dK_j = scale sum_i dS_ij Q_i;
     dV_j = sum_i P_ij dO_i. Writes float32 (BH, n, d) / (BH, n, e).
     """
+    DT = Q.dtype.element_ty  # operands of every product: bf16 tensor cores for bf16 inputs
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     s = tl.load(START + bh // H)
@@ -179,7 +180,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
     kvalid = kmask & (keys >= s)
     k = tl.load(K + bh * n * d + keys[:, None] * d + cd[None, :], mask=kmask[:, None] & (cd[None, :] < d), other=0.0)
     v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
-                other=0.0).to(tl.float32)
+                other=0.0).to(DT)
     dk = tl.full([BN, BD], 0.0, tl.float32)
     dv = tl.full([BN, BE], 0.0, tl.float32)
     lo = ((pid * BN) // BM) * BM
@@ -200,12 +201,12 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
             causal = keys[None, :] <= rows[:, None]
         ok = causal & kvalid[None, :] & rmask[:, None]
         p = tl.exp2(tl.where(ok, s2 - lse[:, None], float("-inf")))
-        do = w * coef[:, None]
+        do = (w * coef[:, None]).to(DT)
         if HAS_DV:
-            dv += _dot(tl.trans(p), do, PREC)
+            dv += _dot(tl.trans(p).to(DT), do, PREC)
         dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
-        dk += _dot(tl.trans(ds).to(q.dtype), q, PREC)
+        dk += _dot(tl.trans(ds).to(DT), q, PREC)
     tl.store(DK + bh * n * d + keys[:, None] * d + cd[None, :], dk * scale, mask=kmask[:, None] & (cd[None, :] < d))
     if HAS_DV:
         tl.store(DV + bh * n * e + keys[:, None] * e + ce[None, :], dv, mask=kmask[:, None] & (ce[None, :] < e))
@@ -219,6 +220,7 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
 
     Grid (cdiv(n, BM), BH). Writes float32 (BH, n, d).
     """
+    DT = Q.dtype.element_ty  # operands of every product: bf16 tensor cores for bf16 inputs
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     s = tl.load(START + bh // H)
@@ -231,7 +233,7 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
     coef = tl.load(COEF + bh * n + rows, mask=rmask, other=0.0)
     delta = tl.load(DELTA + bh * n + rows, mask=rmask, other=0.0)
     lse = tl.load(LSE + bh * n + rows, mask=rmask, other=0.0)
-    do = w * coef[:, None]
+    do = (w * coef[:, None]).to(DT)
     dq = tl.full([BM, BD], 0.0, tl.float32)
     lo = (s // BN) * BN
     hi = tl.minimum((pid + 1) * BM, n)
@@ -241,7 +243,7 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
         k = tl.load(K + bh * n * d + keys[:, None] * d + cd[None, :], mask=kmask[:, None] & (cd[None, :] < d),
                     other=0.0)
         v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
-                    other=0.0).to(tl.float32)
+                    other=0.0).to(DT)
         s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
         if STRICT:
             causal = keys[None, :] < rows[:, None]
@@ -251,7 +253,7 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
         p = tl.exp2(tl.where(ok, s2 - lse[:, None], float("-inf")))
         dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, PREC)
+        dq += _dot(ds.to(DT), k, PREC)
     tl.store(DQ + bh * n * d + rows[:, None] * d + cd[None, :], dq * scale, mask=rmask[:, None] & (cd[None, :] < d))
 
 

@@ -64,15 +64,26 @@ def check_ready(*tensors: torch.Tensor | None) -> None:
         raise RuntimeError(NOT_READY.format(why=why))
 
 
-def jit_module() -> ModuleType:
-    """The kernels of ``_jit.py`` for the current mode (compiled or interpreted), loaded once per mode."""
-    mode = interpreting()
+def jit_module(interpret: bool | None = None) -> ModuleType:
+    """The kernels of ``_jit.py`` for the current mode (compiled or interpreted), loaded once per mode.
+
+    ``interpret`` forces a mode (``False``: GPU-compilable kernels, for ahead-of-time compilation).
+    """
+    mode = interpreting() if interpret is None else bool(interpret)
     module = _MODULES.get(mode)
     if module is None:
         name = f"hf_resolvent.kernels._jit_{'interpreted' if mode else 'compiled'}"
         spec = importlib.util.spec_from_file_location(name, _JIT_PATH)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # triton resolves helper functions through the module's globals
-        spec.loader.exec_module(module)
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if mode else "0"  # read by triton.jit at decoration
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
         _MODULES[mode] = module
     return module

@@ -44,24 +44,32 @@ class BlockConfig:
     """Tile sizes of the kernels (powers of two, at least 16).
 
     Attributes:
-        attn_m, attn_n: query rows per program and keys per inner step of the attention-style kernels.
+        attn_m, attn_n: query rows per program and keys per inner step of the attention forward.
+        bwd_m, bwd_n: query rows and keys per tile of the attention-style backward kernels.
         solve: rows per block of the sequential solves (dense and sparse); the in-block system is
             solve x solve and is inverted with 2 (log2(solve) - 1) products of that size.
-        sparse_m: rows per program of the parallel sparse kernels.
+        sparse_m, sparse_grads_m: rows per program of the parallel sparse forward / gradient kernels.
         decode: cache rows per inner step of the decode kernel.
-        num_warps: warps of the parallel kernels; solve_warps: of the sequential solves.
+        num_warps: warps of the parallel kernels; solve_warps, solve_stages: warps and software
+            pipelining stages of the sequential solves. The defaults compile for sm_80 / sm_90 with
+            bfloat16 inputs, head dim 64, without register spills worth mentioning (see
+            ``scripts/bench_kernels.py --compile-check``); with solve = 64 the sequential kernels spill.
     """
 
     attn_m: int = 64
     attn_n: int = 64
-    solve: int = 64
-    sparse_m: int = 64
+    bwd_m: int = 32
+    bwd_n: int = 64
+    solve: int = 32
+    sparse_m: int = 32
+    sparse_grads_m: int = 16
     decode: int = 64
     num_warps: int = 4
     solve_warps: int = 4
+    solve_stages: int = 2
 
     def __post_init__(self):
-        for name in ("attn_m", "attn_n", "solve", "sparse_m", "decode"):
+        for name in ("attn_m", "attn_n", "bwd_m", "bwd_n", "solve", "sparse_m", "sparse_grads_m", "decode"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"BlockConfig.{name} must be a power of two >= 16, got {v}")
@@ -204,7 +212,7 @@ def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockCon
             jit.dense_solve_fwd_kernel[(BH,)](qb, kb, oa, g, y, r, lseb, start, n, H, sh.db, e, qk2,
                                               BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
                                               BD=_width(sh.db), BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC,
-                                              num_warps=cfg.solve_warps)
+                                              num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
     else:
@@ -229,7 +237,7 @@ def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockCon
                                                n, H, sh.db, e, qk2,
                                                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
                                                BD=_width(sh.db), BE=BE, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
-                                               num_warps=cfg.solve_warps)
+                                               num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
     return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r)
@@ -257,14 +265,14 @@ def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, c
             jit.dense_solve_bwd_kernel[(BH,)](qb, kb, oa, r, g, lseb, dy, w, da, db, dg, start, n, H, sh.db, e, qk2,
                                               BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
                                               BD=_width(sh.db), BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC,
-                                              num_warps=cfg.solve_warps)
+                                              num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             gacc = torch.zeros(BH, n, e, device=dev)
             jit.sparse_solve_bwd_kernel[(BH,)](qb, kb, oa, r, g, lseb, dy, gacc, w, da, db, dg, start, offs, steps,
                                                K, plan.f0, n, H, sh.db, e, qk2,
                                                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
                                                BD=_width(sh.db), BE=BE, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
-                                               num_warps=cfg.solve_warps)
+                                               num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
     else:
         w = dy.float() * valid_rows(start, heads, n)[..., None]
         da = (w * oa).sum(-1)
@@ -286,7 +294,7 @@ def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, c
         if plan.has_b:
             dqb, dkb = _new((BH, n, sh.db), dev), torch.zeros(BH, n, sh.db, device=dev)
         dummy = w
-        grid = (triton_cdiv(n, cfg.sparse_m), BH)
+        grid = (triton_cdiv(n, cfg.sparse_grads_m), BH)
         jit.sparse_grads_kernel[grid](
             qa if not tied else dummy, ka if not tied else dummy, x, qb if plan.has_b else dummy,
             kb if plan.has_b else dummy, y, w, g if plan.has_b else dummy, da, db if db is not None else da,
@@ -294,7 +302,7 @@ def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, c
             dqa if dqa is not None else dummy, dka if dka is not None else dummy, dx if not tied else dummy,
             dqb if dqb is not None else dummy, dkb if dkb is not None else dummy,
             start, offs, steps, K, plan.f0, n, H, sh.da, sh.db, e, qk2, sh.scale,
-            BM=cfg.sparse_m, BDA=_width(sh.da), BDB=_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
+            BM=cfg.sparse_grads_m, BDA=_width(sh.da), BDB=_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
             HAS_B=plan.has_b, num_warps=cfg.num_warps)
     return dqa, dka, dqb, dkb, dx, dg
 
@@ -303,11 +311,11 @@ def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: _Shapes,
     BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
     qk2 = sh.scale * LOG2E
     common = dict(BD=_width(d), BE=_width(e), STRICT=strict, PREC=sh.prec, num_warps=cfg.num_warps)
-    jit.attn_bwd_dkdv_kernel[(triton_cdiv(n, cfg.attn_n), BH)](
+    jit.attn_bwd_dkdv_kernel[(triton_cdiv(n, cfg.bwd_n), BH)](
         q, k, v, w, coef, delta, lse, dk, dv if dv is not None else dk, start, n, H, d, e, qk2, sh.scale,
-        BM=cfg.attn_m, BN=cfg.attn_n, HAS_DV=dv is not None, **common)
-    jit.attn_bwd_dq_kernel[(triton_cdiv(n, cfg.attn_m), BH)](
-        q, k, v, w, coef, delta, lse, dq, start, n, H, d, e, qk2, sh.scale, BM=cfg.attn_m, BN=cfg.attn_n, **common)
+        BM=cfg.bwd_m, BN=cfg.bwd_n, HAS_DV=dv is not None, **common)
+    jit.attn_bwd_dq_kernel[(triton_cdiv(n, cfg.bwd_m), BH)](
+        q, k, v, w, coef, delta, lse, dq, start, n, H, d, e, qk2, sh.scale, BM=cfg.bwd_m, BN=cfg.bwd_n, **common)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -51,7 +51,8 @@ def interpreter():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         old = kernels.set_nan_fill(True)
-        with kernels.block_config(attn_m=BLOCK, attn_n=BLOCK, solve=BLOCK, sparse_m=BLOCK, decode=BLOCK):
+        with kernels.block_config(attn_m=BLOCK, attn_n=BLOCK, bwd_m=BLOCK, bwd_n=BLOCK, solve=BLOCK, sparse_m=BLOCK,
+                                  sparse_grads_m=BLOCK, decode=BLOCK):
             yield
         kernels.set_nan_fill(old)
 
@@ -253,3 +254,29 @@ def test_decode_step_tied_and_bfloat16():
         got = kernels.triton_decode_step(tri_state, *args, "dense")
         assert got.dtype == torch.bfloat16
         _close(got, want, 3e-2)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU lowering (no GPU needed)
+
+
+@pytest.mark.parametrize(("pattern", "dtype"), [("dense", torch.bfloat16), ("exp2:ce", torch.float32)])
+def test_kernels_compile_for_a_gpu(pattern, dtype):
+    """Every launch of a forward, backward and decode step compiles to a cubin for sm_90.
+
+    The interpreter runs kernels as Python and would accept code that Triton cannot lower to a GPU;
+    this builds the recorded launches (at the test tile size, to keep it quick) with Triton's compiler
+    and ptxas. ``scripts/bench_kernels.py --compile-check`` does the same at the default tile sizes.
+    """
+    from hf_resolvent.kernels import aot
+
+    launches = aot.record_launches(pattern, dtype=dtype, n=40, d=16, e=16, batch=1, heads=2)
+    names = {launch.name for launch in launches}
+    expected = {"dense": {"attn_fwd_kernel", "dense_solve_fwd_kernel", "dense_solve_bwd_kernel", "attn_bwd_dkdv_kernel",
+                          "attn_bwd_dq_kernel", "decode_step_kernel"},
+                "exp2:ce": {"sparse_direct_kernel", "sparse_solve_fwd_kernel", "sparse_solve_bwd_kernel",
+                            "sparse_grads_kernel", "decode_step_kernel"}}[pattern]
+    assert names == expected
+    for launch in launches:
+        usage = aot.compile_launch(launch, arch=90)
+        assert 0 < usage["registers"] <= 255, (launch.name, usage)
