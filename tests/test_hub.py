@@ -1,0 +1,101 @@
+"""scripts/push_to_hub.py: the dry run writes exactly the upload (weights, tokenizer, code, card), which loads with
+trust_remote_code=True where hf_resolvent is not importable; without token or network a clear error."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_resolvent import ResolventConfig, ResolventForCausalLM
+from hf_resolvent import data as D
+from hf_resolvent import training as T
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("_push_script", ROOT / "scripts" / "push_to_hub.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+push = _load_script()
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("run")
+    config = ResolventConfig.from_preset("tiny", mixer="exp2:ce", vocab_size=300, n_layer=1, n_embd=32, n_head=2,
+                                         n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0)
+    ResolventForCausalLM(config).save_pretrained(folder)
+    tok = D.train_bpe_tokenizer([d["text"] for d in D.stdlib_corpus(max_docs=5)], vocab_size=300)
+    tok.save_pretrained(folder)
+    card = T.render_model_card({"model_name": "run", "mixer": "exp2:ce", "repo_id": "REPO_ID", "val_ppl": 12.5,
+                                "val_loss": 2.53, "datasets": [], "tags": ["hf-resolvent"]})
+    (folder / "README.md").write_text(card)
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (folder / "checkpoints" / "step_0000001").mkdir(parents=True)
+    (folder / "checkpoints" / "step_0000001" / "optimizer.bin").write_bytes(b"x" * 100)
+    (folder / "logs").mkdir()
+    (folder / "logs" / "events").write_text("tb")
+    return folder
+
+
+def test_dry_run_writes_exactly_the_upload(model_folder, tmp_path, capsys):
+    dest = tmp_path / "upload"
+    assert push.main([str(model_folder), "--repo-id", "someone/resolvent-test", "--dry-run", str(dest)]) == 0
+    printed = capsys.readouterr().out
+    files = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    manifest = json.loads((tmp_path / "upload.manifest.json").read_text())
+    assert [m["path"] for m in manifest["files"]] == files and manifest["repo_id"] == "someone/resolvent-test"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
+            "metrics.jsonl", "modeling_resolvent.py", "configuration_resolvent.py"} <= set(files)
+    assert not any(f.startswith(("checkpoints", "logs")) for f in files)
+    assert f"{len(files)} files" in printed
+    card = (dest / "README.md").read_text()
+    assert "someone/resolvent-test" in card and "REPO_ID" not in card
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert meta["model-index"][0]["results"][0]["metrics"][0]["value"] == 12.5
+    # the staged folder loads with remote code in a process where hf_resolvent cannot be imported
+    code = (
+        "import sys; sys.modules['hf_resolvent'] = None\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(dest)!r}, trust_remote_code=True)\n"
+        f"t = AutoTokenizer.from_pretrained({str(dest)!r})\n"
+        "ids = t('The', return_tensors='pt')['input_ids']\n"
+        "print(type(m).__module__, m.config.mixer, m(ids).logits.shape[-1])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    module, mixer, vocab = proc.stdout.split()[-3:]
+    assert "hf_resolvent" not in module and module.startswith("transformers_modules")
+    assert mixer == "exp2:ce" and vocab == "300"
+
+
+def test_upload_without_token_or_network_fails_clearly(model_folder, monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored login
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    assert push.main([str(model_folder), "--repo-id", "someone/x"]) == 2
+    assert "no Hugging Face token" in capsys.readouterr().err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert push.main([str(model_folder), "--repo-id", "someone/x", "--token", "hf_dummy"]) == 2
+    assert "not reachable" in capsys.readouterr().err
+
+
+def test_bad_inputs(tmp_path, capsys):
+    assert push.main([str(tmp_path), "--repo-id", "someone/x", "--dry-run"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert push.main([str(tmp_path), "--repo-id", "not a repo"]) == 2
+    assert "namespace/name" in capsys.readouterr().err
