@@ -95,9 +95,10 @@ def strided_perplexity(model, tokens: np.ndarray, max_length: int, stride: int, 
     """Perplexity of a token stream ``tokens`` (int64, (N,)) with strided windows.
 
     Window k covers ``[k * stride, k * stride + max_length)``; it scores its tokens not scored by window
-    k - 1 (all of them for k = 0), so every token after the first is predicted exactly once, with at least
-    ``max_length - stride`` tokens of context (except in the first window). Returns mean NLL (nats/token),
-    perplexity and the number of scored tokens.
+    k - 1 (all of them for k = 0), so for ``stride < max_length`` every token after the first is predicted
+    exactly once, with at least ``max_length - stride`` tokens of context (except in the first window); with
+    ``stride == max_length`` (disjoint windows) the first token of each window is not scored. Returns mean NLL
+    (nats/token), perplexity and the number of scored tokens.
     """
     if not 0 < stride <= max_length:
         raise ValueError(f"stride must be in (0, max_length={max_length}], got {stride}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -171,3 +172,50 @@ def test_two_processes_under_accelerate_launch_agree(data_dir, straight, tmp_pat
     wa, wb = _weights(out_a), _weights(out)
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-4)
+
+
+evaluate_script = _load_script("evaluate")
+
+
+def test_strided_perplexity_scores_every_token_once():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=64, n_embd=16, n_layer=1, n_head=2)).eval()
+    tokens = torch.randint(0, 50, (45,)).numpy()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens)[None]).logits[0]
+    full = torch.nn.functional.cross_entropy(logits[:-1], torch.from_numpy(tokens[1:])).item()
+    one = evaluate_script.strided_perplexity(model, tokens, 64, 32, 4, torch.device("cpu"))
+    assert one["tokens"] == 44 and one["loss"] == pytest.approx(full, rel=1e-5)
+    # non-overlapping windows of 16 (+1 shared boundary token): the mean of the per-window losses
+    disjoint = evaluate_script.strided_perplexity(model, tokens, 16, 15, 2, torch.device("cpu"))
+    nll = 0.0
+    for b in range(0, 44, 15):
+        w = torch.from_numpy(tokens[b:b + 16])
+        with torch.no_grad():
+            lg = model(w[None]).logits[0]
+        nll += torch.nn.functional.cross_entropy(lg[:-1], w[1:], reduction="sum").item()
+    assert disjoint["tokens"] == 44 and disjoint["loss"] == pytest.approx(nll / 44, rel=1e-5)
+    for stride in (1, 5, 8, 15):
+        assert evaluate_script.strided_perplexity(model, tokens, 16, stride, 8, torch.device("cpu"))["tokens"] == 44
+    # disjoint windows cannot score the first token of each window (no context inside the window)
+    assert evaluate_script.strided_perplexity(model, tokens, 16, 16, 8, torch.device("cpu"))["tokens"] == 42
+    with pytest.raises(ValueError, match="stride"):
+        evaluate_script.strided_perplexity(model, tokens, 16, 17, 8, torch.device("cpu"))
+
+
+def test_evaluate_script_writes_table_figure_and_samples(straight, tmp_path, capsys):
+    out_a, results = straight
+    out = tmp_path / "eval"
+    assert evaluate_script.main([str(out_a), "--out", str(out), "--samples", "2", "--max-new-tokens", "4",
+                                 "--max-tokens", "400"]) == 0
+    table = json.loads((out / "eval.json").read_text())["rows"]
+    assert len(table) == 1 and table[0]["mixer"] == "dense" and table[0]["time_per_token"] == "O(n)"
+    assert math.isfinite(table[0]["perplexity"]) and table[0]["tokens"] > 0
+    assert len(table[0]["samples"]) == 2
+    assert (out / "perplexity_vs_complexity.png").stat().st_size > 1000
+    assert "| `dense` |" in (out / "eval.md").read_text()
+    assert json.loads((out_a / "eval_results.json").read_text())["perplexity"] == table[0]["perplexity"]
+    assert evaluate_script.main([str(tmp_path), "--out", str(out)]) == 2
+    assert "no config.json" in capsys.readouterr().err

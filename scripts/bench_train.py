@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Training throughput of the 44M shape: GPT-2 (transformers' GPT2LMHeadModel, SDPA) vs every resolvent mixer.
+
+    python scripts/bench_train.py --out bench_train.json            # CPU defaults: batch 1 x 512, short runs
+    python scripts/bench_train.py --out bench_train.json --batch 32 --steps 10 --device cuda --bf16
+
+One training step = forward, next-token cross-entropy, backward, gradient clipping and an AdamW update, on random
+token windows (throughput does not depend on the data). Models are measured side by side in one run: in each of
+``--rounds`` rounds every model is built (seeded), warmed up for one step and timed for ``--steps`` steps; a
+model's step time is the median over all its timed steps, so a slow period of a shared machine hits every model
+alike. Writes ``{"rows": [{"model", "tokens_per_s", "step_ms", "ratio_to_gpt2", "params"}, ...], ...}`` to
+``--out``, prints a Markdown table and writes a PNG next to the JSON.
+
+Shape (paper Table 2): 6 layers, d 512, ff 2048, 8 heads of 64, context 512, vocab 50257 (GPT-2 tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hf_resolvent import training as T
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON output (the PNG goes next to it)")
+    p.add_argument("--mixers", nargs="+", default=T.PAPER_MIXERS, help="resolvent mixers to compare with GPT-2")
+    p.add_argument("--preset", default="44m", choices=sorted(T.SHAPES))
+    p.add_argument("--seq-len", type=int, default=None, help="default: the preset's context (512 for 44m)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device", default=None)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
+    return p
+
+
+def make_model(name: str, preset: str, vocab: int, seq_len: int):
+    shape = {k: v for k, v in T.SHAPES[preset].items() if k != "n_positions"}  # same shape for every model
+    cfg = {"type": "gpt2" if name == "gpt2" else "resolvent", "preset": preset, "mixer": name, "overrides": shape,
+           "pad_vocab_multiple": 1}
+    return T.build_model(cfg, vocab, seq_len)
+
+
+def time_steps(model, batch: torch.Tensor, steps: int, device: torch.device, bf16: bool) -> list[float]:
+    """Seconds of ``steps`` full training steps (after one untimed warm-up step)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), weight_decay=0.1)
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else torch.autocast(device.type, enabled=False)
+    out = []
+    for i in range(steps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with ctx:
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i > 0:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def run(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seq_len = args.seq_len or T.SHAPES[args.preset]["n_positions"]
+    names = ["gpt2", *args.mixers]
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, args.vocab, (args.batch, seq_len + 1), generator=gen).to(device)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    params: dict[str, int] = {}
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]  # alternate the order between rounds
+        for name in order:
+            torch.manual_seed(0)
+            model = make_model(name, args.preset, args.vocab, seq_len).to(device).train()
+            params[name] = T.count_parameters(model)
+            ts = time_steps(model, batch, args.steps, device, args.bf16)
+            times[name].extend(ts)
+            print(f"[bench_train] round {r + 1}/{args.rounds} {name:>18}: "
+                  + ", ".join(f"{t * 1000:.0f}" for t in ts) + " ms/step", flush=True)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    tokens = args.batch * seq_len
+    base = statistics.median(times["gpt2"])
+    rows = []
+    for name in names:
+        step = statistics.median(times[name])
+        rows.append({"model": name, "tokens_per_s": tokens / step, "step_ms": step * 1000,
+                     "ratio_to_gpt2": step / base, "params": params[name],
+                     "params_ratio_to_gpt2": params[name] / params["gpt2"],
+                     "complexity": T.complexity_of(name)})
+    return {"rows": rows, "shape": {**T.SHAPES[args.preset], "seq_len": seq_len, "vocab": args.vocab},
+            "batch": args.batch, "steps_per_round": args.steps, "rounds": args.rounds, "device": str(device),
+            "threads": torch.get_num_threads() if device.type == "cpu" else None, "bf16": args.bf16,
+            "torch": torch.__version__}
+
+
+def markdown(result: dict) -> str:
+    lines = ["| model | params | step (ms) | tokens/s | step time vs GPT-2 |", "|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M ({r['params_ratio_to_gpt2']:.2f}x) | "
+                     f"{r['step_ms']:.0f} | {r['tokens_per_s']:,.0f} | {r['ratio_to_gpt2']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    colors = ["tab:gray" if r["model"] == "gpt2" else "tab:blue" for r in rows]
+    ax.bar(range(len(rows)), [r["ratio_to_gpt2"] for r in rows], color=colors)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r["model"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("training step time / GPT-2's")
+    s = result["shape"]
+    ax.set_title(f"44M shape ({s['n_layer']} x d{s['n_embd']}, ctx {s['seq_len']}), batch {result['batch']}, "
+                 f"{result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(markdown(result))
+    print(f"[bench_train] wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
