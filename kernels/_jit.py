@@ -169,7 +169,8 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
     Grid (cdiv(n, BN), BH). dS_ij = P_ij (dO_i . V_j - DELTA_i); dK_j = scale sum_i dS_ij Q_i;
     dV_j = sum_i P_ij dO_i. Writes float32 (BH, n, d) / (BH, n, e).
     """
-    DT = Q.dtype.element_ty  # operands of every product: bf16 tensor cores for bf16 inputs
+    DT = Q.dtype.element_ty  # q, k, dS operands: bf16 tensor cores for bf16 inputs
+    VT = V.dtype.element_ty  # dO, V, P operands: float32 (tf32) when V is the solved Y
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     s = tl.load(START + bh // H)
@@ -180,7 +181,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
     kvalid = kmask & (keys >= s)
     k = tl.load(K + bh * n * d + keys[:, None] * d + cd[None, :], mask=kmask[:, None] & (cd[None, :] < d), other=0.0)
     v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
-                other=0.0).to(DT)
+                other=0.0).to(VT)
     dk = tl.full([BN, BD], 0.0, tl.float32)
     dv = tl.full([BN, BE], 0.0, tl.float32)
     lo = ((pid * BN) // BM) * BM
@@ -201,9 +202,9 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
             causal = keys[None, :] <= rows[:, None]
         ok = causal & kvalid[None, :] & rmask[:, None]
         p = tl.exp2(tl.where(ok, s2 - lse[:, None], float("-inf")))
-        do = (w * coef[:, None]).to(DT)
+        do = (w * coef[:, None]).to(VT)
         if HAS_DV:
-            dv += _dot(tl.trans(p).to(DT), do, PREC)
+            dv += _dot(tl.trans(p).to(VT), do, PREC)
         dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
         dk += _dot(tl.trans(ds).to(DT), q, PREC)
@@ -220,7 +221,8 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
 
     Grid (cdiv(n, BM), BH). Writes float32 (BH, n, d).
     """
-    DT = Q.dtype.element_ty  # operands of every product: bf16 tensor cores for bf16 inputs
+    DT = Q.dtype.element_ty  # q, k, dS operands: bf16 tensor cores for bf16 inputs
+    VT = V.dtype.element_ty  # dO, V, P operands: float32 (tf32) when V is the solved Y
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     s = tl.load(START + bh // H)
@@ -233,7 +235,7 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
     coef = tl.load(COEF + bh * n + rows, mask=rmask, other=0.0)
     delta = tl.load(DELTA + bh * n + rows, mask=rmask, other=0.0)
     lse = tl.load(LSE + bh * n + rows, mask=rmask, other=0.0)
-    do = (w * coef[:, None]).to(DT)
+    do = (w * coef[:, None]).to(VT)
     dq = tl.full([BM, BD], 0.0, tl.float32)
     lo = (s // BN) * BN
     hi = tl.minimum((pid + 1) * BM, n)
@@ -243,7 +245,7 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
         k = tl.load(K + bh * n * d + keys[:, None] * d + cd[None, :], mask=kmask[:, None] & (cd[None, :] < d),
                     other=0.0)
         v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
-                    other=0.0).to(DT)
+                    other=0.0).to(VT)
         s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
         if STRICT:
             causal = keys[None, :] < rows[:, None]
