@@ -562,7 +562,9 @@ def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, STA
         geff = tl.where(hasb, tl.load(G + bh * n + rows, mask=rmask, other=0.0).to(tl.float32), 0.0)
         row_e = bh * n * e + rows[:, None] * e + ce[None, :]
         rhs = tl.load(DY + row_e, mask=valid[:, None] & emask, other=0.0).to(tl.float32)
-        rhs += tl.load(GACC + row_e, mask=rmask[:, None] & emask, other=0.0)
+        # GACC was written with atomics (at L2): bypass L1, which may hold a stale line shared with a
+        # row of the next block when rows are not a multiple of 128 bytes.
+        rhs += tl.load(GACC + row_e, mask=rmask[:, None] & emask, other=0.0, cache_modifier=".cg")
         bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
         prev = tl.full([BLOCK], -1, tl.int32)
         for k in range(0, NSLOT):
