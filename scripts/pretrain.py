@@ -150,21 +150,28 @@ def _lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_loss(accelerator, model, val: hdata.TokenShards, seq_len: int, max_windows: int, micro: int) -> dict:
-    """Mean validation loss over fixed non-overlapping windows, split across processes."""
+    """Mean validation loss over fixed non-overlapping windows, split across processes.
+
+    Runs the prepared (wrapped) model so that sharded (FSDP) parameters work; every process runs the same number
+    of forward passes (a process short of windows repeats its last one with weight 0)."""
     starts = hdata.eval_windows(val, seq_len, max_windows)
-    mine = starts[accelerator.process_index::accelerator.num_processes]
-    raw = accelerator.unwrap_model(model)
-    was_training = raw.training
-    raw.eval()
+    world, rank = accelerator.num_processes, accelerator.process_index
+    mine = starts[rank::world]
+    n_batches = math.ceil(math.ceil(len(starts) / world) / micro)
+    was_training = model.training
+    model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for i in range(0, len(mine), micro):
-        rows = np.stack([val.read(s, seq_len + 1) for s in mine[i:i + micro]])
+    for i in range(n_batches):
+        chunk = mine[i * micro:(i + 1) * micro]
+        weight = 1.0 if chunk else 0.0
+        chunk = chunk or starts[:1]
+        rows = np.stack([val.read(s, seq_len + 1) for s in chunk])
         batch = torch.from_numpy(rows).to(accelerator.device)
         with accelerator.autocast():
-            loss = _lm_loss(raw, batch)
-        n = batch[:, 1:].numel()
+            loss = _lm_loss(model, batch)
+        n = batch[:, 1:].numel() * weight
         total += torch.tensor([loss.item() * n, n], dtype=torch.float64, device=accelerator.device)
-    raw.train(was_training)
+    model.train(was_training)
     total = accelerator.reduce(total, reduction="sum")
     val_loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
     return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(total[1].item())}
@@ -215,8 +222,13 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, keep:
 
 def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data_meta: dict, results: dict,
                 argv: list[str]) -> None:
+    """The save_pretrained folder, tokenizer, loss plot, results and card. Call on EVERY process (the full state
+    dict is gathered collectively under FSDP); only the main process writes."""
+    state_dict = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return
     raw = accelerator.unwrap_model(model)
-    raw.save_pretrained(output_dir, safe_serialization=True)
+    raw.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
     T.plot_loss(output_dir / "metrics.jsonl", output_dir / "loss.png",
                 title=f"{T.model_label(cfg['model'])} ({cfg['name']})")
@@ -415,17 +427,23 @@ def train(argv: list[str] | None = None) -> dict:
         if not last_eval:
             last_eval = evaluate_loss(accelerator, model, val_tokens, seq_len, int(ev["max_windows"]),
                                       int(ev["micro_batch"]))
-    checksums = accelerator.gather(params_checksum(accelerator.unwrap_model(model)).to(accelerator.device))
+    from accelerate.utils import DistributedType
+
+    replicated = accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU,
+                                                  DistributedType.MULTI_CPU)
+    checksums = (accelerator.gather(params_checksum(accelerator.unwrap_model(model)).to(accelerator.device))
+                 if replicated else torch.zeros(0))  # sharded parameters (FSDP, DeepSpeed): nothing to compare
     results = {"output_dir": str(output_dir), "config": cfg["name"], "model": label, "params": params,
                "steps": step, "tokens": tokens_seen, "train_time_s": round(train_time, 2),
                "processes": accelerator.num_processes, "data": data_meta["data"],
                "tokenizer": data_meta["tokenizer_description"],
                "process_checksums": [float(c) for c in checksums.reshape(-1).tolist()], **last_eval}
-    if len(set(results["process_checksums"])) != 1:
+    if len(set(results["process_checksums"])) > 1:
         raise RuntimeError(f"the processes ended with different weights: {results['process_checksums']}")
     accelerator.wait_for_everyone()
-    if main and not args.no_final_save:
+    if not args.no_final_save:
         write_final(accelerator, model, tokenizer, cfg, output_dir, data_meta, results, argv)
+    if main and not args.no_final_save:
         log(f"[pretrain] done: {step} steps, {tokens_seen:,} tokens in {train_time:.0f}s; val loss "
             f"{results.get('val_loss', float('nan')):.4f}, perplexity {results.get('val_ppl', float('nan')):.2f}")
         log(f"[pretrain] wrote the model folder {output_dir} (save_pretrained + tokenizer + README.md), "
