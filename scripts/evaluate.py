@@ -2,14 +2,14 @@
 """Evaluate trained models: validation perplexity (strided windows), sample generations, and the papers' figure.
 
     python scripts/evaluate.py runs/tiny                       # one model
-    python scripts/evaluate.py runs/44m-* --out eval/44m       # the comparison: table + figure
+    python scripts/evaluate.py runs/44m-* --out runs/eval-44m   # the comparison: table + figure
 
 For every model folder (a ``save_pretrained`` folder written by scripts/pretrain.py) this computes the perplexity
 of the validation split the model was trained with (or ``--data``) with strided windows: windows of
 ``--max-length`` tokens every ``--stride`` tokens, each token scored once with at least
 ``max_length - stride`` tokens of context (the method of the ``transformers`` perplexity guide). It prints
-sample generations and writes ``eval_results.json`` into the folder. With ``--out`` (default ``eval/``) it writes
-the comparison: ``eval.json``, ``eval.md`` and ``perplexity_vs_complexity.png`` (perplexity against the
+sample generations and writes ``eval_results.json`` into the folder. In ``--out`` (default: ``eval/`` next to
+the first model folder, e.g. ``runs/eval``) it writes the comparison: ``eval.json``, ``eval.md`` and ``perplexity_vs_complexity.png`` (perplexity against the
 per-token time and decode-cache class of each mixer, one point per model, as in the papers).
 
 Perplexity is computed here from the model's own next-token loss rather than with ``evaluate.load("perplexity")``:
@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None, help="generation prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="eval", help="folder for the comparison table and figure")
+    p.add_argument("--out", default=None,
+                   help="folder for the comparison table and figure (default: eval/ next to the first model)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     return p
 
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     except (hdata.DataError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    out = Path(args.out) if args.out else Path(args.models[0]).resolve().parent / "eval"
     out.mkdir(parents=True, exist_ok=True)
     hdata.atomic_write_json(out / "eval.json", {"rows": results})
     table = markdown_table(results)

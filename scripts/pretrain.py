@@ -79,12 +79,16 @@ def _resolve_config(args) -> dict:
     return cfg
 
 
-def _mixed_precision(setting: str) -> str | None:
-    if os.environ.get("ACCELERATE_MIXED_PRECISION") and setting == "auto":
-        return None  # accelerate launch --mixed_precision decides
+def _mixed_precision(setting: str) -> str:
+    """``auto``: bf16 on GPUs that support it, else fp16 on GPUs, no mixed precision on CPU. An explicit
+    ``accelerate launch --mixed_precision fp16|bf16`` wins over ``auto`` (the launcher's default "no" does not:
+    use ``--set train.mixed_precision=no`` for float32 on a GPU)."""
     if setting != "auto":
         return setting
-    if torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() != "true":
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched not in ("", "no"):
+        return launched
+    if torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() not in ("true", "1"):
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "no"
 

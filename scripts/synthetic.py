@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=None, help="split each batch (gradient accumulation)")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--pairs", type=int, default=None, help="most key-value pairs (recall tasks)")
+    p.add_argument("--length", type=int, default=None, help="longest sequence (recall) or copied length (copy)")
+    p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-samples", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
@@ -138,9 +141,11 @@ def evaluate(model, spec: S.TaskSpec, n_samples: int, seed: int, device, batch_s
 def run(args) -> dict:
     preset = dict(PRESETS[args.preset])
     for key, attr in (("steps", "steps"), ("batch", "batch_size"), ("lr", "lr"), ("d", "d_model"),
-                      ("eval_samples", "eval_samples")):
+                      ("eval_samples", "eval_samples"), ("pairs", "pairs"), ("warmup", "warmup")):
         if getattr(args, attr) is not None:
             preset[key] = getattr(args, attr)
+    if args.length is not None:
+        preset["copy_len" if args.task == "copy" else "recall_len"] = args.length
     spec = task_spec(args.task, preset)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
