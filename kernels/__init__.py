@@ -11,9 +11,33 @@ Entry points used by :mod:`hf_resolvent.ops` (``resolvent_mix(..., impl="triton"
 Importing this package does not import Triton; the kernels are loaded on first use.
 """
 
-from ._loader import check_ready, interpreting, triton_ready
-from .decode import triton_decode_step, triton_decode_step_tied
-from .resolvent import BlockConfig, block_config, get_block_config, make_plan, set_nan_fill, triton_mix, triton_mix_tied
+import importlib
+
+# Loaded on first attribute access (PEP 562). Besides keeping ``import hf_resolvent`` light, this matters
+# when the repository root is on sys.path (``python -m pytest``, ``python -c`` there): this folder is then
+# also importable as a top-level ``kernels``, the name of the Hugging Face kernels package that transformers
+# probes while it is being imported; an eager import of hf_resolvent from here would be circular.
+_EXPORTS = {
+    "check_ready": "._loader",
+    "interpreting": "._loader",
+    "triton_ready": "._loader",
+    "triton_decode_step": ".decode",
+    "triton_decode_step_tied": ".decode",
+    "BlockConfig": ".resolvent",
+    "block_config": ".resolvent",
+    "get_block_config": ".resolvent",
+    "make_plan": ".resolvent",
+    "set_nan_fill": ".resolvent",
+    "triton_mix": ".resolvent",
+    "triton_mix_tied": ".resolvent",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+
 
 __all__ = [
     "BlockConfig",
