@@ -12,7 +12,7 @@ import torch
 from hf_resolvent.ops import parallel_mix, reference_mix
 from hf_resolvent.ops import slots as slots_mod
 from hf_resolvent.ops.slots import SlotCombine, SlotDot, slot_combine, slot_dot, slot_layout, slot_pieces, slot_scatter
-from hf_resolvent.ops.solve import DenseSolve, SparseSolve, unit_lower_inverse
+from hf_resolvent.ops.solve import DenseSolve, SparseSolve, solve_unit_lower
 from hf_resolvent.patterns import get_pattern
 
 F64 = torch.float64
@@ -71,18 +71,32 @@ def test_slot_pieces_cover_rows_once_with_their_sources(f, a):
     assert all(s < t for t, s in seen.items()) and n > r1
 
 
-@pytest.mark.parametrize("c", [1, 2, 8, 32])
-def test_unit_lower_inverse(c):
-    lower = torch.randn(3, 2, c, c, dtype=F64).tril(-1) * 0.3
-    inv = unit_lower_inverse(lower)
-    torch.testing.assert_close(inv @ (torch.eye(c, dtype=F64) - lower), torch.eye(c, dtype=F64).expand(3, 2, c, c))
-    with pytest.raises(ValueError, match="power-of-two"):
-        unit_lower_inverse(torch.zeros(1, 3, 3))
+@pytest.mark.parametrize("transpose", [False, True])
+def test_solve_unit_lower(transpose):
+    m = torch.eye(9, dtype=F64) - torch.randn(2, 3, 9, 9, dtype=F64).tril(-1) * 0.3
+    rhs = torch.randn(2, 3, 9, 4, dtype=F64)
+    got = solve_unit_lower(m, rhs, transpose)
+    torch.testing.assert_close((m.mT if transpose else m) @ got, rhs)
 
 
-@pytest.mark.parametrize("spec,chunk", [("exp2:ce", 4), ("square", 5), ("banded:2", 8)])
+@pytest.mark.parametrize("spec", ["exp2", "exp2:ce", "square", "square:ce", "f:3*k+1:ce", "banded:5"])
+@pytest.mark.parametrize("chunk", [4, 8, 12])
+def test_sparse_solve_matches_dense_solve(spec, chunk):
+    """Covers every kind of entry of the chunked solve: in-chunk, previous-chunk block, whole-span
+    slots (f - a + 1 >= C) and per-chunk pieces (f >= C > f - a + 1)."""
+    n = 75
+    layout = slot_layout(get_pattern(spec), n)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.rand(2, 2, layout.num_slots, n, generator=gen, dtype=F64) / layout.num_slots * layout.valid
+    z = torch.randn(2, 2, n, 3, generator=gen, dtype=F64)
+    b = torch.einsum("kts,bhkt->bhts", _dense_slot_matrix(layout), w)
+    expected = torch.linalg.solve_triangular(torch.eye(n, dtype=F64) - b, z, upper=False)
+    torch.testing.assert_close(SparseSolve.apply(w, z, layout, chunk), expected)
+
+
+@pytest.mark.parametrize("spec,chunk", [("exp2:ce", 4), ("square", 5), ("banded:2", 8), ("square:ce", 8)])
 def test_sparse_solve_gradcheck(spec, chunk, one_thread):
-    n = 19
+    n = 29
     layout = slot_layout(get_pattern(spec), n)
     gen = torch.Generator().manual_seed(2)
     w = (torch.rand(1, 2, layout.num_slots, n, generator=gen, dtype=F64) / layout.num_slots).requires_grad_()

@@ -19,7 +19,7 @@ from .solve import DenseSolve, SparseSolve
 
 DEFAULT_CHUNK = 64  # rows per block of the forward substitution
 DENSE_CHUNK = 64
-SPARSE_CHUNK = 64
+SPARSE_CHUNK = 32
 
 
 def sparse_index(pattern: Pattern, n: int, start: torch.Tensor | None, device) -> torch.Tensor:

@@ -28,7 +28,7 @@ from ..patterns import Pattern
 
 # Rows per block of the slot loops: small enough that temporaries stay in cache and are recycled
 # by the allocator, large enough that the Python loop is short.
-ROW_BLOCK = 512
+ROW_BLOCK = 1024
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity (layouts are cached)
@@ -152,16 +152,23 @@ def _src_view(v: torch.Tensor, p: Piece) -> torch.Tensor:
     return v[:, :, p.s0 : p.s0 + p.stride * (p.runs - 1) + 1 : p.stride]
 
 
-def piece_dot(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, p: Piece) -> None:
-    """out (B, H, K, n)[slot, rows] = q[rows] . k[src(rows)]."""
+def piece_dot(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, p: Piece, scratch: torch.Tensor | None = None) -> None:
+    """out (B, H, K, n)[slot, rows] = q[rows] . k[src(rows)].
+
+    ``scratch`` (B, H, >= rows, d), reused across calls, holds the elementwise products: a fresh
+    temporary per piece costs more than the multiply (page faults of a large allocation).
+    """
     rows = q[:, :, p.t0 : p.t1]
     dst = out[:, :, p.slot, p.t0 : p.t1]
     src = _src_view(k, p)
+    b, h = q.shape[:2]
+    prod = None if scratch is None else scratch[:, :, : p.t1 - p.t0]
     if p.length == 1:
-        torch.linalg.vecdot(rows, src, out=dst)
+        prod = torch.mul(rows, src, out=prod)
+        torch.sum(prod, -1, out=dst)
     else:
-        b, h = q.shape[:2]
-        prod = rows.view(b, h, p.runs, p.length, -1) * src[:, :, :, None, :]
+        shape = (b, h, p.runs, p.length, rows.shape[-1])
+        prod = torch.mul(rows.view(shape), src[:, :, :, None, :], out=None if prod is None else prod.view(shape))
         dst.view(b, h, p.runs, p.length).copy_(prod.sum(-1))
 
 
@@ -194,10 +201,12 @@ def piece_scatter(w: torch.Tensor, u: torch.Tensor, out: torch.Tensor, p: Piece,
 
 def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """Scores S (B, H, K, n): S[k, t] = q_t . k_{src_k(t)}; 0 where t < f_k."""
-    b, h, n, _ = q.shape
+    b, h, n, d = q.shape
     out = q.new_zeros(b, h, layout.num_slots, n)
-    for p in block_pieces(layout):
-        piece_dot(q, k, out, p)
+    pieces = block_pieces(layout)
+    scratch = q.new_empty(b, h, max((p.t1 - p.t0 for p in pieces), default=0), d)
+    for p in pieces:
+        piece_dot(q, k, out, p, scratch)
     return out
 
 

@@ -7,8 +7,8 @@ Nothing of size n x n is kept: memory is O(n d) plus the B weights of sparse pat
 
 - :class:`SparseSolve` takes the weights W (B, H, K, n) of a sparse pattern (slot-major, see
   :mod:`.slots`) and Z. The part of a row that reads its own chunk is a C x C unit lower-triangular
-  system whose inverse is built for all chunks at once by block doubling; the part that reads earlier
-  chunks is a handful of shifted / strided slice updates per chunk.
+  system (built for all chunks at once, solved per chunk); the part that reads earlier chunks is one
+  block matmul (previous chunk) and a few shifted / strided slice updates (``slots.Piece``) per chunk.
 - :class:`DenseSolve` takes qb, kb, g and Z for the dense pattern (P^B_i = all earlier positions) and
   computes the softmax itself. Rows are split recursively: the contribution of the solved first half
   to the second half is one flash attention over already-solved Y, whose log-sum-exp merges it with
@@ -20,6 +20,7 @@ Shapes: B batch, H heads, n positions, d key width, e value width, K slots, C ch
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 
 import numpy as np
@@ -30,90 +31,117 @@ from .slots import Piece, SlotLayout, piece_combine, piece_scatter, slot_dot, sl
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
 
 
-def _next_pow2(c: int) -> int:
-    return 1 << max(0, (c - 1).bit_length())
+@contextmanager
+def serial():
+    """Run the enclosed small ops on one thread.
 
-
-def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
-    """(I - lower)^-1 for strictly lower-triangular (..., C, C) blocks, C a power of two.
-
-    Block doubling: the inverse of [[M1, 0], [-L21, M2]] is [[N1, 0], [N2 L21 N1, N2]], applied for
-    block sizes 1, 2, 4, ... C / 2 to all diagonal blocks of all matrices in one batched matmul per
-    level (a triangular solve per chunk was 4x slower on CPU).
+    The sequential parts of the solves are many ops on (B, H, C, C)-sized tensors: too small to gain
+    from a second thread, and on a loaded machine every parallel region waits for its slowest thread
+    (a 64 x 64 triangular solve took 30x longer at p90 with 2 threads than with 1).
     """
-    *batch, c, _ = lower.shape
-    if c & (c - 1):
-        raise ValueError(f"unit_lower_inverse needs a power-of-two block size, got {c}")
-    inv = torch.ones(*batch, c, 1, 1, dtype=lower.dtype, device=lower.device)  # diagonal blocks of size s
-    s = 1
-    while s < c:
-        nb = c // (2 * s)
-        blocks = lower.view(*batch, nb, 2 * s, nb, 2 * s).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
-        d1, d2 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
-        new = lower.new_zeros(*batch, nb, 2 * s, 2 * s)
-        new[..., :s, :s] = d1
-        new[..., s:, s:] = d2
-        new[..., s:, :s] = d2 @ (blocks[..., s:, :s] @ d1)
-        inv = new
-        s *= 2
-    return inv.squeeze(-3)
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# Dense rectangles (rows x keys) below this size run on one thread too.
+SERIAL_RECTANGLE = 256 * 256
 
 
 # ------------------------------------------------------------------------------------------------
 # Sparse patterns
 
+def solve_unit_lower(m: torch.Tensor, rhs: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """m^-1 rhs (or m^-T rhs) for lower-triangular m (..., L, L) with its unit diagonal stored.
+
+    Row-major m and rhs are column-major m^T and rhs^T to LAPACK, so the problem is posed as the
+    right-side solve y^T m^T = rhs^T (y^T m = rhs^T when transposed): no copies into column-major
+    order, 2.8x faster than ``solve_triangular(m, rhs)`` at C = 64. The stored unit diagonal with
+    ``unitriangular=False`` is itself 3x faster than ``unitriangular=True`` (DESIGN.md section 3).
+    """
+    if transpose:
+        return torch.linalg.solve_triangular(m, rhs.mT, upper=False, left=False).mT
+    return torch.linalg.solve_triangular(m.mT, rhs.mT, upper=True, left=False).mT
+
 
 class _SparsePlan:
-    """Precomputed chunk structure of a slot layout: far pieces per chunk and the in-chunk scatter."""
+    """Precomputed chunk structure of a slot layout for chunks of C rows.
+
+    Every B entry (row t, slot k, source s) is handled in one of four ways:
+
+    - in-chunk (s in t's chunk): the chunk's C x C unit lower-triangular system;
+    - slots with f < C, whose sources t - f <= s <= t - f + a - 1 lie in t's chunk or the one
+      before: one C x C matmul per chunk with the previous-chunk weights scattered into a block;
+    - slots with f - a + 1 >= C ("block" slots): every source of rows [s0, s0 + P) lies before s0
+      when P <= f - a + 1, so they are added P = C 2^j rows at once, when the loop reaches s0;
+    - the rest (f >= C > f - a + 1, cache-efficient only): in-chunk part in the system, the other
+      part by per-chunk slice pieces.
+    """
 
     def __init__(self, layout: SlotLayout, chunk: int):
         n, src = layout.n, layout.src
         self.n, self.chunk = n, chunk
-        self.cp = _next_pow2(chunk)
-        self.num_chunks = -(-n // chunk)
+        self.cp = chunk
+        self.num_chunks = nc = -(-n // chunk)
         t = np.arange(n)
-        c0 = (t // chunk) * chunk
-        near = (src >= 0) & (src >= c0[None, :])
-        flat = (t // chunk) * self.cp * self.cp + (t % chunk) * self.cp + (src - c0[None, :])
-        dummy = self.num_chunks * self.cp * self.cp
-        self.near_index = torch.from_numpy(np.where(near, flat, dummy).reshape(-1).astype(np.int64))
-        self.far: list[list[Piece]] = []
-        for c in range(self.num_chunks):
-            lo, hi = c * chunk, min(n, (c + 1) * chunk)
-            pieces: list[Piece] = []
-            for k, (f, a) in enumerate(zip(layout.fs, layout.steps)):
-                rows = np.nonzero((src[k, lo:hi] >= 0) & (src[k, lo:hi] < lo))[0]
-                if len(rows) == 0:
-                    continue
-                # Sources are non-decreasing along the rows of a slot, so far rows form a prefix.
-                pieces.extend(slot_pieces(f, a, k, lo, lo + int(rows[-1]) + 1))
-            self.far.append(pieces)
+        c0 = ((t // chunk) * chunk)[None, :]
+        valid = src >= 0
+        fs = np.array(layout.fs, dtype=np.int64)[:, None]
+        near_slot = fs < chunk
+        inside = valid & (src >= c0)
+        previous = valid & near_slot & (src < c0) & (src >= c0 - chunk)
+        cell = (t // chunk) * self.cp * self.cp + (t % chunk) * self.cp
+        dummy = nc * self.cp * self.cp
+        self.inside_index = torch.from_numpy(np.where(inside, cell + (src - c0), dummy).reshape(-1))
+        self.has_previous = bool(previous.any())
+        self.previous_index = torch.from_numpy(np.where(previous, cell + (src - c0 + chunk), dummy).reshape(-1))
+        # Per chunk: pieces added when the loop reaches it (block slots for whole spans, mixed slots).
+        self.pieces: list[list[Piece]] = [[] for _ in range(nc)]
+        for k, (f, a) in enumerate(zip(layout.fs, layout.steps)):
+            if f - a + 1 >= chunk:
+                span = chunk << (((f - a + 1) // chunk).bit_length() - 1)  # C 2^j <= f - a + 1
+                for s0 in range(0, n, span):
+                    self.pieces[s0 // chunk].extend(slot_pieces(f, a, k, s0, min(n, s0 + span)))
+            elif not near_slot[k, 0]:
+                for c in range(nc):
+                    lo, hi = c * chunk, min(n, (c + 1) * chunk)
+                    far = np.nonzero(valid[k, lo:hi] & (src[k, lo:hi] < lo))[0]
+                    if len(far):  # sources are non-decreasing along a slot: far rows form a prefix
+                        self.pieces[c].extend(slot_pieces(f, a, k, lo, lo + int(far[-1]) + 1))
 
-    def inverses(self, w: torch.Tensor) -> torch.Tensor:
-        """(B, H, num_chunks, Cp, Cp): the inverse of I - (in-chunk part of B) for every chunk."""
+    def _blocks(self, w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         b, h = w.shape[:2]
         size = self.num_chunks * self.cp * self.cp
-        lower = w.new_zeros(b, h, size + 1)
-        lower.scatter_(2, self.near_index.to(w.device)[None, None].expand(b, h, -1), w.reshape(b, h, -1))
-        lower = lower[:, :, :size].view(b, h, self.num_chunks, self.cp, self.cp)
-        return unit_lower_inverse(lower)
+        out = w.new_zeros(b, h, size + 1)
+        out.scatter_(2, index.to(w.device)[None, None].expand(b, h, -1), w.reshape(b, h, -1))
+        return out[:, :, :size].view(b, h, self.num_chunks, self.cp, self.cp)
+
+    def systems(self, w: torch.Tensor) -> torch.Tensor:
+        """(B, H, nc, C, C) per chunk: I - (the in-chunk part of B), unit diagonal stored."""
+        lower = self._blocks(w, self.inside_index)
+        lower.neg_().diagonal(dim1=-2, dim2=-1).fill_(1)
+        return lower
+
+    def previous(self, w: torch.Tensor) -> torch.Tensor | None:
+        """(B, H, nc, Cp, Cp) per chunk: the weights of its rows on the previous chunk's rows."""
+        return self._blocks(w, self.previous_index) if self.has_previous else None
 
 
 @lru_cache(maxsize=32)
-def _sparse_plan(layout: SlotLayout, chunk: int) -> _SparsePlan:
+def sparse_plan(layout: SlotLayout, chunk: int) -> _SparsePlan:
     return _SparsePlan(layout, chunk)
 
 
-def sparse_plan(layout: SlotLayout, chunk: int) -> _SparsePlan:
-    return _sparse_plan(layout, chunk)
-
-
-def _apply_inverse(inv: torch.Tensor, y: torch.Tensor, c: int, plan: _SparsePlan, transpose: bool) -> None:
-    c0 = c * plan.chunk
-    c1 = min(plan.n, c0 + plan.chunk)
-    m = inv[:, :, c, : c1 - c0, : c1 - c0]
-    rows = y[:, :, c0:c1]
-    rows.copy_((m.mT if transpose else m) @ rows)
+def _solve_chunk(system: torch.Tensor, rows: torch.Tensor, transpose: bool) -> None:
+    """rows (B, H, L, e) <- the chunk system (its leading L x L block) solved for rows, in place."""
+    m = system[..., : rows.shape[-2], : rows.shape[-2]]
+    rows.copy_(solve_unit_lower(m, rows, transpose))
 
 
 class SparseSolve(torch.autograd.Function):
@@ -127,25 +155,37 @@ class SparseSolve(torch.autograd.Function):
     def forward(ctx, w, z, layout, chunk):
         plan = sparse_plan(layout, chunk)
         w = w * layout.valid_on(w.device, w.dtype)
-        inv = plan.inverses(w)
+        systems, previous = plan.systems(w), plan.previous(w)
         y = z.contiguous().clone()
-        for c in range(plan.num_chunks):
-            for p in plan.far[c]:
-                piece_combine(w, y, y, p)
-            _apply_inverse(inv, y, c, plan, transpose=False)
-        ctx.save_for_backward(w, y, inv)
+        with serial():
+            for c in range(plan.num_chunks):
+                c0, c1 = c * chunk, min(plan.n, (c + 1) * chunk)
+                for p in plan.pieces[c]:
+                    piece_combine(w, y, y, p)
+                rows = y[:, :, c0:c1]
+                if previous is not None and c > 0:
+                    rows.add_(previous[:, :, c, : c1 - c0, :chunk] @ y[:, :, c0 - chunk : c0])
+                _solve_chunk(systems[:, :, c], rows, transpose=False)
+        ctx.save_for_backward(w, y)
         ctx.layout, ctx.plan = layout, plan
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        w, y, inv = ctx.saved_tensors
+        w, y = ctx.saved_tensors
         plan, layout = ctx.plan, ctx.layout
+        chunk = plan.chunk
+        systems, previous = plan.systems(w), plan.previous(w)
         dz = grad.contiguous().clone()
-        for c in reversed(range(plan.num_chunks)):
-            _apply_inverse(inv, dz, c, plan, transpose=True)
-            for p in plan.far[c]:
-                piece_scatter(w, dz, dz, p)
+        with serial():
+            for c in reversed(range(plan.num_chunks)):
+                c0, c1 = c * chunk, min(plan.n, (c + 1) * chunk)
+                rows = dz[:, :, c0:c1]
+                _solve_chunk(systems[:, :, c], rows, transpose=True)
+                if previous is not None and c > 0:
+                    dz[:, :, c0 - chunk : c0].add_(previous[:, :, c, : c1 - c0, :chunk].mT @ rows)
+                for p in plan.pieces[c]:
+                    piece_scatter(w, dz, dz, p)
         dw = None
         if ctx.needs_input_grad[0]:
             dw = slot_dot(dz, y, layout) * layout.valid_on(dz.device, dz.dtype)
@@ -159,116 +199,133 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-# Rectangles (rows x keys) up to this size use plain matmuls: the flash kernel's per-call set-up and
-# thread hand-off cost more than the work there.
-SMALL_RECTANGLE = 128 * 128
-
-
 def _attend_block(q, k, v, scale):
-    """Non-causal attention of q over k, v: (out, lse), like the CPU flash kernel."""
-    if q.shape[-2] * k.shape[-2] > SMALL_RECTANGLE:
+    """Non-causal attention of q over k, v: (out, lse). The CPU flash kernel where it applies."""
+    if q.device.type == "cpu":
         return _flash(q, k, v, 0.0, False, scale=scale)
     s = q @ k.mT * scale
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - m)
-    total = p.sum(-1, keepdim=True)
-    return (p @ v) / total, (m + torch.log(total)).squeeze(-1)
+    lse = torch.logsumexp(s, -1)
+    return torch.exp(s - lse[..., None]) @ v, lse
 
 
 def _attend_block_backward(do, q, k, v, o, lse, scale):
-    """Gradients (dq, dk, dv) of one block of a softmax row whose full output is o and full lse is lse."""
-    if q.shape[-2] * k.shape[-2] > SMALL_RECTANGLE:
+    """(dq, dk, dv) of one block of softmax rows whose full output is o and full log-sum-exp is lse.
+
+    The flash backward only uses o through delta_i = do_i . o_i and the probabilities through
+    exp(s - lse): passing the *full* row's o and lse makes the block's share of the gradient exact.
+    """
+    if q.device.type == "cpu":
         return _flash_backward(do, q, k, v, o, lse, 0.0, False, scale=scale)
     p = torch.exp(q @ k.mT * scale - lse[..., None])
     ds = p * (do @ v.mT - (do * o).sum(-1, keepdim=True)) * scale
     return ds @ k, ds.mT @ q, p.mT @ do
 
 
-def _split(a: int, b: int, chunk: int) -> int:
-    """Split point of rows [a, b) on a chunk boundary (a is one)."""
-    return a + (-(-(b - a) // chunk) // 2) * chunk
+FANOUT = 2  # children per node of the row tree (2: binary; large: one attention per chunk)
 
 
-def _leaf_scores(q, k, a, b, scale):
-    """Scores of rows [a, b) against keys [a, row): (B, H, b - a, b - a), -inf on and above the diagonal."""
-    s = q[:, :, a:b] @ k[:, :, a:b].mT * scale
-    mask = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu()
-    return s.masked_fill_(mask, float("-inf"))
+def _children(a: int, b: int, chunk: int) -> list[tuple[int, int]]:
+    """Split rows [a, b) into FANOUT spans on chunk boundaries (a is one)."""
+    chunks = -(-(b - a) // chunk)
+    size = -(-chunks // FANOUT) * chunk
+    return [(s, min(b, s + size)) for s in range(a, b, size)]
+
+
+def _chunk_scores(q, k, scale, chunk):
+    """In-chunk scores (B, H, n / C, C, C) of every chunk, -inf on and above the diagonal."""
+    b, h, n, d = q.shape
+    qc, kc = q.view(b, h, n // chunk, chunk, d), k.view(b, h, n // chunk, chunk, d)
+    s = qc @ kc.mT
+    s.mul_(scale)
+    return s.masked_fill_(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(), float("-inf"))
 
 
 def _dense_forward(q, k, g, z, scale, chunk):
-    """y, o, lse with y = z + g * o, o_i = sum_{j<i} softmax_j(s_ij) y_j, lse_i = logsumexp_{j<i} s_ij."""
-    b, h, n, width = z.shape
+    """y, o, lse with y = z + g * o, o_i = sum_{j<i} softmax_j(s_ij) y_j, lse_i = logsumexp_{j<i} s_ij.
+
+    n must be a multiple of chunk. The in-chunk softmax parts of all chunks are computed up front
+    (normalised within the chunk: e = exp(s - li)); a chunk's rows merge them with the attention
+    over earlier chunks by their log-sum-exps: weight wi = sigmoid(li - lse_earlier) on the chunk.
+    """
+    b, h, n, _ = z.shape
+    e = _chunk_scores(q, k, scale, chunk)
+    li = torch.logsumexp(e, -1).clamp_min_(_NEG)  # (B, H, nc, C); first row of a chunk: no keys
+    e = e.sub_(li[..., None]).exp_()
     y = z.clone()
-    o = torch.zeros_like(z)  # accumulated earlier-chunk attention, then the full o of each row
+    o = torch.zeros_like(z)  # attention over earlier chunks so far, then the full o of each row
     lse = torch.full((b, h, n), _NEG, dtype=z.dtype, device=z.device)
     eye = torch.eye(chunk, dtype=z.dtype, device=z.device)
 
-    def leaf(a, c):
-        s = _leaf_scores(q, k, a, c, scale)
-        acc_l = lse[:, :, a:c]
-        total = torch.logaddexp(acc_l, torch.logsumexp(s, -1))
-        p = torch.exp(s - total[..., None])
-        part = o[:, :, a:c] * torch.exp(acc_l - total)[..., None]
-        gc = g[:, :, a:c, None]
-        rhs = y[:, :, a:c] + gc * part
-        yc = torch.linalg.solve_triangular(eye[: c - a, : c - a] - gc * p, rhs, upper=False)
-        y[:, :, a:c] = yc
-        o[:, :, a:c] = part + p @ yc
-        lse[:, :, a:c] = total
+    def leaf(c):
+        rows = slice(c * chunk, (c + 1) * chunk)
+        acc_l, l_c, e_c, g_c = lse[:, :, rows], li[:, :, c], e[:, :, c], g[:, :, rows]
+        wi = torch.sigmoid(l_c - acc_l)
+        system = torch.addcmul(eye, (g_c * wi)[..., None], e_c, value=-1)
+        rhs = torch.addcmul(y[:, :, rows], (g_c - g_c * wi)[..., None], o[:, :, rows])
+        y_c = solve_unit_lower(system, rhs)
+        y[:, :, rows] = y_c
+        o[:, :, rows].lerp_(e_c @ y_c, wi[..., None])
+        lse[:, :, rows] = torch.logaddexp(acc_l, l_c)
 
     def solve(a, c):
         if c - a <= chunk:
-            leaf(a, c)
+            with serial():
+                leaf(a // chunk)
             return
-        mid = _split(a, c, chunk)
-        solve(a, mid)
-        ob, lb = _attend_block(q[:, :, mid:c], k[:, :, a:mid], y[:, :, a:mid], scale)
-        acc_l = lse[:, :, mid:c]
-        total = torch.logaddexp(acc_l, lb)
-        o[:, :, mid:c] = o[:, :, mid:c] * torch.exp(acc_l - total)[..., None] + ob * torch.exp(lb - total)[..., None]
-        lse[:, :, mid:c] = total
-        solve(mid, c)
+        for s0, s1 in _children(a, c, chunk):
+            if s0 > a:
+                with serial() if (s1 - s0) * (s0 - a) < SERIAL_RECTANGLE else nullcontext():
+                    ob, lb = _attend_block(q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], scale)
+                    acc_l = lse[:, :, s0:s1]
+                    o[:, :, s0:s1].lerp_(ob, torch.sigmoid(lb - acc_l)[..., None])
+                    lse[:, :, s0:s1] = torch.logaddexp(acc_l, lb)
+            solve(s0, s1)
 
     solve(0, n)
     return y, o, lse
 
 
 def _dense_backward(q, k, g, y, o, lse, grad, scale, chunk):
-    b, h, n, width = y.shape
+    """(dq, dk, dg, dz) of :func:`_dense_forward` given dy; n a multiple of chunk."""
+    b, h, n, _ = y.shape
+    nc = n // chunk
+    p = _chunk_scores(q, k, scale, chunk)
+    p = p.sub_(lse.view(b, h, nc, chunk, 1)).exp_()  # final in-chunk probabilities
+    gc = g.view(b, h, nc, chunk, 1)
+    eye = torch.eye(chunk, dtype=y.dtype, device=y.device)
     dz = grad.clone()
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
-    eye = torch.eye(chunk, dtype=y.dtype, device=y.device)
 
-    def leaf(a, c):
-        s = _leaf_scores(q, k, a, c, scale)
-        p = torch.exp(s - lse[:, :, a:c, None])
-        gc = g[:, :, a:c, None]
-        dzc = torch.linalg.solve_triangular((eye[: c - a, : c - a] - gc * p).mT, dz[:, :, a:c], upper=True)
-        dz[:, :, a:c] = dzc
-        dp = gc * (dzc @ y[:, :, a:c].mT)
-        delta = gc * (dzc * o[:, :, a:c]).sum(-1, keepdim=True)
-        ds = p * (dp - delta) * scale
-        dq[:, :, a:c] += ds @ k[:, :, a:c]
-        dk[:, :, a:c] += ds.mT @ q[:, :, a:c]
+    def leaf(c):
+        rows = slice(c * chunk, (c + 1) * chunk)
+        system = torch.addcmul(eye, gc[:, :, c], p[:, :, c], value=-1)
+        dz[:, :, rows] = solve_unit_lower(system, dz[:, :, rows], transpose=True)
 
     def solve(a, c):
         if c - a <= chunk:
-            leaf(a, c)
+            with serial():
+                leaf(a // chunk)
             return
-        mid = _split(a, c, chunk)
-        solve(mid, c)
-        do = g[:, :, mid:c, None] * dz[:, :, mid:c]
-        gq, gk, gv = _attend_block_backward(
-            do, q[:, :, mid:c], k[:, :, a:mid], y[:, :, a:mid], o[:, :, mid:c], lse[:, :, mid:c], scale
-        )
-        dq[:, :, mid:c] += gq
-        dk[:, :, a:mid] += gk
-        dz[:, :, a:mid] += gv
-        solve(a, mid)
+        for s0, s1 in reversed(_children(a, c, chunk)):
+            solve(s0, s1)
+            if s0 > a:
+                with serial() if (s1 - s0) * (s0 - a) < SERIAL_RECTANGLE else nullcontext():
+                    do = g[:, :, s0:s1, None] * dz[:, :, s0:s1]
+                    gq, gk, gv = _attend_block_backward(
+                        do, q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], o[:, :, s0:s1], lse[:, :, s0:s1], scale
+                    )
+                    dq[:, :, s0:s1] += gq
+                    dk[:, :, a:s0] += gk
+                    dz[:, :, a:s0] += gv
 
     solve(0, n)
+    # In-chunk score gradients of all chunks at once: ds_ij = p_ij g_i (dz_i . y_j - dz_i . o_i) scale.
+    shape = (b, h, nc, chunk, -1)
+    dzc, yc, oc = dz.view(shape), y.view(shape), o.view(shape)
+    ds = (dzc @ yc.mT).sub_((dzc * oc).sum(-1, keepdim=True)).mul_(p).mul_(gc * scale)
+    dq += (ds @ k.view(shape)).view(dq.shape)
+    dk += (ds.mT @ q.view(shape)).view(dk.shape)
     dg = (dz * o).sum(-1)
     return dq, dk, dg, dz
 
@@ -282,23 +339,27 @@ class DenseSolve(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, g, z, scale, chunk):
-        d, e = q.shape[-1], z.shape[-1]
+        n, d, e = q.shape[-2], q.shape[-1], z.shape[-1]
         width = max(d, e)  # the flash kernels need one head size for q, k and v: pad with zeros
-        qp, kp, zp = (_pad_last(t.contiguous(), width) for t in (q, k, z))
-        y, o, lse = _dense_forward(qp, kp, g.contiguous(), zp, scale, chunk)
-        ctx.save_for_backward(qp, kp, g, y, o, lse)
-        ctx.scale, ctx.chunk, ctx.d, ctx.e = scale, chunk, d, e
-        return y[..., :e]
+        rows = -(-n // chunk) * chunk  # whole chunks: extra rows at the end are never read by real ones
+        qp, kp, zp = (_pad(t.contiguous(), rows, width) for t in (q, k, z))
+        gp = torch.nn.functional.pad(g, (0, rows - n)).contiguous()
+        y, o, lse = _dense_forward(qp, kp, gp, zp, scale, chunk)
+        ctx.save_for_backward(qp, kp, gp, y, o, lse)
+        ctx.scale, ctx.chunk, ctx.shape = scale, chunk, (n, d, e)
+        return y[..., :n, :e]
 
     @staticmethod
     def backward(ctx, grad):
-        qp, kp, g, y, o, lse = ctx.saved_tensors
-        grad = _pad_last(grad.contiguous(), y.shape[-1])
-        dq, dk, dg, dz = _dense_backward(qp, kp, g.contiguous(), y, o, lse, grad, ctx.scale, ctx.chunk)
-        return dq[..., : ctx.d], dk[..., : ctx.d], dg, dz[..., : ctx.e], None, None
+        qp, kp, gp, y, o, lse = ctx.saved_tensors
+        n, d, e = ctx.shape
+        grad = _pad(grad.contiguous(), y.shape[-2], y.shape[-1])
+        dq, dk, dg, dz = _dense_backward(qp, kp, gp, y, o, lse, grad, ctx.scale, ctx.chunk)
+        return dq[..., :n, :d], dk[..., :n, :d], dg[..., :n], dz[..., :n, :e], None, None
 
 
-def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
-    if t.shape[-1] == width:
+def _pad(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Zero-pad the last two dims of t (B, H, n, w) to (rows, width)."""
+    if t.shape[-2] == rows and t.shape[-1] == width:
         return t
-    return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1], 0, rows - t.shape[-2]))
