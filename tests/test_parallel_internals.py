@@ -11,8 +11,9 @@ import torch
 
 from hf_resolvent.ops import parallel_mix, reference_mix
 from hf_resolvent.ops import slots as slots_mod
+from hf_resolvent.ops.dense import DenseSolve
 from hf_resolvent.ops.slots import SlotCombine, SlotDot, slot_combine, slot_dot, slot_layout, slot_pieces, slot_scatter
-from hf_resolvent.ops.solve import DenseSolve, SparseSolve, solve_unit_lower
+from hf_resolvent.ops.solve import SparseSolve, solve_unit_lower
 from hf_resolvent.patterns import get_pattern
 
 F64 = torch.float64
@@ -172,3 +173,31 @@ def test_bad_chunk_is_a_clear_error():
     x = torch.randn(1, 1, 8, 4)
     with pytest.raises(ValueError, match="chunk"):
         parallel_mix(x, x, x, x, x, torch.rand(1, 1, 8), "exp2", chunk=0)
+
+
+@pytest.mark.parametrize("head_threads", [False, True])
+def test_parallel_with_two_threads(head_threads, monkeypatch):
+    """The suite runs on one thread (conftest); this covers the threaded paths: serial sections and
+    head groups on pool threads (which must see the caller's grad mode)."""
+    from hf_resolvent.ops import threads
+
+    monkeypatch.setattr(threads, "ENABLED", head_threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(8)
+        n = 70
+        for spec in ["dense", "exp2:ce", "square"]:
+            ins = [torch.randn(2, 3, n, 8, generator=gen, dtype=F64, requires_grad=True) for _ in range(5)]
+            g = torch.rand(2, 3, n, generator=gen, dtype=F64).requires_grad_()
+            out = parallel_mix(*ins, g, spec, chunk=16)
+            ref = reference_mix(*ins, g, spec)
+            torch.testing.assert_close(out, ref)
+            w = torch.randn_like(out)
+            got = torch.autograd.grad((out * w).sum(), [*ins, g])
+            want = torch.autograd.grad((ref * w).sum(), [*ins, g])
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from ..patterns import Pattern, get_pattern
 from .common import check_inputs, row_valid_mask
+from .dense import DenseSolve
 from .slots import SlotDot, slot_attention, slot_layout, slot_softmax
-from .solve import DenseSolve, SparseSolve
+from .solve import SparseSolve
 
 DEFAULT_CHUNK = 64  # rows per block of the forward substitution
 DENSE_CHUNK = 64

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from ..patterns import Pattern
+from .threads import flat_heads, over_heads
 
 # Rows per block of the slot loops: small enough that temporaries stay in cache and are recycled
 # by the allocator, large enough that the Python loop is short.
-ROW_BLOCK = 1024
+ROW_BLOCK = 2048
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity (layouts are cached)
@@ -204,25 +205,46 @@ def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout) -> torch.Tens
     b, h, n, d = q.shape
     out = q.new_zeros(b, h, layout.num_slots, n)
     pieces = block_pieces(layout)
-    scratch = q.new_empty(b, h, max((p.t1 - p.t0 for p in pieces), default=0), d)
-    for p in pieces:
-        piece_dot(q, k, out, p, scratch)
+    rows = max((p.t1 - p.t0 for p in pieces), default=0)
+    qf, kf, of = flat_heads(q), flat_heads(k), flat_heads(out)
+
+    def run(g: slice) -> None:
+        scratch = q.new_empty(1, g.stop - g.start, rows, d)
+        qg, kg, og = qf[:, g], kf[:, g], of[:, g]
+        for p in pieces:
+            piece_dot(qg, kg, og, p, scratch)
+
+    over_heads(run, b * h)
     return out
 
 
 def slot_combine(w: torch.Tensor, v: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """Weighted sum (B, H, n, e): out_t = sum_k w[k, t] v_{src_k(t)} (w is (B, H, K, n))."""
     out = v.new_zeros(v.shape)
-    for p in block_pieces(layout):
-        piece_combine(w, v, out, p)
+    pieces = block_pieces(layout)
+    wf, vf, of = flat_heads(w), flat_heads(v), flat_heads(out)
+
+    def run(g: slice) -> None:
+        wg, vg, og = wf[:, g], vf[:, g], of[:, g]
+        for p in pieces:
+            piece_combine(wg, vg, og, p)
+
+    over_heads(run, out.shape[0] * out.shape[1])
     return out
 
 
 def slot_scatter(w: torch.Tensor, u: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """Transpose of :func:`slot_combine` (B, H, n, e): out_s = sum over (k, t) with src_k(t) = s of w[k, t] u_t."""
     out = u.new_zeros(u.shape)
-    for p in block_pieces(layout):
-        piece_scatter(w, u, out, p)
+    pieces = block_pieces(layout)
+    wf, uf, of = flat_heads(w), flat_heads(u), flat_heads(out)
+
+    def run(g: slice) -> None:
+        wg, ug, og = wf[:, g], uf[:, g], of[:, g]
+        for p in pieces:
+            piece_scatter(wg, ug, og, p)
+
+    over_heads(run, out.shape[0] * out.shape[1])
     return out
 
 

@@ -1,0 +1,208 @@
+"""The dense pattern (P^B_i = all earlier positions) in the parallel form, with an explicit backward.
+
+Y = Z + B Y with B = diag(g) softmax_{j<i}(scale qb_i . kb_j); Z = (1 - g) A~ X comes from causal SDPA
+(one fast kernel call; solving it in the same row tree with the heads stacked was measured slower).
+
+Rows are split recursively (a binary tree on chunk boundaries). For a node [a, c) split at s0, the
+contribution of keys [a, s0) to rows [s0, c) is one call of the CPU flash attention kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu``, which also returns the log-sum-exp) over the
+already solved y[a:s0]; the log-sum-exps merge it with the row's other parts. At the leaves (chunks
+of C rows) the in-chunk scores, exponentiated for all chunks at once, complete each row and leave a
+C x C unit lower-triangular system for y.
+
+The backward mirrors the tree in reverse: transposed chunk solves give dZ = (I - B)^-T dY, and each
+node's flash backward, fed with the rows' *full* outputs and log-sum-exps, gives that block's share
+of dq, dk and of B^T dZ. Memory: O(n (d + e)) per head; no n x n tensor.
+
+Shapes: B batch, H heads, n positions, d key width, e value width, C chunk, D = max(d, e).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .solve import solve_unit_lower
+from .threads import serial
+
+_NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+# Node rectangles (rows x keys) below this size run with one intra-op thread: too small to gain from
+# more, and each parallel region can stall on a loaded machine.
+SERIAL_RECTANGLE = 256 * 256
+FANOUT = 2  # children per node of the row tree
+
+
+def _attend_block(q, k, v, scale):
+    """Non-causal attention of q over k, v: (out, lse). The CPU flash kernel where it applies."""
+    if q.device.type == "cpu":
+        return _flash(q, k, v, 0.0, False, scale=scale)
+    s = q @ k.mT * scale
+    lse = torch.logsumexp(s, -1)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def _attend_block_backward(do, q, k, v, o, lse, scale):
+    """(dq, dk, dv) of one block of softmax rows whose full output is o and full log-sum-exp is lse.
+
+    The flash backward uses o only through delta_i = do_i . o_i and the probabilities only as
+    exp(s - lse): passing the *full* row's o and lse makes the block's share of the gradient exact.
+    """
+    if q.device.type == "cpu":
+        return _flash_backward(do, q, k, v, o, lse, 0.0, False, scale=scale)
+    p = torch.exp(q @ k.mT * scale - lse[..., None])
+    ds = p * (do @ v.mT - (do * o).sum(-1, keepdim=True)) * scale
+    return ds @ k, ds.mT @ q, p.mT @ do
+
+
+def _children(a: int, b: int, chunk: int) -> list[tuple[int, int]]:
+    """Split rows [a, b) into FANOUT spans on chunk boundaries (a is one)."""
+    chunks = -(-(b - a) // chunk)
+    size = -(-chunks // FANOUT) * chunk
+    return [(s, min(b, s + size)) for s in range(a, b, size)]
+
+
+def _walk(n: int, chunk: int, leaf, node, reverse: bool = False) -> None:
+    """Visit the row tree: ``leaf(c)`` per chunk, ``node(a, s0, s1)`` for keys [a, s0) -> rows [s0, s1).
+
+    Forward order (solve the keys first) or reverse order (the backward: rows first).
+    """
+
+    def visit(a: int, c: int) -> None:
+        if c - a <= chunk:
+            with serial():
+                leaf(a // chunk)
+            return
+        spans = _children(a, c, chunk)
+        for s0, s1 in reversed(spans) if reverse else spans:
+            if reverse:
+                visit(s0, s1)
+            if s0 > a:
+                with serial() if (s1 - s0) * (s0 - a) < SERIAL_RECTANGLE else nullcontext():
+                    node(a, s0, s1)
+            if not reverse:
+                visit(s0, s1)
+
+    visit(0, n)
+
+
+def _chunk_scores(q, k, scale, chunk):
+    """In-chunk scores (B, H, n / C, C, C) of every chunk against earlier keys of the chunk (-inf on and
+    above the diagonal)."""
+    b, h, n, d = q.shape
+    qc, kc = q.view(b, h, n // chunk, chunk, d), k.view(b, h, n // chunk, chunk, d)
+    s = qc @ kc.mT
+    s.mul_(scale)
+    return s.masked_fill_(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(), float("-inf"))
+
+
+def _tree_forward(q, k, y, g, scale, chunk):
+    """Solve y = z + diag(g) B~ y in place; y (B, H, n, D) holds z on entry, n a multiple of chunk.
+
+    Returns o (B, H, n, D), each row's B~ y, and lse (B, H, n), its log-sum-exp of scores.
+    """
+    b, h, n, width = y.shape
+    e = _chunk_scores(q, k, scale, chunk)
+    m = e.amax(-1).clamp_min_(_NEG)  # (B, H, nc, C); a chunk's first row has no keys
+    e = e.sub_(m[..., None]).exp_()
+    li = (m + e.sum(-1).log()).clamp_min_(_NEG)  # in-chunk log-sum-exps
+    o = torch.zeros_like(y)
+    lse = torch.full((b, h, n), _NEG, dtype=y.dtype, device=y.device)
+    eye = torch.eye(chunk, dtype=y.dtype, device=y.device)
+    gcol = g[..., None]
+
+    def leaf(c):
+        rows = slice(c * chunk, (c + 1) * chunk)
+        lse_c, o_c, g_c, e_c = lse[:, :, rows], o[:, :, rows], gcol[:, :, rows], e[:, :, c]
+        # In-chunk probabilities r e; the share wa of what the nodes gathered.
+        total = torch.logaddexp(lse_c, li[:, :, c])
+        r = torch.exp(m[:, :, c] - total)[..., None]
+        wa = torch.exp(lse_c - total)[..., None]
+        lse_c.copy_(total)
+        system = torch.addcmul(eye, g_c * r, e_c, value=-1)
+        y_c = solve_unit_lower(system, torch.addcmul(y[:, :, rows], g_c * wa, o_c))
+        y[:, :, rows] = y_c
+        o_c.mul_(wa).addcmul_(r, e_c @ y_c)
+
+    def node(a, s0, s1):
+        ob, lb = _attend_block(q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], scale)
+        lse_r = lse[:, :, s0:s1]
+        o[:, :, s0:s1].lerp_(ob, torch.sigmoid(lb - lse_r)[..., None])
+        lse_r.copy_(torch.logaddexp(lse_r, lb))
+
+    _walk(n, chunk, leaf, node)
+    return o, lse
+
+
+def _tree_backward(q, k, y, o, lse, g, grad, scale, chunk):
+    """Gradients (dq, dk, dz, dg) of :func:`_tree_forward` given dy = grad (B, H, n, D)."""
+    b, h, n, width = y.shape
+    nc = n // chunk
+    p = _chunk_scores(q, k, scale, chunk)
+    p = p.sub_(lse.view(b, h, nc, chunk, 1)).exp_()  # final in-chunk probabilities
+    gcol = g[..., None]
+    eye = torch.eye(chunk, dtype=y.dtype, device=y.device)
+    dz = grad.clone()
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+
+    def leaf(c):
+        rows = slice(c * chunk, (c + 1) * chunk)
+        system = torch.addcmul(eye, gcol[:, :, rows], p[:, :, c], value=-1)
+        dz[:, :, rows] = solve_unit_lower(system, dz[:, :, rows], transpose=True)
+
+    def node(a, s0, s1):
+        gq, gk, gv = _attend_block_backward(
+            gcol[:, :, s0:s1] * dz[:, :, s0:s1], q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], o[:, :, s0:s1],
+            lse[:, :, s0:s1], scale,
+        )
+        dq[:, :, s0:s1] += gq
+        dk[:, :, a:s0] += gk
+        dz[:, :, a:s0] += gv
+
+    _walk(n, chunk, leaf, node, reverse=True)
+    # In-chunk score gradients of all chunks at once: ds_ij = p_ij g_i (dz_i . y_j - dz_i . o_i) scale.
+    shape = (b, h, nc, chunk, width)
+    dzc, yc, oc = dz.view(shape), y.view(shape), o.view(shape)
+    ds = (dzc @ yc.mT).sub_((dzc * oc).sum(-1, keepdim=True)).mul_(p).mul_(g.view(b, h, nc, chunk, 1) * scale)
+    dq += (ds @ k.view(shape)).view(dq.shape)
+    dk += (ds.mT @ q.view(shape)).view(dk.shape)
+    dg = (dz * o).sum(-1)
+    return dq, dk, dz, dg
+
+
+def _pad(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Zero-pad the last two dims of t (B, H, n, w) to (rows, width)."""
+    if t.shape[-2] == rows and t.shape[-1] == width:
+        return t.contiguous()
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1], 0, rows - t.shape[-2]))
+
+
+class DenseSolve(torch.autograd.Function):
+    """Y = Z + diag(g) softmax_{j<i}(scale q_i . k_j) Y for the dense pattern.
+
+    Args (forward): q, k (B, H, n, d), g (B, H, n), z (B, H, n, e), scale, chunk. Returns y (B, H, n, e).
+    Saves q, k, g, y, o (the B~ Y rows) and the row log-sum-exps: O(n (d + e)) memory.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, g, z, scale, chunk):
+        n, d, e = q.shape[-2], q.shape[-1], z.shape[-1]
+        width, rows = max(d, e), -(-n // chunk) * chunk
+        qp, kp = _pad(q, rows, width), _pad(k, rows, width)
+        y = _pad(z, rows, width).clone()  # holds z, then y
+        gp = torch.nn.functional.pad(g, (0, rows - n)).contiguous()
+        o, lse = _tree_forward(qp, kp, y, gp, scale, chunk)
+        ctx.save_for_backward(qp, kp, y, o, lse, gp)
+        ctx.scale, ctx.chunk, ctx.dims = scale, chunk, (d, e)
+        return y[..., :n, :e]
+
+    @staticmethod
+    def backward(ctx, grad):
+        qp, kp, y, o, lse, gp = ctx.saved_tensors
+        n, (d, e) = grad.shape[2], ctx.dims
+        grad = _pad(grad, y.shape[2], y.shape[3])
+        dq, dk, dz, dg = _tree_backward(qp, kp, y, o, lse, gp, grad, ctx.scale, ctx.chunk)
+        return dq[..., :n, :d], dk[..., :n, :d], dg[..., :n], dz[..., :n, :e], None, None
