@@ -129,9 +129,10 @@ def _tree_forward(q, k, y, g, scale, chunk):
 
     def node(a, s0, s1):
         ob, lb = _attend_block(q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], scale)
-        lse_r = lse[:, :, s0:s1]
-        o[:, :, s0:s1].lerp_(ob, torch.sigmoid(lb - lse_r)[..., None])
-        lse_r.copy_(torch.logaddexp(lse_r, lb))
+        with serial():  # a few passes over the rows: not worth a parallel region each
+            lse_r = lse[:, :, s0:s1]
+            o[:, :, s0:s1].lerp_(ob, torch.sigmoid(lb - lse_r)[..., None])
+            lse_r.copy_(torch.logaddexp(lse_r, lb))
 
     _walk(n, chunk, leaf, node)
     return o, lse
@@ -158,9 +159,10 @@ def _tree_backward(q, k, y, o, lse, g, grad, scale, chunk):
             gcol[:, :, s0:s1] * dz[:, :, s0:s1], q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], o[:, :, s0:s1],
             lse[:, :, s0:s1], scale,
         )
-        dq[:, :, s0:s1] += gq
-        dk[:, :, a:s0] += gk
-        dz[:, :, a:s0] += gv
+        with serial():
+            dq[:, :, s0:s1] += gq
+            dk[:, :, a:s0] += gk
+            dz[:, :, a:s0] += gv
 
     _walk(n, chunk, leaf, node, reverse=True)
     # In-chunk score gradients of all chunks at once: ds_ij = p_ij g_i (dz_i . y_j - dz_i . o_i) scale.
