@@ -26,6 +26,7 @@ from .common import check_inputs, row_valid_mask
 from .dense import DenseSolve
 from .slots import SlotDot, slot_attention, slot_layout, slot_softmax
 from .solve import SparseSolve
+from .threads import serial
 
 # Rows per block of the forward substitution (``chunk=None``), tuned on a 2-core CPU at n = 2048-8192.
 DENSE_CHUNK = 64
@@ -106,7 +107,8 @@ class _Roll:
 def _direct(qa, ka, x, pattern: Pattern, scale: float) -> torch.Tensor:
     if pattern.is_dense:
         return F.scaled_dot_product_attention(qa, ka, x, is_causal=True, scale=scale)
-    return slot_attention(qa, ka, x, slot_layout(pattern, x.shape[-2], with_self=True), scale)
+    with serial():  # many small ops: one intra-op thread (see .threads)
+        return slot_attention(qa, ka, x, slot_layout(pattern, x.shape[-2], with_self=True), scale)
 
 
 def _recurrent_rows(pattern: Pattern, n: int, device) -> torch.Tensor:
@@ -120,8 +122,9 @@ def _solve(qb, kb, g_eff, z, pattern: Pattern, scale: float, chunk) -> torch.Ten
     if pattern.kind == "dense":
         return DenseSolve.apply(qb, kb, g_eff, z, scale, chunk or DENSE_CHUNK)
     layout = slot_layout(pattern, z.shape[-2])
-    w = slot_softmax(SlotDot.apply(qb, kb, layout) * scale, layout) * g_eff[:, :, None, :]
-    return SparseSolve.apply(w, z, layout, chunk or SPARSE_CHUNK)
+    with serial():
+        w = slot_softmax(SlotDot.apply(qb, kb, layout) * scale, layout) * g_eff[:, :, None, :]
+        return SparseSolve.apply(w, z, layout, chunk or SPARSE_CHUNK)
 
 
 def has_recurrent_row(pattern: Pattern, n: int, start, device) -> torch.Tensor:

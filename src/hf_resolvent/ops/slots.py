@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..patterns import Pattern
-from .threads import flat_heads, over_heads
+from .threads import serial
 
 # Rows per block of the slot loops: small enough that temporaries stay in cache and are recycled
 # by the allocator, large enough that the Python loop is short.
@@ -205,46 +205,25 @@ def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout) -> torch.Tens
     b, h, n, d = q.shape
     out = q.new_zeros(b, h, layout.num_slots, n)
     pieces = block_pieces(layout)
-    rows = max((p.t1 - p.t0 for p in pieces), default=0)
-    qf, kf, of = flat_heads(q), flat_heads(k), flat_heads(out)
-
-    def run(g: slice) -> None:
-        scratch = q.new_empty(1, g.stop - g.start, rows, d)
-        qg, kg, og = qf[:, g], kf[:, g], of[:, g]
-        for p in pieces:
-            piece_dot(qg, kg, og, p, scratch)
-
-    over_heads(run, b * h)
+    scratch = q.new_empty(b, h, max((p.t1 - p.t0 for p in pieces), default=0), d)
+    for p in pieces:
+        piece_dot(q, k, out, p, scratch)
     return out
 
 
 def slot_combine(w: torch.Tensor, v: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """Weighted sum (B, H, n, e): out_t = sum_k w[k, t] v_{src_k(t)} (w is (B, H, K, n))."""
     out = v.new_zeros(v.shape)
-    pieces = block_pieces(layout)
-    wf, vf, of = flat_heads(w), flat_heads(v), flat_heads(out)
-
-    def run(g: slice) -> None:
-        wg, vg, og = wf[:, g], vf[:, g], of[:, g]
-        for p in pieces:
-            piece_combine(wg, vg, og, p)
-
-    over_heads(run, out.shape[0] * out.shape[1])
+    for p in block_pieces(layout):
+        piece_combine(w, v, out, p)
     return out
 
 
 def slot_scatter(w: torch.Tensor, u: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """Transpose of :func:`slot_combine` (B, H, n, e): out_s = sum over (k, t) with src_k(t) = s of w[k, t] u_t."""
     out = u.new_zeros(u.shape)
-    pieces = block_pieces(layout)
-    wf, uf, of = flat_heads(w), flat_heads(u), flat_heads(out)
-
-    def run(g: slice) -> None:
-        wg, ug, og = wf[:, g], uf[:, g], of[:, g]
-        for p in pieces:
-            piece_scatter(wg, ug, og, p)
-
-    over_heads(run, out.shape[0] * out.shape[1])
+    for p in block_pieces(layout):
+        piece_scatter(w, u, out, p)
     return out
 
 
@@ -255,14 +234,16 @@ class SlotDot(torch.autograd.Function):
     def forward(ctx, q, k, layout):
         ctx.save_for_backward(q, k)
         ctx.layout = layout
-        return slot_dot(q, k, layout)
+        with serial():
+            return slot_dot(q, k, layout)
 
     @staticmethod
     def backward(ctx, grad):
         q, k = ctx.saved_tensors
         grad = grad.contiguous()
-        dq = slot_combine(grad, k, ctx.layout) if ctx.needs_input_grad[0] else None
-        dk = slot_scatter(grad, q, ctx.layout) if ctx.needs_input_grad[1] else None
+        with serial():
+            dq = slot_combine(grad, k, ctx.layout) if ctx.needs_input_grad[0] else None
+            dk = slot_scatter(grad, q, ctx.layout) if ctx.needs_input_grad[1] else None
         return dq, dk, None
 
 
@@ -273,14 +254,16 @@ class SlotCombine(torch.autograd.Function):
     def forward(ctx, w, v, layout):
         ctx.save_for_backward(w, v)
         ctx.layout = layout
-        return slot_combine(w, v, layout)
+        with serial():
+            return slot_combine(w, v, layout)
 
     @staticmethod
     def backward(ctx, grad):
         w, v = ctx.saved_tensors
         grad = grad.contiguous()
-        dw = slot_dot(grad, v, ctx.layout) if ctx.needs_input_grad[0] else None
-        dv = slot_scatter(w, grad, ctx.layout) if ctx.needs_input_grad[1] else None
+        with serial():
+            dw = slot_dot(grad, v, ctx.layout) if ctx.needs_input_grad[0] else None
+            dv = slot_scatter(w, grad, ctx.layout) if ctx.needs_input_grad[1] else None
         return dw, dv, None
 
 

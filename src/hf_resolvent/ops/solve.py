@@ -21,8 +21,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .slots import Piece, SlotLayout, piece_combine, piece_scatter, slot_dot, slot_pieces
-from .threads import flat_heads, over_heads
+from .slots import Piece, SlotLayout, slot_dot, slot_pieces
+from .threads import serial
 
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
 
@@ -50,10 +50,10 @@ def solve_unit_lower(m: torch.Tensor, rhs: torch.Tensor, transpose: bool = False
 class _SparsePlan:
     """Precomputed chunk structure of a slot layout for chunks of C rows.
 
-    Every B entry (row t, slot k, source s) is handled in one of four ways:
+    Every B entry (row t, slot k, source s) is handled in one of these ways:
 
     - in-chunk (s in t's chunk): the chunk's C x C unit lower-triangular system;
-    - slots with f < C, whose sources t - f <= s <= t - f + a - 1 lie in t's chunk or the one
+    - slots with f <= C, whose sources t - f <= s <= t - f + a - 1 lie in t's chunk or the one
       before: one C x C matmul per chunk with the previous-chunk weights scattered into a block;
     - slots with f - a + 1 >= C ("block" slots): every source of rows [s0, s0 + P) lies before s0
       when P <= f - a + 1, so they are added P = C 2^j rows at once, when the loop reaches s0;
@@ -70,7 +70,7 @@ class _SparsePlan:
         c0 = ((t // chunk) * chunk)[None, :]
         valid = src >= 0
         fs = np.array(layout.fs, dtype=np.int64)[:, None]
-        near_slot = fs < chunk
+        near_slot = fs <= chunk  # sources t - f ... t - f + a - 1 lie in [c0 - C, c1)
         inside = valid & (src >= c0)
         previous = valid & near_slot & (src < c0) & (src >= c0 - chunk)
         cell = (t // chunk) * self.cp * self.cp + (t % chunk) * self.cp
@@ -81,16 +81,24 @@ class _SparsePlan:
         # Per chunk: pieces added when the loop reaches it (block slots for whole spans, mixed slots).
         self.pieces: list[list[Piece]] = [[] for _ in range(nc)]
         for k, (f, a) in enumerate(zip(layout.fs, layout.steps)):
+            if near_slot[k, 0]:
+                continue
             if f - a + 1 >= chunk:
                 span = chunk << (((f - a + 1) // chunk).bit_length() - 1)  # C 2^j <= f - a + 1
                 for s0 in range(0, n, span):
                     self.pieces[s0 // chunk].extend(slot_pieces(f, a, k, s0, min(n, s0 + span)))
-            elif not near_slot[k, 0]:
+            else:
                 for c in range(nc):
                     lo, hi = c * chunk, min(n, (c + 1) * chunk)
                     far = np.nonzero(valid[k, lo:hi] & (src[k, lo:hi] < lo))[0]
                     if len(far):  # sources are non-decreasing along a slot: far rows form a prefix
                         self.pieces[c].extend(slot_pieces(f, a, k, lo, lo + int(far[-1]) + 1))
+        self.bounds = [(c * chunk, min(n, (c + 1) * chunk)) for c in range(nc)]
+        # The pieces as plain tuples for the loops: (slot, t0, t1, s0, s1, stride, runs, length).
+        self.steps = [
+            [(p.slot, p.t0, p.t1, p.s0, p.s0 + p.stride * (p.runs - 1) + 1, p.stride, p.runs, p.length) for p in ps]
+            for ps in self.pieces
+        ]
 
     def _blocks(self, w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         b, h = w.shape[:2]
@@ -115,40 +123,21 @@ def sparse_plan(layout: SlotLayout, chunk: int) -> _SparsePlan:
     return _SparsePlan(layout, chunk)
 
 
-def _solve_chunk(system: torch.Tensor, rows: torch.Tensor, transpose: bool) -> None:
-    """rows (B, H, L, e) <- the chunk system (its leading L x L block) solved for rows, in place."""
-    m = system[..., : rows.shape[-2], : rows.shape[-2]]
-    rows.copy_(solve_unit_lower(m, rows, transpose))
-
-
 class SparseSolve(torch.autograd.Function):
     """Y = Z + B Y with B[t, src_k(t)] = w[k, t] for a sparse slot layout.
 
     Args (forward): w (B, H, K, n) weights (zero where the layout is not valid), z (B, H, n, e),
     layout, chunk. Returns y (B, H, n, e). Backward: dz = (I - B)^-T dy, dw[k, t] = dz_t . y_src.
+    Runs on one intra-op thread (see :mod:`.threads`).
     """
 
     @staticmethod
     def forward(ctx, w, z, layout, chunk):
         plan = sparse_plan(layout, chunk)
-        w = w * layout.valid_on(w.device, w.dtype)
-        systems, previous = plan.systems(w), plan.previous(w)
-        y = z.contiguous().clone()
-        wf, yf, sf = flat_heads(w), flat_heads(y), flat_heads(systems)
-        pf = None if previous is None else flat_heads(previous)
-
-        def run(g: slice) -> None:
-            wg, yg, sg = wf[:, g], yf[:, g], sf[:, g]
-            for c in range(plan.num_chunks):
-                c0, c1 = c * chunk, min(plan.n, (c + 1) * chunk)
-                for p in plan.pieces[c]:
-                    piece_combine(wg, yg, yg, p)
-                rows = yg[:, :, c0:c1]
-                if pf is not None and c > 0:
-                    rows.add_(pf[:, g, c, : c1 - c0] @ yg[:, :, c0 - chunk : c0])
-                _solve_chunk(sg[:, :, c], rows, transpose=False)
-
-        over_heads(run, yf.shape[1])
+        with serial():
+            w = w * layout.valid_on(w.device, w.dtype)
+            y = z.contiguous().clone()
+            _forward_substitution(plan, w, y)
         ctx.save_for_backward(w, y)
         ctx.layout, ctx.plan = layout, plan
         return y
@@ -156,26 +145,57 @@ class SparseSolve(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         w, y = ctx.saved_tensors
-        plan, layout = ctx.plan, ctx.layout
-        chunk = plan.chunk
-        systems, previous = plan.systems(w), plan.previous(w)
-        dz = grad.contiguous().clone()
-        wf, zf, sf = flat_heads(w), flat_heads(dz), flat_heads(systems)
-        pf = None if previous is None else flat_heads(previous)
-
-        def run(g: slice) -> None:
-            wg, zg, sg = wf[:, g], zf[:, g], sf[:, g]
-            for c in reversed(range(plan.num_chunks)):
-                c0, c1 = c * chunk, min(plan.n, (c + 1) * chunk)
-                rows = zg[:, :, c0:c1]
-                _solve_chunk(sg[:, :, c], rows, transpose=True)
-                if pf is not None and c > 0:
-                    zg[:, :, c0 - chunk : c0].add_(pf[:, g, c, : c1 - c0].mT @ rows)
-                for p in plan.pieces[c]:
-                    piece_scatter(wg, zg, zg, p)
-
-        over_heads(run, zf.shape[1])
-        dw = None
-        if ctx.needs_input_grad[0]:
-            dw = slot_dot(dz, y, layout) * layout.valid_on(dz.device, dz.dtype)
+        with serial():
+            dz = grad.contiguous().clone()
+            _backward_substitution(ctx.plan, w, dz)
+            dw = None
+            if ctx.needs_input_grad[0]:
+                dw = slot_dot(dz, y, ctx.layout) * ctx.layout.valid_on(dz.device, dz.dtype)
         return dw, dz, None, None
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, ...) -> (B * H, ...), a view of a contiguous tensor."""
+    return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _forward_substitution(plan: _SparsePlan, w: torch.Tensor, y: torch.Tensor) -> None:
+    """y (B, H, n, e) holds z; overwrite it with (I - B)^-1 z, chunk by chunk."""
+    systems, previous = _flat(plan.systems(w)), plan.previous(w)
+    previous = None if previous is None else _flat(previous)
+    w3, y3 = _flat(w), _flat(y)
+    bh, e, chunk = y3.shape[0], y3.shape[-1], plan.chunk
+    for c, (c0, c1) in enumerate(plan.bounds):
+        for k, t0, t1, s0, s1, stride, runs, length in plan.steps[c]:  # sources before the chunk
+            dst, src, wt = y3[:, t0:t1], y3[:, s0:s1:stride], w3[:, k, t0:t1]
+            if length == 1:
+                dst.addcmul_(wt[..., None], src)
+            else:
+                dst.view(bh, runs, length, e).addcmul_(wt.view(bh, runs, length, 1), src[:, :, None])
+        rows = y3[:, c0:c1]
+        if previous is not None and c:
+            rows.baddbmm_(previous[:, c, : c1 - c0], y3[:, c0 - chunk : c0])
+        m = systems[:, c, : c1 - c0, : c1 - c0]
+        # y^T m^T = rhs^T in place (see solve_unit_lower)
+        torch.linalg.solve_triangular(m.mT, rows.mT, upper=True, left=False, out=rows.mT)
+
+
+def _backward_substitution(plan: _SparsePlan, w: torch.Tensor, dz: torch.Tensor) -> None:
+    """dz (B, H, n, e) holds dy; overwrite it with (I - B)^-T dy, chunk by chunk from the end."""
+    systems, previous = _flat(plan.systems(w)), plan.previous(w)
+    previous = None if previous is None else _flat(previous)
+    w3, z3 = _flat(w), _flat(dz)
+    bh, e, chunk = z3.shape[0], z3.shape[-1], plan.chunk
+    for c in reversed(range(plan.num_chunks)):
+        c0, c1 = plan.bounds[c]
+        rows = z3[:, c0:c1]
+        m = systems[:, c, : c1 - c0, : c1 - c0]
+        torch.linalg.solve_triangular(m, rows.mT, upper=False, left=False, out=rows.mT)  # dz^T m = dy^T
+        if previous is not None and c:
+            z3[:, c0 - chunk : c0].baddbmm_(previous[:, c, : c1 - c0].mT, rows)
+        for k, t0, t1, s0, s1, stride, runs, length in plan.steps[c]:
+            dst, src, wt = z3[:, s0:s1:stride], z3[:, t0:t1], w3[:, k, t0:t1]
+            if length == 1:
+                dst.addcmul_(wt[..., None], src)
+            else:
+                dst.add_((wt.view(bh, runs, 1, length) @ src.view(bh, runs, length, e)).squeeze(-2))
