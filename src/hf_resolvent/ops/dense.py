@@ -23,7 +23,6 @@ from contextlib import nullcontext
 
 import torch
 
-from .solve import solve_unit_lower
 from .threads import serial
 
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
@@ -112,20 +111,22 @@ def _tree_forward(q, k, y, g, scale, chunk):
     o = torch.zeros_like(y)
     lse = torch.full((b, h, n), _NEG, dtype=y.dtype, device=y.device)
     eye = torch.eye(chunk, dtype=y.dtype, device=y.device)
-    gcol = g[..., None]
+    # (B * H, ...) views for the leaves: fewer dims, less indexing work per op
+    e3, m3, li3 = e.flatten(0, 1), m.flatten(0, 1), li.flatten(0, 1)
+    y3, o3, lse3, g3 = y.view(b * h, n, width), o.view(b * h, n, width), lse.view(b * h, n), g.reshape(b * h, n, 1)
 
     def leaf(c):
         rows = slice(c * chunk, (c + 1) * chunk)
-        lse_c, o_c, g_c, e_c = lse[:, :, rows], o[:, :, rows], gcol[:, :, rows], e[:, :, c]
+        lse_c, o_c, y_c, g_c = lse3[:, rows], o3[:, rows], y3[:, rows], g3[:, rows]
         # In-chunk probabilities r e; the share wa of what the nodes gathered.
-        total = torch.logaddexp(lse_c, li[:, :, c])
-        r = torch.exp(m[:, :, c] - total)[..., None]
+        total = torch.logaddexp(lse_c, li3[:, c])
+        re = e3[:, c] * torch.exp(m3[:, c] - total)[..., None]
         wa = torch.exp(lse_c - total)[..., None]
         lse_c.copy_(total)
-        system = torch.addcmul(eye, g_c * r, e_c, value=-1)
-        y_c = solve_unit_lower(system, torch.addcmul(y[:, :, rows], g_c * wa, o_c))
-        y[:, :, rows] = y_c
-        o_c.mul_(wa).addcmul_(r, e_c @ y_c)
+        system = torch.addcmul(eye, g_c, re, value=-1)
+        y_c.addcmul_(g_c * wa, o_c)  # right-hand side z + g wa o
+        torch.linalg.solve_triangular(system.mT, y_c.mT, upper=True, left=False, out=y_c.mT)  # see solve_unit_lower
+        o_c.mul_(wa).baddbmm_(re, y_c)
 
     def node(a, s0, s1):
         ob, lb = _attend_block(q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], scale)
@@ -148,11 +149,13 @@ def _tree_backward(q, k, y, o, lse, g, grad, scale, chunk):
     eye = torch.eye(chunk, dtype=y.dtype, device=y.device)
     dz = grad.clone()
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    p3, g3, z3 = p.flatten(0, 1), g.reshape(b * h, n, 1), dz.view(b * h, n, width)
 
     def leaf(c):
         rows = slice(c * chunk, (c + 1) * chunk)
-        system = torch.addcmul(eye, gcol[:, :, rows], p[:, :, c], value=-1)
-        dz[:, :, rows] = solve_unit_lower(system, dz[:, :, rows], transpose=True)
+        system = torch.addcmul(eye, g3[:, rows], p3[:, c], value=-1)
+        dz_c = z3[:, rows]
+        torch.linalg.solve_triangular(system, dz_c.mT, upper=False, left=False, out=dz_c.mT)  # dz^T m = dy^T
 
     def node(a, s0, s1):
         gq, gk, gv = _attend_block_backward(
