@@ -112,13 +112,14 @@ def _machine() -> dict:
 def bench(lengths, patterns, repeats: int, max_reference: int, batch: int, heads: int, dim: int, log=print):
     rows = []
     for n in lengths:
+        reps = repeats if n <= 2048 else max(1, min(repeats, 3))  # long runs: fewer repeats
         sdpa_f, sdpa_b = [], []
         for pattern in patterns:
             impls = ["sdpa", "parallel"] + (["reference"] if n <= max_reference else [])
             fwd_ins = _inputs(n, batch, heads, dim, grad=False)
             bwd_ins = _inputs(n, batch, heads, dim, grad=True)
-            fwd = _time_round_robin({i: _runner(i, pattern, fwd_ins, False) for i in impls}, repeats)
-            fb = _time_round_robin({i: _runner(i, pattern, bwd_ins, True) for i in impls}, repeats)
+            fwd = _time_round_robin({i: _runner(i, pattern, fwd_ins, False) for i in impls}, reps)
+            fb = _time_round_robin({i: _runner(i, pattern, bwd_ins, True) for i in impls}, reps)
             sdpa_f.append(fwd["sdpa"])
             sdpa_b.append(fb["sdpa"])
             for impl in impls[1:]:
@@ -192,13 +193,18 @@ def plot(rows, path: Path) -> None:
     plt.close(fig)
 
 
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write (a PNG with the same stem goes next to it)")
     parser.add_argument("--quick", action="store_true", help="n <= 2048, reference only at 512, 3 repeats")
     parser.add_argument("--lengths", type=int, nargs="*", help=f"sequence lengths (default {LENGTHS})")
     parser.add_argument("--patterns", nargs="*", help=f"patterns (default {PATTERNS})")
-    parser.add_argument("--repeats", type=int, help="timed runs per measurement after one warm-up (default 5, quick 3)")
+    parser.add_argument("--repeats", type=int,
+                        help="timed runs per measurement after one warm-up (default 5, quick 3; at most 3 for n > 2048)")
     parser.add_argument("--max-reference", type=int, help="largest n for the reference (default 2048, quick 512)")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
@@ -214,10 +220,10 @@ def main(argv=None) -> int:
 
     machine = _machine()
     print(f"# {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} threads)")
-    print(f"# B={args.batch} H={args.heads} d={args.dim} float32, median of {repeats} after warm-up")
-    print(HEADER)
+    _log(f"# B={args.batch} H={args.heads} d={args.dim} float32, median of {repeats} after warm-up")
+    _log(HEADER)
     t0 = time.perf_counter()
-    rows = bench(lengths, patterns, repeats, max_reference, args.batch, args.heads, args.dim)
+    rows = bench(lengths, patterns, repeats, max_reference, args.batch, args.heads, args.dim, log=_log)
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -104,10 +104,11 @@ def _tree_forward(q, k, y, g, scale, chunk):
     Returns o (B, H, n, D), each row's B~ y, and lse (B, H, n), its log-sum-exp of scores.
     """
     b, h, n, width = y.shape
-    e = _chunk_scores(q, k, scale, chunk)
-    m = e.amax(-1).clamp_min_(_NEG)  # (B, H, nc, C); a chunk's first row has no keys
-    e = e.sub_(m[..., None]).exp_()
-    li = (m + e.sum(-1).log()).clamp_min_(_NEG)  # in-chunk log-sum-exps
+    with serial():  # a few passes over n C entries per head: fewer parallel regions to wait on
+        e = _chunk_scores(q, k, scale, chunk)
+        m = e.amax(-1).clamp_min_(_NEG)  # (B, H, nc, C); a chunk's first row has no keys
+        e = e.sub_(m[..., None]).exp_()
+        li = (m + e.sum(-1).log()).clamp_min_(_NEG)  # in-chunk log-sum-exps
     o = torch.zeros_like(y)
     lse = torch.full((b, h, n), _NEG, dtype=y.dtype, device=y.device)
     eye = torch.eye(chunk, dtype=y.dtype, device=y.device)
