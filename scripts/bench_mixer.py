@@ -109,7 +109,9 @@ def _machine() -> dict:
     }
 
 
-def bench(lengths, patterns, repeats: int, max_reference: int, batch: int, heads: int, dim: int, log=print):
+def bench(lengths, patterns, repeats: int, max_reference: int, batch: int, heads: int, dim: int, log=print,
+          on_row=None):
+    """Time every (n, pattern, impl); returns the rows. ``on_row(rows)`` is called after each new row."""
     rows = []
     for n in lengths:
         reps = repeats if n <= 2048 else max(1, min(repeats, 3))  # long runs: fewer repeats
@@ -137,6 +139,8 @@ def bench(lengths, patterns, repeats: int, max_reference: int, batch: int, heads
                 }
                 rows.append(row)
                 log(_format_row(row))
+                if on_row is not None:
+                    on_row(rows)
         rows.append(
             {
                 "impl": "sdpa",
@@ -149,7 +153,21 @@ def bench(lengths, patterns, repeats: int, max_reference: int, batch: int, heads
             }
         )
         log(_format_row(rows[-1]))
+        if on_row is not None:
+            on_row(rows)
     return rows
+
+
+def targets(rows) -> dict:
+    """The issue's targets, from ratios measured side by side: dense parallel forward / SDPA at n = 2048
+    (goal <= 2.5) and SDPA / exp2 parallel forward at n = 8192 (goal >= 5), where measured."""
+    found = {}
+    for r in rows:
+        if r["impl"] == "parallel" and r["pattern"] == "dense" and r["n"] == 2048:
+            found["dense_fwd_x_sdpa_at_2048"] = r["fwd_ratio_to_sdpa"]
+        if r["impl"] == "parallel" and r["pattern"] == "exp2" and r["n"] == 8192:
+            found["exp2_fwd_speedup_over_sdpa_at_8192"] = 1 / r["fwd_ratio_to_sdpa"]
+    return found
 
 
 HEADER = f"{'impl':<10}{'pattern':<11}{'n':>6}{'fwd ms':>10}{'x sdpa':>8}{'fwd+bwd ms':>12}{'x sdpa':>8}"
@@ -223,20 +241,26 @@ def main(argv=None) -> int:
     _log(f"# B={args.batch} H={args.heads} d={args.dim} float32, median of {repeats} after warm-up")
     _log(HEADER)
     t0 = time.perf_counter()
-    rows = bench(lengths, patterns, repeats, max_reference, args.batch, args.heads, args.dim, log=_log)
-    machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {
-        "rows": rows,
-        "machine": machine,
-        "config": {"batch": args.batch, "heads": args.heads, "dim": args.dim, "dtype": "float32",
-                   "repeats": repeats, "max_reference": max_reference, "command": " ".join(sys.argv)},
-        "seconds": time.perf_counter() - t0,
-    }
-    out.write_text(json.dumps(result, indent=1))
+    config = {"batch": args.batch, "heads": args.heads, "dim": args.dim, "dtype": "float32", "repeats": repeats,
+              "max_reference": max_reference, "command": " ".join(sys.argv)}
+
+    def write(rows, complete: bool) -> dict:
+        result = {"rows": rows, "targets": targets(rows), "machine": machine, "config": config,
+                  "complete": complete, "seconds": time.perf_counter() - t0}
+        out.write_text(json.dumps(result, indent=1))
+        return result
+
+    # Partial results are written after every row, so an interrupted run still leaves its table.
+    rows = bench(lengths, patterns, repeats, max_reference, args.batch, args.heads, args.dim, log=_log,
+                 on_row=lambda r: write(r, False))
+    machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    result = write(rows, True)
     png = out.with_suffix(".png")
     plot(rows, png)
+    for name, value in result["targets"].items():
+        print(f"{name}: {value:.2f}")
     print(f"wrote {out} and {png} in {result['seconds']:.0f} s")
     return 0
 

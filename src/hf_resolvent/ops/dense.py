@@ -31,7 +31,7 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 # Node rectangles (rows x keys) below this size run with one intra-op thread: too small to gain from
 # more, and each parallel region can stall on a loaded machine.
-SERIAL_RECTANGLE = 256 * 256
+SERIAL_RECTANGLE = 512 * 512
 FANOUT = 2  # children per node of the row tree
 
 

@@ -86,7 +86,7 @@ def slot_layout(pattern: Pattern, n: int, with_self: bool = False) -> SlotLayout
     a = np.array(steps, dtype=np.int64)[:, None]
     formula = np.where(t >= f, a * ((t - f) // a + 1) - 1, -1)
     if src.shape != formula.shape or not np.all((src == formula) | (src < 0)):
-        raise AssertionError(f"slot formula disagrees with source_index for pattern {pattern.name!r}")
+        raise RuntimeError(f"slot formula disagrees with source_index for pattern {pattern.name!r}: please report")
     if with_self:
         fs, steps = [0] + list(fs), [1] + list(steps)
         src = np.concatenate([np.arange(n)[None, :], src], axis=0)
