@@ -23,6 +23,7 @@ import torch
 from hf_resolvent import kernels
 from hf_resolvent.ops import (
     MixerState,
+    decode_step,
     recurrent_step,
     recurrent_step_tied,
     reference_mix,
@@ -180,8 +181,8 @@ def test_clear_error_when_triton_cannot_run(monkeypatch):
         resolvent_mix(qa, ka, qb, kb, x, g, "dense", impl="triton")
     assert "CUDA" in str(info.value)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        kernels.triton_decode_step(MixerState(), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0],
-                                   g[:, :, 0], "dense")
+        decode_step(MixerState(), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0], "dense",
+                    impl="triton")
 
 
 def test_unsupported_dtype_is_refused():
@@ -280,3 +281,32 @@ def test_kernels_compile_for_a_gpu(pattern, dtype):
     for launch in launches:
         usage = aot.compile_launch(launch, arch=90)
         assert 0 < usage["registers"] <= 255, (launch.name, usage)
+
+
+def test_model_decodes_through_the_triton_step(monkeypatch):
+    """``config.mixer_impl="triton"``: generate() prefills with ``triton_mix`` and decodes every token through the
+    Triton decode kernels, reached from the model's cache code, with the tokens of the PyTorch path."""
+    from hf_resolvent import ResolventConfig, ResolventForCausalLM
+
+    calls = {"mix": 0, "step": 0}
+    for name, key in (("triton_mix", "mix"), ("triton_mix_tied", "mix"), ("triton_decode_step", "step"),
+                      ("triton_decode_step_tied", "step")):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _key=key, **k: calls.__setitem__(_key, calls[_key] + 1)
+                            or _real(*a, **k))
+    config = ResolventConfig(vocab_size=40, n_positions=32, n_embd=32, n_layer=3, n_head=2, resid_pdrop=0.0,
+                             embd_pdrop=0.0, mixer=["exp2:ce", "dense+tied", "attention"], pad_token_id=0)
+    torch.manual_seed(0)
+    model = ResolventForCausalLM(config).eval()
+    prompt = torch.tensor([[5, 9, 3, 7, 1, 2, 8], [0, 0, 4, 6, 11, 12, 13]])
+    mask = (prompt != 0).long()
+    out = {}
+    for impl in ("parallel", "triton"):
+        model.config.mixer_impl = impl
+        out[impl] = model.generate(prompt, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                   output_scores=True, return_dict_in_generate=True)
+    new_tokens = 5 - 1  # the first new token comes from the prefill
+    assert calls == {"mix": 3, "step": 3 * new_tokens}
+    assert torch.equal(out["triton"].sequences, out["parallel"].sequences)
+    for got, want in zip(out["triton"].scores, out["parallel"].scores):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

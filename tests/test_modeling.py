@@ -68,6 +68,7 @@ def test_config_fields_aliases_and_round_trip(tmp_path):
         (dict(n_layer=0), "n_layer"),
         (dict(resid_pdrop=1.5), "resid_pdrop"),
         (dict(activation_function="swishy"), "activation_function"),
+        (dict(mixer_impl="cuda"), "mixer_impl"),
     ],
 )
 def test_config_rejects_bad_values(fields, needle):

@@ -15,10 +15,11 @@ from transformers import PretrainedConfig
 
 from .patterns import get_pattern
 
-__all__ = ["ResolventConfig", "parse_mixer_spec", "GATE_INITS", "PRESETS"]
+__all__ = ["ResolventConfig", "parse_mixer_spec", "GATE_INITS", "MIXER_IMPLS", "PRESETS"]
 
 # Gate initialisations, see ResolventConfig. A float in (0, 1) is accepted too.
 GATE_INITS = ("mamba2", "closed")
+MIXER_IMPLS = ("auto", "parallel", "triton")
 # "closed" starts with g = exp(-16) ~ 1.1e-7 for every token: the layer is its direct channel A (plus ~1e-7),
 # yet the gate keeps a non-zero gradient in log space (d log g / d A_log = -16), so fine-tuning can open it.
 CLOSED_GATE_VALUE = math.exp(-16.0)
@@ -112,6 +113,10 @@ class ResolventConfig(PretrainedConfig):
             ``"closed"`` (g = e^-16 ~ 1.1e-7 at start, input-independent: the layer starts as its direct channel,
             used by :meth:`ResolventForCausalLM.from_gpt2`) or a float v in (0, 1) (g = v at start).
         tie_word_embeddings: share the input embedding and the LM head.
+        mixer_impl: which code runs the mixers: ``"auto"`` (the Triton kernels for CUDA tensors when Triton can
+            run, the PyTorch forms otherwise), ``"parallel"`` (always PyTorch: the parallel form for sequences, the
+            recurrent step for decoding) or ``"triton"`` (always the kernels; on CPU only under
+            ``TRITON_INTERPRET=1``). A runtime choice: override it with ``from_pretrained(..., mixer_impl=...)``.
     """
 
     model_type = "resolvent"
@@ -146,6 +151,7 @@ class ResolventConfig(PretrainedConfig):
         eos_token_id: int | None = 50256,
         pad_token_id: int | None = None,
         tie_word_embeddings: bool = True,
+        mixer_impl: str = "auto",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -168,6 +174,7 @@ class ResolventConfig(PretrainedConfig):
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.tie_word_embeddings = tie_word_embeddings
+        self.mixer_impl = mixer_impl
         self._validate()
         super().__init__(
             bos_token_id=bos_token_id,
@@ -212,6 +219,11 @@ class ResolventConfig(PretrainedConfig):
             raise ValueError(
                 f"activation_function {self.activation_function!r} is unknown; use one of transformers' ACT2FN keys "
                 "such as 'gelu_new' or 'gelu'"
+            )
+        if self.mixer_impl not in MIXER_IMPLS:
+            raise ValueError(
+                f"mixer_impl must be one of {MIXER_IMPLS} ('parallel' = the PyTorch forms, 'triton' = the kernels), "
+                f"got {self.mixer_impl!r}"
             )
         _check_gate_init(self.gate_init, "gate_init")
         self.layer_mixers  # noqa: B018 - parses and validates every layer's spec

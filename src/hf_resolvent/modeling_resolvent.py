@@ -10,8 +10,9 @@ Each block computes, per head, Y = (I - B)^-1 A X (DESIGN.md section 1) with
   d = (1 - g) sigmoid(w_d.u + b_d).
 
 Full sequences (training, prefill) run the parallel form (``ops.resolvent_mix``: PyTorch on CPU, the Triton
-kernels for CUDA tensors when available); decoding runs ``ops.recurrent_step`` on the per-layer states of a
-:class:`~hf_resolvent.ResolventCache`, built directly from the prefill (``ops.state.state_from_sequence``).
+kernels for CUDA tensors when available); decoding runs ``ops.decode_step`` (the Triton decode kernel or
+``ops.recurrent_step``, chosen the same way) on the per-layer states of a :class:`~hf_resolvent.ResolventCache`,
+built directly from the prefill (``ops.state.state_from_sequence``). ``config.mixer_impl`` forces either path.
 
 Padding: a 2-D ``attention_mask`` with left padding becomes the ops' ``start`` (padded positions are never read
 and positions count from the first real token, so a left-padded batch gives the same outputs as each sequence
@@ -44,8 +45,8 @@ from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
 from .patterns import get_pattern
 from .resolvent_ops import (
     IS_BUNDLE,
-    recurrent_step,
-    recurrent_step_tied,
+    decode_step,
+    decode_step_tied,
     resolvent_mix,
     resolvent_mix_tied,
     state_from_sequence,
@@ -103,6 +104,7 @@ class ResolventMixer(nn.Module):
         self.tied = spec["tied"]
         self.gate_init = spec["gate_init"]
         self.recurrent = self.pattern.has_recurrence
+        self.config = config  # shared with the model: config.mixer_impl is read at every call
         self.num_heads = config.n_head
         self.head_dim = config.n_embd // config.n_head
         if not self.recurrent:
@@ -161,15 +163,17 @@ class ResolventMixer(nn.Module):
         g = self.gate(hidden_states) if self.recurrent else None
         d = (1 - g) * torch.sigmoid(self.skip_proj(hidden_states)).transpose(1, 2) if self.tied else None
         state = None if layer_cache is None else layer_cache.state
+        impl = self.config.mixer_impl
         if state is None:
             if self.tied:
-                y = resolvent_mix_tied(t["qb"], t["kb"], t["x"], g, d, self.pattern, start=start)
+                y = resolvent_mix_tied(t["qb"], t["kb"], t["x"], g, d, self.pattern, impl=impl, start=start)
             else:
-                y = resolvent_mix(t["qa"], t["ka"], t.get("qb"), t.get("kb"), t["x"], g, self.pattern, start=start)
+                y = resolvent_mix(t["qa"], t["ka"], t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl,
+                                  start=start)
             if layer_cache is not None:
                 layer_cache.state = state_from_sequence(self.pattern, self._state_rows(t, y, d, start), start)
         else:
-            y = self._decode(state, t, g, d, n)
+            y = self._decode(state, t, g, d, n, impl)
         out = y.transpose(1, 2).reshape(batch, n, width)
         return self.resid_dropout(self.out_proj(out))
 
@@ -185,17 +189,18 @@ class ResolventMixer(nn.Module):
             return {"keys_b": t["kb"], "outputs": z}
         return {"keys_a": t["ka"], "values": t["x"], "keys_b": t["kb"], "outputs": y}
 
-    def _decode(self, state, t, g, d, n: int) -> torch.Tensor:
-        """Run the recurrent form over the n new tokens from ``state`` (advanced in place): (B, H, n, e)."""
+    def _decode(self, state, t, g, d, n: int, impl: str) -> torch.Tensor:
+        """Run the decode step (Triton or PyTorch, see ``config.mixer_impl``) over the n new tokens from ``state``
+        (advanced in place): (B, H, n, e)."""
         ys = []
         for i in range(n):
             if self.tied:
-                y = recurrent_step_tied(state, t["qb"][:, :, i], t["kb"][:, :, i], t["x"][:, :, i], g[:, :, i],
-                                        d[:, :, i], self.pattern)
+                y = decode_step_tied(state, t["qb"][:, :, i], t["kb"][:, :, i], t["x"][:, :, i], g[:, :, i],
+                                     d[:, :, i], self.pattern, impl=impl)
             else:
                 step = {k: (v[:, :, i] if v is not None else None) for k, v in t.items()}
-                y = recurrent_step(state, step["qa"], step["ka"], step.get("qb"), step.get("kb"), step["x"],
-                                   None if g is None else g[:, :, i], self.pattern)
+                y = decode_step(state, step["qa"], step["ka"], step.get("qb"), step.get("kb"), step["x"],
+                                None if g is None else g[:, :, i], self.pattern, impl=impl)
             ys.append(y)
         return torch.stack(ys, dim=2).to(t["x"].dtype)
 
@@ -263,8 +268,16 @@ def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl="auto", start=None, scale=
     return parallel_mix_tied(qb, kb, x, g, d, pattern, start, scale)
 
 
-__all__ = ["IS_BUNDLE", "MixerState", "recurrent_step", "recurrent_step_tied", "resolvent_mix",
-           "resolvent_mix_tied", "state_from_sequence"]
+def decode_step(state, qa, ka, qb, kb, x, g, pattern, impl="auto", scale=None):
+    return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale)
+
+
+def decode_step_tied(state, qb, kb, x, g, d, pattern, impl="auto", scale=None):
+    return recurrent_step_tied(state, qb, kb, x, g, d, pattern, scale)
+
+
+__all__ = ["IS_BUNDLE", "MixerState", "decode_step", "decode_step_tied", "resolvent_mix", "resolvent_mix_tied",
+           "state_from_sequence"]
 '''
 
 # Kept out of the template's text: transformers scans this file for lines starting with relative imports.

@@ -6,7 +6,8 @@ Three forms compute the same function and are tested against each other:
 - ``parallel``: block forward substitution in PyTorch (training and prefill, CPU and GPU);
 - ``recurrent``: one token at a time from a :class:`MixerState` (decode).
 
-``resolvent_mix(..., impl="triton")`` runs the Triton kernels of ``kernels/`` where available.
+``resolvent_mix(..., impl="triton")`` runs the Triton kernels of ``kernels/`` where available, and
+``decode_step(..., impl="triton")`` their decode kernel; ``impl="auto"`` picks Triton for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ IMPLS = ("reference", "parallel", "recurrent", "triton", "auto")
 __all__ = [
     "IMPLS",
     "MixerState",
+    "decode_step",
+    "decode_step_tied",
     "mixer_matrices",
     "parallel_mix",
     "parallel_mix_tied",
@@ -100,3 +103,36 @@ def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl: str = "auto", start=None,
 
         return triton_mix_tied(qb, kb, x, g, d, pattern, start=start, scale=scale)
     return parallel_mix_tied(qb, kb, x, g, d, pattern, start, scale)
+
+
+def decode_step(state: MixerState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None):
+    """Mix one token per sequence against a layer's decode ``state`` and advance it (the model's decode path).
+
+    Args:
+        state: the layer's :class:`MixerState` (advanced in place).
+        qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention patterns).
+        x: (B, H, e) its value; g: (B, H) its gate (None for attention patterns).
+        pattern: spec or Pattern.
+        impl: ``"triton"`` (the decode kernel of ``kernels/``), ``"auto"`` (Triton for CUDA tensors when the
+            kernels can run) or any other form name (the PyTorch recurrent step, ``recurrent_step``).
+        scale: score scale, default d ** -0.5.
+
+    Returns:
+        y (B, H, e), 0 for sequences still in their left padding.
+    """
+    _check_impl(impl)
+    if _use_triton(impl, x):
+        from ..kernels import triton_decode_step
+
+        return triton_decode_step(state, qa, ka, qb, kb, x, g, pattern, scale=scale)
+    return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale)
+
+
+def decode_step_tied(state: MixerState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
+    """Tied variant of :func:`decode_step`: qb, kb (B, H, d), x (B, H, e), g and d (B, H) -> y (B, H, e)."""
+    _check_impl(impl)
+    if _use_triton(impl, x):
+        from ..kernels import triton_decode_step_tied
+
+        return triton_decode_step_tied(state, qb, kb, x, g, d, pattern, scale=scale)
+    return recurrent_step_tied(state, qb, kb, x, g, d, pattern, scale)
