@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=None, help="most key-value pairs (recall tasks)")
     p.add_argument("--length", type=int, default=None, help="longest sequence (recall) or copied length (copy)")
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--curriculum", default=None,
+                   help="comma-separated phase divisors, equal shares of the run (the papers': 8,4,2,1; 1 = none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-samples", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
@@ -76,6 +78,16 @@ def task_spec(task: str, preset: dict) -> S.TaskSpec:
     if task == "copy":
         return S.TaskSpec("copy", preset["copy_len"], vocab=vocab)
     return S.TaskSpec(task, preset["recall_len"], preset["pairs"], vocab=vocab)
+
+
+def _parse_curriculum(text: str) -> tuple[int, ...]:
+    try:
+        phases = tuple(int(v) for v in str(text).split(","))
+    except ValueError:
+        phases = ()
+    if not phases or min(phases) < 1:
+        raise ValueError(f"--curriculum takes comma-separated positive divisors such as 8,4,2,1 or 1, got {text!r}")
+    return phases
 
 
 def build_model(mixer: str, vocab_size: int, context: int, d: int, layers: int, heads: int):
@@ -146,6 +158,9 @@ def run(args) -> dict:
                       ("eval_samples", "eval_samples"), ("pairs", "pairs"), ("warmup", "warmup")):
         if getattr(args, attr) is not None:
             preset[key] = getattr(args, attr)
+    if args.curriculum is not None:
+        preset["curriculum"] = args.curriculum
+    phases = _parse_curriculum(preset.get("curriculum", "8,4,2,1"))
     if args.length is not None:
         preset["copy_len" if args.task == "copy" else "recall_len"] = args.length
     spec = task_spec(args.task, preset)
@@ -174,7 +189,7 @@ def run(args) -> dict:
 
     bar = tqdm(range(steps), disable=args.quiet, unit="step", dynamic_ncols=True)
     for step in bar:
-        div = S.curriculum_divisor(step, steps)
+        div = S.curriculum_divisor(step, steps, phases)
         phase = spec.phase(div)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, preset["lr"], preset["warmup"], steps)
@@ -197,7 +212,7 @@ def run(args) -> dict:
     train_time = time.time() - t0
     result = evaluate(model, spec, preset["eval_samples"], args.seed, device)
     result.update({"task": args.task, "mixer": args.mixer, "preset": args.preset, "params": params, "steps": steps,
-                   "batch_size": batch_size, "final_loss": total_loss, "train_time_s": round(train_time, 1),
+                   "batch_size": batch_size, "lr": preset["lr"], "curriculum": list(phases), "final_loss": total_loss, "train_time_s": round(train_time, 1),
                    "device": str(device), "seed": args.seed, "spec": {"max_len": spec.max_len,
                    "max_pairs": spec.max_pairs, "vocab": preset["vocab"]}, "history": history})
     log(f"[synthetic] {args.task} / {args.mixer}: held-out accuracy {result['accuracy']:.4f} "

@@ -164,3 +164,14 @@ def test_script_smoke(mixer, tmp_path):
     assert 0.0 <= res["accuracy"] <= 1.0 and res["answers"] > 0 and np.isfinite(res["final_loss"])
     assert mod.main(["--task", "assoc", "--mixer", "dense", "--preset", "smoke", "--batch-size", "5",
                      "--micro-batch", "2", "--quiet"]) == 2
+
+
+def test_script_curriculum_option(tmp_path, capsys):
+    mod = _load_script()
+    out = tmp_path / "r.json"
+    assert mod.main(["--task", "assoc", "--mixer", "attention", "--preset", "smoke", "--curriculum", "2,1",
+                     "--quiet", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["curriculum"] == [2, 1]
+    assert mod.main(["--task", "assoc", "--mixer", "attention", "--preset", "smoke", "--curriculum", "8,0",
+                     "--quiet"]) == 2
+    assert "--curriculum" in capsys.readouterr().err
