@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_resolvent.ops import dense as dense_mod
 from hf_resolvent.ops import parallel_mix, reference_mix
 from hf_resolvent.ops import slots as slots_mod
 from hf_resolvent.ops.dense import DenseSolve
@@ -197,3 +198,22 @@ def test_parallel_with_two_threads():
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("groups", [2, 4, 7])
+def test_dense_solve_split_by_head_groups(groups, monkeypatch):
+    """On CPU the dense tree runs on (batch x head) groups in worker threads, one per intra-op thread: any
+    split (uneven, more groups than rows) gives the reference's outputs and gradients, under grad mode and not."""
+    monkeypatch.setattr(dense_mod, "head_groups", lambda t: groups)
+    gen = torch.Generator().manual_seed(9)
+    n = 45
+    ins = [torch.randn(2, 3, n, 8, generator=gen, dtype=F64, requires_grad=True) for _ in range(5)]
+    g = torch.rand(2, 3, n, generator=gen, dtype=F64).requires_grad_()
+    out = parallel_mix(*ins, g, "dense", chunk=8)
+    ref = reference_mix(*ins, g, "dense")
+    torch.testing.assert_close(out, ref)
+    w = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), [*ins, g]), torch.autograd.grad((ref * w).sum(), [*ins, g])):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        torch.testing.assert_close(parallel_mix(*ins, g, "dense", chunk=8), ref)

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .threads import serial
+from .threads import by_head_groups, head_groups, serial
 
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -200,7 +200,7 @@ class DenseSolve(torch.autograd.Function):
         qp, kp = _pad(q, rows, width), _pad(k, rows, width)
         y = _pad(z, rows, width).clone()  # holds z, then y
         gp = torch.nn.functional.pad(g, (0, rows - n)).contiguous()
-        o, lse = _tree_forward(qp, kp, y, gp, scale, chunk)
+        o, lse = by_head_groups(lambda *t: _tree_forward(*t, scale, chunk), (qp, kp, y, gp), head_groups(q))
         ctx.save_for_backward(qp, kp, y, o, lse, gp)
         ctx.scale, ctx.chunk, ctx.dims = scale, chunk, (d, e)
         return y[..., :n, :e]
@@ -210,5 +210,6 @@ class DenseSolve(torch.autograd.Function):
         qp, kp, y, o, lse, gp = ctx.saved_tensors
         n, (d, e) = grad.shape[2], ctx.dims
         grad = _pad(grad, y.shape[2], y.shape[3])
-        dq, dk, dz, dg = _tree_backward(qp, kp, y, o, lse, gp, grad, ctx.scale, ctx.chunk)
+        dq, dk, dz, dg = by_head_groups(lambda *t: _tree_backward(*t, ctx.scale, ctx.chunk),
+                                        (qp, kp, y, o, lse, gp, grad), head_groups(qp))
         return dq[..., :n, :d], dk[..., :n, :d], dg[..., :n], dz[..., :n, :e], None, None

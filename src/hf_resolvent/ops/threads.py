@@ -8,12 +8,18 @@ running: the exp2 mixer at n = 2048 took 24x the time of causal SDPA with intra-
 one thread. :func:`serial` runs such sections on one thread; only a few large kernels (causal SDPA and
 the dense tree's flash-attention nodes) use the intra-op threads.
 
-``torch.set_num_threads`` is process-wide: :func:`serial` changes it for the duration of the block and
-restores it, so do not call the mixer from several Python threads at once.
+The dense tree goes one step further (:func:`by_head_groups`): its (batch x head) rows are split into one
+group per intra-op thread, each solved in a worker thread with one intra-op thread, so the many small ops
+keep every core busy instead of alternating between one-thread sections and two-thread regions.
+
+:func:`serial` changes the calling thread's intra-op thread count for the duration of the block and
+restores it; calling the mixer from several Python threads at once is not supported.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -31,3 +37,51 @@ def serial():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, workers, pool)
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL
+    # A forked child inherits the pool object but not its threads: make a new one there.
+    if _POOL is None or _POOL[:2] != (os.getpid(), workers):
+        # Each worker runs its ops on one intra-op thread (torch's count is per OS thread with OpenMP).
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="hf_resolvent", initializer=torch.set_num_threads,
+                                  initargs=(1,))
+        _POOL = (os.getpid(), workers, pool)
+    return _POOL[2]
+
+
+def head_groups(t: torch.Tensor) -> int:
+    """How many (batch x head) groups :func:`by_head_groups` splits ``t`` (B, H, ...) into: one per intra-op
+    thread on CPU (at most B * H), 1 elsewhere (GPUs parallelise inside each kernel)."""
+    if t.device.type != "cpu":
+        return 1
+    return max(1, min(torch.get_num_threads(), t.shape[0] * t.shape[1]))
+
+
+def by_head_groups(fn, tensors: tuple[torch.Tensor, ...], groups: int):
+    """``fn(*tensors)`` computed on ``groups`` slices of the batch x head rows, concurrently, one thread each.
+
+    For functions made of many small ops (a row tree's leaves and merges): run serially with two intra-op
+    threads, each op waits for its slowest thread; split by heads, every op runs on one thread and both cores
+    stay busy (the ops release the GIL). ``tensors`` are (B, H, ...) and contiguous, ``fn`` acts on each
+    (batch x head) row independently and may write into its inputs in place (the slices are views). Returns
+    ``fn``'s outputs (a tuple of (B, H, ...) tensors) reassembled.
+    """
+    if groups <= 1:
+        return fn(*tensors)
+    b, h = tensors[0].shape[:2]
+    rows = [t.view(1, b * h, *t.shape[2:]) for t in tensors]
+    size = -(-(b * h) // groups)
+    grad_mode = torch.is_grad_enabled()  # thread-local: carry the caller's into the workers
+
+    def run(*args):
+        with torch.set_grad_enabled(grad_mode):
+            return fn(*args)
+
+    pool = _pool(groups)
+    futures = [pool.submit(run, *(t[:, s: s + size] for t in rows)) for s in range(0, b * h, size)]
+    parts = [f.result() for f in futures]
+    return tuple(torch.cat(outs, dim=1).view(b, h, *outs[0].shape[2:]) for outs in zip(*parts))
