@@ -216,9 +216,10 @@ def run(args) -> dict:
     train_time = time.time() - t0
     result = evaluate(model, spec, preset["eval_samples"], args.seed, device)
     result.update({"task": args.task, "mixer": args.mixer, "preset": args.preset, "params": params, "steps": steps,
-                   "batch_size": batch_size, "lr": preset["lr"], "curriculum": list(phases), "final_loss": total_loss, "train_time_s": round(train_time, 1),
-                   "device": str(device), "seed": args.seed, "spec": {"max_len": spec.max_len,
-                   "max_pairs": spec.max_pairs, "vocab": preset["vocab"]}, "history": history})
+                   "batch_size": batch_size, "lr": preset["lr"], "curriculum": list(phases),
+                   "final_loss": total_loss, "train_time_s": round(train_time, 1), "device": str(device),
+                   "seed": args.seed, "history": history,
+                   "spec": {"max_len": spec.max_len, "max_pairs": spec.max_pairs, "vocab": preset["vocab"]}})
     log(f"[synthetic] {args.task} / {args.mixer}: held-out accuracy {result['accuracy']:.4f} "
         f"(sequences {result['sequence_accuracy']:.4f}; by hops "
         + ", ".join(f"{h}: {v['accuracy']:.3f}" for h, v in result["by_hops"].items())

@@ -196,7 +196,7 @@ class DenseSolve(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, g, z, scale, chunk):
         n, d, e = q.shape[-2], q.shape[-1], z.shape[-1]
-        chunk = -(-n // -(-n // chunk))  # as many chunks as asked for, balanced: less padding for short n
+        chunk = -(-n // -(-n // chunk))  # equal chunks of at most `chunk` rows: n = 16 is one chunk of 16, not 64
         width, rows = max(d, e), -(-n // chunk) * chunk
         qp, kp = _pad(q, rows, width), _pad(k, rows, width)
         y = _pad(z, rows, width).clone()  # holds z, then y

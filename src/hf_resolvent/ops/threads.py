@@ -5,8 +5,8 @@ intra-op threads, every op is a parallel region that waits for its slowest threa
 much on an idle 2-core machine, and on a shared one (other processes on the same cores) each region
 can stall for a scheduler time slice. Measured on the 2-core CPU this project targets, with other jobs
 running: the exp2 mixer at n = 2048 took 24x the time of causal SDPA with intra-op threads and 0.4x on
-one thread. :func:`serial` runs such sections on one thread; only a few large kernels (causal SDPA and
-the dense tree's flash-attention nodes) use the intra-op threads.
+one thread. :func:`serial` runs such sections on one thread; only a few large kernels (causal SDPA, and
+the dense tree's large flash-attention nodes on GPUs or with one head group) use the intra-op threads.
 
 The dense tree goes one step further (:func:`by_head_groups`): its (batch x head) rows are split into one
 group per intra-op thread, each solved in a worker thread with one intra-op thread, so the many small ops
@@ -46,6 +46,8 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     global _POOL
     # A forked child inherits the pool object but not its threads: make a new one there.
     if _POOL is None or _POOL[:2] != (os.getpid(), workers):
+        if _POOL is not None and _POOL[0] == os.getpid():
+            _POOL[2].shutdown(wait=False)  # the intra-op thread count changed
         # Each worker runs its ops on one intra-op thread (torch's count is per OS thread with OpenMP).
         pool = ThreadPoolExecutor(workers, thread_name_prefix="hf_resolvent", initializer=torch.set_num_threads,
                                   initargs=(1,))
