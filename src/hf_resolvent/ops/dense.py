@@ -19,19 +19,14 @@ Shapes: B batch, H heads, n positions, d key width, e value width, C chunk, D = 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
-from .threads import by_head_groups, head_groups, serial
+from .threads import by_head_groups, head_groups
 
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-# Node rectangles (rows x keys) below this size run with one intra-op thread: too small to gain from
-# more, and each parallel region can stall on a loaded machine.
-SERIAL_RECTANGLE = 512 * 512
 FANOUT = 2  # children per node of the row tree
 
 
@@ -72,16 +67,14 @@ def _walk(n: int, chunk: int, leaf, node, reverse: bool = False) -> None:
 
     def visit(a: int, c: int) -> None:
         if c - a <= chunk:
-            with serial():
-                leaf(a // chunk)
+            leaf(a // chunk)
             return
         spans = _children(a, c, chunk)
         for s0, s1 in reversed(spans) if reverse else spans:
             if reverse:
                 visit(s0, s1)
             if s0 > a:
-                with serial() if (s1 - s0) * (s0 - a) < SERIAL_RECTANGLE else nullcontext():
-                    node(a, s0, s1)
+                node(a, s0, s1)
             if not reverse:
                 visit(s0, s1)
 
@@ -104,11 +97,10 @@ def _tree_forward(q, k, y, g, scale, chunk):
     Returns o (B, H, n, D), each row's B~ y, and lse (B, H, n), its log-sum-exp of scores.
     """
     b, h, n, width = y.shape
-    with serial():  # a few passes over n C entries per head: fewer parallel regions to wait on
-        e = _chunk_scores(q, k, scale, chunk)
-        m = e.amax(-1).clamp_min_(_NEG)  # (B, H, nc, C); a chunk's first row has no keys
-        e = e.sub_(m[..., None]).exp_()
-        li = (m + e.sum(-1).log()).clamp_min_(_NEG)  # in-chunk log-sum-exps
+    e = _chunk_scores(q, k, scale, chunk)
+    m = e.amax(-1).clamp_min_(_NEG)  # (B, H, nc, C); a chunk's first row has no keys
+    e = e.sub_(m[..., None]).exp_()
+    li = (m + e.sum(-1).log()).clamp_min_(_NEG)  # in-chunk log-sum-exps
     o = torch.zeros_like(y)
     lse = torch.full((b, h, n), _NEG, dtype=y.dtype, device=y.device)
     eye = torch.eye(chunk, dtype=y.dtype, device=y.device)
@@ -131,10 +123,9 @@ def _tree_forward(q, k, y, g, scale, chunk):
 
     def node(a, s0, s1):
         ob, lb = _attend_block(q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], scale)
-        with serial():  # a few passes over the rows: not worth a parallel region each
-            lse_r = lse[:, :, s0:s1]
-            o[:, :, s0:s1].lerp_(ob, torch.sigmoid(lb - lse_r)[..., None])
-            lse_r.copy_(torch.logaddexp(lse_r, lb))
+        lse_r = lse[:, :, s0:s1]
+        o[:, :, s0:s1].lerp_(ob, torch.sigmoid(lb - lse_r)[..., None])
+        lse_r.copy_(torch.logaddexp(lse_r, lb))
 
     _walk(n, chunk, leaf, node)
     return o, lse
@@ -163,10 +154,9 @@ def _tree_backward(q, k, y, o, lse, g, grad, scale, chunk):
             gcol[:, :, s0:s1] * dz[:, :, s0:s1], q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], o[:, :, s0:s1],
             lse[:, :, s0:s1], scale,
         )
-        with serial():
-            dq[:, :, s0:s1] += gq
-            dk[:, :, a:s0] += gk
-            dz[:, :, a:s0] += gv
+        dq[:, :, s0:s1] += gq
+        dk[:, :, a:s0] += gk
+        dz[:, :, a:s0] += gv
 
     _walk(n, chunk, leaf, node, reverse=True)
     # In-chunk score gradients of all chunks at once: ds_ij = p_ij g_i (dz_i . y_j - dz_i . o_i) scale.
@@ -201,7 +191,7 @@ class DenseSolve(torch.autograd.Function):
         qp, kp = _pad(q, rows, width), _pad(k, rows, width)
         y = _pad(z, rows, width).clone()  # holds z, then y
         gp = torch.nn.functional.pad(g, (0, rows - n)).contiguous()
-        o, lse = by_head_groups(lambda *t: _tree_forward(*t, scale, chunk), (qp, kp, y, gp), head_groups(q))
+        o, lse = _tree_forward(qp, kp, y, gp, scale, chunk)
         ctx.save_for_backward(qp, kp, y, o, lse, gp)
         ctx.scale, ctx.chunk, ctx.dims = scale, chunk, (d, e)
         return y[..., :n, :e]
@@ -211,6 +201,8 @@ class DenseSolve(torch.autograd.Function):
         qp, kp, y, o, lse, gp = ctx.saved_tensors
         n, (d, e) = grad.shape[2], ctx.dims
         grad = _pad(grad, y.shape[2], y.shape[3])
+        # The backward splits the heads over worker threads (see .threads); the forward, whose leaves are
+        # fewer ops, runs every op on the intra-op threads. Both measured fastest that way on 2 cores.
         dq, dk, dz, dg = by_head_groups(lambda *t: _tree_backward(*t, ctx.scale, ctx.chunk),
                                         (qp, kp, y, o, lse, gp, grad), head_groups(qp))
         return dq[..., :n, :d], dk[..., :n, :d], dg[..., :n], dz[..., :n, :e], None, None
