@@ -202,9 +202,10 @@ def test_parallel_with_two_threads():
 
 @pytest.mark.parametrize("groups", [2, 4, 7])
 def test_dense_solve_split_by_head_groups(groups, monkeypatch):
-    """On CPU the dense tree runs on (batch x head) groups in worker threads, one per intra-op thread: any
-    split (uneven, more groups than rows) gives the reference's outputs and gradients, under grad mode and not."""
+    """On CPU the dense tree's backward runs on (batch x head) groups in worker threads, one per intra-op thread
+    (forced here at any length): any split (uneven, more groups than rows) gives the reference's gradients."""
     monkeypatch.setattr(dense_mod, "head_groups", lambda t: groups)
+    monkeypatch.setattr(dense_mod, "GROUPED_MIN_ROWS", 1)
     gen = torch.Generator().manual_seed(9)
     n = 45
     ins = [torch.randn(2, 3, n, 8, generator=gen, dtype=F64, requires_grad=True) for _ in range(5)]

@@ -7,8 +7,8 @@ can stall for a scheduler time slice. Measured on the 2-core CPU this project ta
 running: the exp2 mixer at n = 2048 took 24x the time of causal SDPA with intra-op threads and 0.4x on
 one thread. :func:`serial` runs such sections on one thread.
 
-The dense tree's backward goes one step further (:func:`by_head_groups`): its (batch x head) rows are split
-into one group per intra-op thread, each solved in a worker thread with one intra-op thread, so its many
+The dense tree's backward at n >= 2048 goes one step further (:func:`by_head_groups`): its (batch x head) rows
+are split into one group per intra-op thread, each solved in a worker thread with one intra-op thread, so its many
 small ops keep every core busy. (Measured on the 2-core machine at n = 2048, interleaved with causal SDPA:
 forward + backward 2.25x SDPA with the groups, 2.40x with all ops on the intra-op threads, 2.67x with
 one-thread sections; the dense forward, with fewer ops per leaf, was fastest with all ops on the intra-op
