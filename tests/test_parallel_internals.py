@@ -14,7 +14,7 @@ from hf_resolvent.ops import parallel_mix, reference_mix
 from hf_resolvent.ops import slots as slots_mod
 from hf_resolvent.ops.dense import DenseSolve
 from hf_resolvent.ops.slots import SlotCombine, SlotDot, slot_combine, slot_dot, slot_layout, slot_pieces, slot_scatter
-from hf_resolvent.ops.solve import SparseSolve, solve_unit_lower
+from hf_resolvent.ops.solve import SparseSolve, solve_unit_lower_
 from hf_resolvent.patterns import get_pattern
 
 F64 = torch.float64
@@ -74,10 +74,12 @@ def test_slot_pieces_cover_rows_once_with_their_sources(f, a):
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-def test_solve_unit_lower(transpose):
+def test_solve_unit_lower_in_place(transpose):
     m = torch.eye(9, dtype=F64) - torch.randn(2, 3, 9, 9, dtype=F64).tril(-1) * 0.3
     rhs = torch.randn(2, 3, 9, 4, dtype=F64)
-    got = solve_unit_lower(m, rhs, transpose)
+    rows = rhs.clone()
+    got = solve_unit_lower_(m, rows, transpose)
+    assert got is rows  # solved in place
     torch.testing.assert_close((m.mT if transpose else m) @ got, rhs)
 
 

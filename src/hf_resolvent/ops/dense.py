@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .solve import solve_unit_lower_
 from .threads import by_head_groups, head_groups
 
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
@@ -121,7 +122,7 @@ def _tree_forward(q, k, y, g, scale, chunk):
         lse_c.copy_(total)
         system = torch.addcmul(eye, g_c, re, value=-1)
         y_c.addcmul_(g_c * wa, o_c)  # right-hand side z + g wa o
-        torch.linalg.solve_triangular(system.mT, y_c.mT, upper=True, left=False, out=y_c.mT)  # see solve_unit_lower
+        solve_unit_lower_(system, y_c)
         o_c.mul_(wa).baddbmm_(re, y_c)
 
     def node(a, s0, s1):
@@ -150,7 +151,7 @@ def _tree_backward(q, k, y, o, lse, g, grad, scale, chunk):
         rows = slice(c * chunk, (c + 1) * chunk)
         system = torch.addcmul(eye, g3[:, rows], p3[:, c], value=-1)
         dz_c = z3[:, rows]
-        torch.linalg.solve_triangular(system, dz_c.mT, upper=False, left=False, out=dz_c.mT)  # dz^T m = dy^T
+        solve_unit_lower_(system, dz_c, transpose=True)
 
     def node(a, s0, s1):
         gq, gk, gv = _attend_block_backward(

@@ -27,24 +27,25 @@ from .threads import serial
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
 
 
-# Dense rectangles (rows x keys) below this size run on one thread too.
-SERIAL_RECTANGLE = 256 * 256
 
 
 # ------------------------------------------------------------------------------------------------
 # Sparse patterns
 
-def solve_unit_lower(m: torch.Tensor, rhs: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """m^-1 rhs (or m^-T rhs) for lower-triangular m (..., L, L) with its unit diagonal stored.
+def solve_unit_lower_(m: torch.Tensor, rows: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """rows (..., L, e) <- m^-1 rows (or m^-T rows), in place, for lower-triangular m (..., L, L) with its unit
+    diagonal stored. Returns rows.
 
-    Row-major m and rhs are column-major m^T and rhs^T to LAPACK, so the problem is posed as the
-    right-side solve y^T m^T = rhs^T (y^T m = rhs^T when transposed): no copies into column-major
-    order, 2.8x faster than ``solve_triangular(m, rhs)`` at C = 64. The stored unit diagonal with
-    ``unitriangular=False`` is itself 3x faster than ``unitriangular=True`` (DESIGN.md section 3).
+    Row-major m and rows are column-major m^T and rows^T to LAPACK, so the problem is posed as the
+    right-side solve y^T m^T = rows^T (y^T m = rows^T when transposed), written over rows^T: no copies into
+    column-major order, 2.8x faster than ``solve_triangular(m, rhs)`` at C = 64. The stored unit diagonal
+    with ``unitriangular=False`` is itself 3x faster than ``unitriangular=True`` (DESIGN.md section 3).
     """
     if transpose:
-        return torch.linalg.solve_triangular(m, rhs.mT, upper=False, left=False).mT
-    return torch.linalg.solve_triangular(m.mT, rhs.mT, upper=True, left=False).mT
+        torch.linalg.solve_triangular(m, rows.mT, upper=False, left=False, out=rows.mT)
+    else:
+        torch.linalg.solve_triangular(m.mT, rows.mT, upper=True, left=False, out=rows.mT)
+    return rows
 
 
 class _SparsePlan:
@@ -175,9 +176,7 @@ def _forward_substitution(plan: _SparsePlan, w: torch.Tensor, y: torch.Tensor) -
         rows = y3[:, c0:c1]
         if previous is not None and c:
             rows.baddbmm_(previous[:, c, : c1 - c0], y3[:, c0 - chunk : c0])
-        m = systems[:, c, : c1 - c0, : c1 - c0]
-        # y^T m^T = rhs^T in place (see solve_unit_lower)
-        torch.linalg.solve_triangular(m.mT, rows.mT, upper=True, left=False, out=rows.mT)
+        solve_unit_lower_(systems[:, c, : c1 - c0, : c1 - c0], rows)
 
 
 def _backward_substitution(plan: _SparsePlan, w: torch.Tensor, dz: torch.Tensor) -> None:
@@ -189,8 +188,7 @@ def _backward_substitution(plan: _SparsePlan, w: torch.Tensor, dz: torch.Tensor)
     for c in reversed(range(plan.num_chunks)):
         c0, c1 = plan.bounds[c]
         rows = z3[:, c0:c1]
-        m = systems[:, c, : c1 - c0, : c1 - c0]
-        torch.linalg.solve_triangular(m, rows.mT, upper=False, left=False, out=rows.mT)  # dz^T m = dy^T
+        solve_unit_lower_(systems[:, c, : c1 - c0, : c1 - c0], rows, transpose=True)
         if previous is not None and c:
             z3[:, c0 - chunk : c0].baddbmm_(previous[:, c, : c1 - c0].mT, rows)
         for k, t0, t1, s0, s1, stride, runs, length in plan.steps[c]:
