@@ -220,3 +220,25 @@ def test_dense_solve_split_by_head_groups(groups, monkeypatch):
         torch.testing.assert_close(a, b)
     with torch.no_grad():
         torch.testing.assert_close(parallel_mix(*ins, g, "dense", chunk=8), ref)
+
+
+def test_head_groups_wait_for_every_worker_before_raising():
+    """A failing group raises in the caller, but only once the other groups have finished writing."""
+    import threading
+
+    from hf_resolvent.ops.threads import by_head_groups
+
+    slow_done = threading.Event()
+
+    def fn(t):
+        if t[0, 0, 0, 0] == 0:  # the first group fails at once
+            raise ValueError("group failed")
+        threading.Event().wait(0.2)
+        t.fill_(7.0)
+        slow_done.set()
+        return (t,)
+
+    x = torch.arange(4.0).view(1, 4, 1, 1).repeat(1, 1, 2, 2)
+    with pytest.raises(ValueError, match="group failed"):
+        by_head_groups(fn, (x,), 2)
+    assert slow_done.is_set() and torch.all(x[0, 2:] == 7.0)

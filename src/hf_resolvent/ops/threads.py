@@ -21,7 +21,7 @@ restores it; calling the mixer from several Python threads at once is not suppor
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
 import torch
@@ -87,5 +87,6 @@ def by_head_groups(fn, tensors: tuple[torch.Tensor, ...], groups: int):
 
     pool = _pool(groups)
     futures = [pool.submit(run, *(t[:, s: s + size] for t in rows)) for s in range(0, b * h, size)]
+    wait(futures)  # all of them, even when one fails: they write into the shared tensors
     parts = [f.result() for f in futures]
     return tuple(torch.cat(outs, dim=1).view(b, h, *outs[0].shape[2:]) for outs in zip(*parts))
