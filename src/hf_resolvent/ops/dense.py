@@ -95,44 +95,54 @@ def _chunk_scores(q, k, scale, chunk):
     return s.masked_fill_(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(), float("-inf"))
 
 
-def _tree_forward(q, k, y, g, scale, chunk):
+def _tree_forward(q, k, y, g, scale, chunk, for_backward=True):
     """Solve y = z + diag(g) B~ y in place; y (B, H, n, D) holds z on entry, n a multiple of chunk.
 
-    Returns o (B, H, n, D), each row's B~ y, and lse (B, H, n), its log-sum-exp of scores.
+    Returns what the backward needs: o (B, H, n, D), each row's B~ y, and lse (B, H, n), its
+    log-sum-exp of scores; (None, None) without ``for_backward``, which skips assembling them.
+
+    A row's softmax has two parts: the keys of earlier chunks (gathered by the nodes into o, lse) and
+    those of its own chunk (in-chunk softmax rho, log-sum-exp li, computed for all chunks at once). With
+    s = sigmoid(li - lse), the in-chunk part's share, the leaf solves (I - diag(g s) rho) y = z + g (1 - s) o;
+    the rows' full o and lse are assembled once after the walk, so a leaf is a handful of ops.
     """
     b, h, n, width = y.shape
-    e = _chunk_scores(q, k, scale, chunk)
-    m = e.amax(-1).clamp_min_(_NEG)  # (B, H, nc, C); a chunk's first row has no keys
-    e = e.sub_(m[..., None]).exp_()
-    li = (m + e.sum(-1).log()).clamp_min_(_NEG)  # in-chunk log-sum-exps
+    nc = n // chunk
+    rho = _chunk_scores(q, k, scale, chunk)
+    m = rho.amax(-1, keepdim=True).clamp_min_(_NEG)  # (B, H, nc, C, 1); a chunk's first row has no keys
+    rho = rho.sub_(m).exp_()
+    li = (m + rho.sum(-1, keepdim=True).log()).clamp_min_(_NEG)
+    rho.mul_(torch.exp(m - li))
     o = torch.zeros_like(y)
     lse = torch.full((b, h, n), _NEG, dtype=y.dtype, device=y.device)
+    share = torch.empty(b, h, n, 1, dtype=y.dtype, device=y.device)  # s per row
     eye = torch.eye(chunk, dtype=y.dtype, device=y.device)
     # (B * H, ...) views for the leaves: fewer dims, less indexing work per op
-    e3, m3, li3 = e.flatten(0, 1), m.flatten(0, 1), li.flatten(0, 1)
-    y3, o3, lse3, g3 = y.view(b * h, n, width), o.view(b * h, n, width), lse.view(b * h, n), g.reshape(b * h, n, 1)
+    rho3, li3 = rho.flatten(0, 1), li.flatten(0, 1)
+    y3, o3, g3 = y.view(b * h, n, width), o.view(b * h, n, width), g.reshape(b * h, n, 1)
+    lse3, share3 = lse.view(b * h, n, 1), share.view(b * h, n, 1)
 
     def leaf(c):
         rows = slice(c * chunk, (c + 1) * chunk)
-        lse_c, o_c, y_c, g_c = lse3[:, rows], o3[:, rows], y3[:, rows], g3[:, rows]
-        # In-chunk probabilities r e; the share wa of what the nodes gathered.
-        total = torch.logaddexp(lse_c, li3[:, c])
-        re = e3[:, c] * torch.exp(m3[:, c] - total)[..., None]
-        wa = torch.exp(lse_c - total)[..., None]
-        lse_c.copy_(total)
-        system = torch.addcmul(eye, g_c, re, value=-1)
-        y_c.addcmul_(g_c * wa, o_c)  # right-hand side z + g wa o
+        s, g_c, y_c = share3[:, rows], g3[:, rows], y3[:, rows]
+        torch.sub(li3[:, c], lse3[:, rows], out=s).sigmoid_()
+        gs = g_c * s
+        system = torch.addcmul(eye, gs, rho3[:, c], value=-1)
+        y_c.addcmul_(g_c - gs, o3[:, rows])  # right-hand side z + g (1 - s) o
         solve_unit_lower_(system, y_c)
-        o_c.mul_(wa).baddbmm_(re, y_c)
 
     def node(a, s0, s1):
         ob, lb = _attend_block(q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], scale)
         lse_r = lse[:, :, s0:s1]
         o[:, :, s0:s1].lerp_(ob, torch.sigmoid(lb - lse_r)[..., None])
-        lse_r.copy_(torch.logaddexp(lse_r, lb))
+        torch.logaddexp(lse_r, lb, out=lse_r)
 
     _walk(n, chunk, leaf, node)
-    return o, lse
+    if not for_backward:
+        return None, None
+    shape = (b, h, nc, chunk, width)
+    o.lerp_((rho @ y.view(shape)).view(o.shape), share)
+    return o, torch.logaddexp(lse, li.view(lse.shape), out=lse)
 
 
 def _tree_backward(q, k, y, o, lse, g, grad, scale, chunk):
@@ -195,7 +205,7 @@ class DenseSolve(torch.autograd.Function):
         qp, kp = _pad(q, rows, width), _pad(k, rows, width)
         y = _pad(z, rows, width).clone()  # holds z, then y
         gp = torch.nn.functional.pad(g, (0, rows - n)).contiguous()
-        o, lse = _tree_forward(qp, kp, y, gp, scale, chunk)
+        o, lse = _tree_forward(qp, kp, y, gp, scale, chunk, for_backward=any(ctx.needs_input_grad))
         ctx.save_for_backward(qp, kp, y, o, lse, gp)
         ctx.scale, ctx.chunk, ctx.dims = scale, chunk, (d, e)
         return y[..., :n, :e]
