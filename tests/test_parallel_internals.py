@@ -12,6 +12,7 @@ import torch
 from hf_resolvent.ops import dense as dense_mod
 from hf_resolvent.ops import parallel_mix, reference_mix
 from hf_resolvent.ops import slots as slots_mod
+from hf_resolvent.ops import solve as solve_mod
 from hf_resolvent.ops.dense import DenseSolve
 from hf_resolvent.ops.slots import SlotCombine, SlotDot, slot_combine, slot_dot, slot_layout, slot_pieces, slot_scatter
 from hf_resolvent.ops.solve import SparseSolve, solve_unit_lower_
@@ -83,11 +84,19 @@ def test_solve_unit_lower_in_place(transpose):
     torch.testing.assert_close((m.mT if transpose else m) @ got, rhs)
 
 
+def _force_band(monkeypatch, blocks):
+    """Make SparseSolve use a near-slot band of ``blocks`` chunks instead of the cheapest one."""
+    monkeypatch.setattr(solve_mod, "sparse_plan", lambda layout, chunk: solve_mod._SparsePlan(layout, chunk, chunk * blocks))
+
+
 @pytest.mark.parametrize("spec", ["exp2", "exp2:ce", "square", "square:ce", "f:3*k+1:ce", "banded:5"])
 @pytest.mark.parametrize("chunk", [4, 8, 12])
-def test_sparse_solve_matches_dense_solve(spec, chunk):
-    """Covers every kind of entry of the chunked solve: in-chunk, previous-chunk block, whole-span
-    slots (f - a + 1 >= C) and per-chunk pieces (f >= C > f - a + 1)."""
+@pytest.mark.parametrize("band", [1, 3, 8])
+def test_sparse_solve_matches_dense_solve(spec, chunk, band, monkeypatch):
+    """Covers every kind of entry of the chunked solve: in-chunk, near-slot band (one chunk wide, several,
+    wider than the rows before the first chunks), whole-span slots (f - a + 1 >= C) and per-chunk pieces
+    (f >= C > f - a + 1)."""
+    _force_band(monkeypatch, band)
     n = 75
     layout = slot_layout(get_pattern(spec), n)
     gen = torch.Generator().manual_seed(7)
@@ -98,8 +107,10 @@ def test_sparse_solve_matches_dense_solve(spec, chunk):
     torch.testing.assert_close(SparseSolve.apply(w, z, layout, chunk), expected)
 
 
-@pytest.mark.parametrize("spec,chunk", [("exp2:ce", 4), ("square", 5), ("banded:2", 8), ("square:ce", 8)])
-def test_sparse_solve_gradcheck(spec, chunk, one_thread):
+@pytest.mark.parametrize("spec,chunk,band", [("exp2:ce", 4, 1), ("square", 5, 1), ("banded:2", 8, 1), ("square:ce", 8, 1),
+                                             ("square:ce", 4, 3)])
+def test_sparse_solve_gradcheck(spec, chunk, band, one_thread, monkeypatch):
+    _force_band(monkeypatch, band)
     n = 29
     layout = slot_layout(get_pattern(spec), n)
     gen = torch.Generator().manual_seed(2)
@@ -109,6 +120,17 @@ def test_sparse_solve_gradcheck(spec, chunk, one_thread):
     q, k = (torch.randn(1, 2, n, 3, generator=gen, dtype=F64, requires_grad=True) for _ in range(2))
     assert torch.autograd.gradcheck(lambda a, b: SlotDot.apply(a, b, layout), (q, k))
     assert torch.autograd.gradcheck(lambda a, b: SlotCombine.apply(a, b, layout), (w, z))
+
+
+@pytest.mark.parametrize("spec,n,blocks", [("square:ce", 512, 4), ("square:ce", 2048, 4), ("square", 2048, 1),
+                                             ("exp2:ce", 2048, 1), ("exp2", 8192, 1), ("banded:8", 512, 1)])
+def test_sparse_plan_picks_a_wide_band_only_where_it_saves_pieces(spec, n, blocks):
+    """The cost rule (pieces + BAND_BLOCK_COST per band block) gives the bands measured fastest on CPU."""
+    layout = slot_layout(get_pattern(spec), n)
+    plan = solve_mod.sparse_plan(layout, 32)
+    assert plan.band == 32 * blocks
+    narrow = solve_mod._SparsePlan(layout, 32, 32)
+    assert (plan.num_pieces < narrow.num_pieces / 2) == (blocks > 1)
 
 
 @pytest.mark.parametrize("d,e,chunk", [(4, 4, 4), (3, 5, 3), (6, 2, 8)])

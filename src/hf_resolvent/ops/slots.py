@@ -186,6 +186,18 @@ def piece_combine(w: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p: Piece,
         dst.view(b, h, p.runs, p.length, -1).addcmul_(wt.view(b, h, p.runs, p.length, 1), src[:, :, :, None, :])
 
 
+# Runs shorter than this are summed by a multiply and a sum; longer ones by a batched matmul (measured on one
+# thread, 8 heads x 64 wide: 169 runs of 3 rows 103 vs 416 us, 41 runs of 12 rows 60 vs 42 us).
+MATMUL_MIN_RUN = 8
+
+
+def run_sums(wt: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(..., runs, e): sum over each run of wt (..., runs, length) times rows (..., runs, length, e)."""
+    if wt.shape[-1] < MATMUL_MIN_RUN:
+        return (wt[..., None] * rows).sum(-2)
+    return (wt[..., None, :] @ rows).squeeze(-2)
+
+
 def piece_scatter(w: torch.Tensor, u: torch.Tensor, out: torch.Tensor, p: Piece, rows_offset: int = 0) -> None:
     """out[src(rows)] += w[slot, rows] * u[rows - rows_offset] (the transpose of :func:`piece_combine`)."""
     t0 = p.t0 - rows_offset
@@ -196,8 +208,7 @@ def piece_scatter(w: torch.Tensor, u: torch.Tensor, out: torch.Tensor, p: Piece,
         dst.addcmul_(wt[..., None], rows)
     else:
         b, h = rows.shape[:2]
-        part = (wt.view(b, h, p.runs, 1, p.length) @ rows.view(b, h, p.runs, p.length, -1)).squeeze(-2)
-        dst.add_(part)
+        dst.add_(run_sums(wt.view(b, h, p.runs, p.length), rows.view(b, h, p.runs, p.length, -1)))
 
 
 def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout) -> torch.Tensor:

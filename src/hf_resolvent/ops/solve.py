@@ -8,7 +8,8 @@ Nothing of size n x n is kept: memory is O(n d) plus the B weights of sparse pat
 - :class:`SparseSolve` takes the weights W (B, H, K, n) of a sparse pattern (slot-major, see
   :mod:`.slots`) and Z. The part of a row that reads its own chunk is a C x C unit lower-triangular
   system (built for all chunks at once, solved per chunk); the part that reads earlier chunks is one
-  block matmul (previous chunk) and a few shifted / strided slice updates (``slots.Piece``) per chunk.
+  block matmul (the near slots: a band of W rows before the chunk) and a few shifted / strided slice
+  updates (``slots.Piece``) per chunk.
 - the dense pattern is in :mod:`.dense`.
 
 Shapes: B batch, H heads, n positions, d key width, e value width, K slots, C chunk.
@@ -21,7 +22,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .slots import Piece, SlotLayout, slot_dot, slot_pieces
+from .slots import Piece, SlotLayout, run_sums, slot_dot, slot_pieces
 from .threads import serial
 
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
@@ -54,38 +55,38 @@ class _SparsePlan:
     Every B entry (row t, slot k, source s) is handled in one of these ways:
 
     - in-chunk (s in t's chunk): the chunk's C x C unit lower-triangular system;
-    - slots with f <= C, whose sources t - f <= s <= t - f + a - 1 lie in t's chunk or the one
-      before: one C x C matmul per chunk with the previous-chunk weights scattered into a block;
-    - slots with f - a + 1 >= C ("block" slots): every source of rows [s0, s0 + P) lies before s0
-      when P <= f - a + 1, so they are added P = C 2^j rows at once, when the loop reaches s0;
-    - the rest (f >= C > f - a + 1, cache-efficient only): in-chunk part in the system, the other
+    - slots with f <= W (the band, a multiple of C), whose sources t - f <= s <= t - f + a - 1 lie in
+      t's chunk or the W rows before it: one C x W matmul per chunk with those weights scattered into a
+      block;
+    - slots with f > W and f - a + 1 >= C ("block" slots): every source of rows [s0, s0 + P) lies
+      before s0 when P <= f - a + 1, so they are added P = C 2^j rows at once, when the loop reaches s0;
+    - the rest (f > W, f - a + 1 < C, cache-efficient only): in-chunk part in the system, the other
       part by per-chunk slice pieces.
     """
 
-    def __init__(self, layout: SlotLayout, chunk: int):
+    def __init__(self, layout: SlotLayout, chunk: int, band: int):
         n, src = layout.n, layout.src
-        self.n, self.chunk = n, chunk
-        self.cp = chunk
+        self.n, self.chunk, self.band = n, chunk, band
         self.num_chunks = nc = -(-n // chunk)
         t = np.arange(n)
         c0 = ((t // chunk) * chunk)[None, :]
         valid = src >= 0
         fs = np.array(layout.fs, dtype=np.int64)[:, None]
-        near_slot = fs <= chunk  # sources t - f ... t - f + a - 1 lie in [c0 - C, c1)
+        near_slot = fs <= band  # sources t - f ... t - f + a - 1 lie in [c0 - W, c1)
         inside = valid & (src >= c0)
-        previous = valid & near_slot & (src < c0) & (src >= c0 - chunk)
-        cell = (t // chunk) * self.cp * self.cp + (t % chunk) * self.cp
-        dummy = nc * self.cp * self.cp
-        self.inside_index = torch.from_numpy(np.where(inside, cell + (src - c0), dummy).reshape(-1))
+        previous = valid & near_slot & (src < c0)
+        dummy = nc * chunk * chunk
+        self.inside_index = torch.from_numpy(np.where(inside, t * chunk + (src - c0), dummy).reshape(-1))
         self.has_previous = bool(previous.any())
-        self.previous_index = torch.from_numpy(np.where(previous, cell + (src - c0 + chunk), dummy).reshape(-1))
+        self.previous_index = torch.from_numpy(
+            np.where(previous, t * band + (src - c0 + band), nc * chunk * band).reshape(-1))
         # Per chunk: pieces added when the loop reaches it (block slots for whole spans, mixed slots).
         self.pieces: list[list[Piece]] = [[] for _ in range(nc)]
         for k, (f, a) in enumerate(zip(layout.fs, layout.steps)):
             if near_slot[k, 0]:
                 continue
             if f - a + 1 >= chunk:
-                span = chunk << (((f - a + 1) // chunk).bit_length() - 1)  # C 2^j <= f - a + 1
+                span = chunk << (((f - a + 1) // chunk).bit_length() - 1)
                 for s0 in range(0, n, span):
                     self.pieces[s0 // chunk].extend(slot_pieces(f, a, k, s0, min(n, s0 + span)))
             else:
@@ -94,6 +95,7 @@ class _SparsePlan:
                     far = np.nonzero(valid[k, lo:hi] & (src[k, lo:hi] < lo))[0]
                     if len(far):  # sources are non-decreasing along a slot: far rows form a prefix
                         self.pieces[c].extend(slot_pieces(f, a, k, lo, lo + int(far[-1]) + 1))
+        self.num_pieces = sum(map(len, self.pieces))
         self.bounds = [(c * chunk, min(n, (c + 1) * chunk)) for c in range(nc)]
         # The pieces as plain tuples for the loops: (slot, t0, t1, s0, s1, stride, runs, length).
         self.steps = [
@@ -101,27 +103,38 @@ class _SparsePlan:
             for ps in self.pieces
         ]
 
-    def _blocks(self, w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def _blocks(self, w: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
         b, h = w.shape[:2]
-        size = self.num_chunks * self.cp * self.cp
+        size = self.num_chunks * self.chunk * width
         out = w.new_zeros(b, h, size + 1)
         out.scatter_(2, index.to(w.device)[None, None].expand(b, h, -1), w.reshape(b, h, -1))
-        return out[:, :, :size].view(b, h, self.num_chunks, self.cp, self.cp)
+        return out[:, :, :size].view(b, h, self.num_chunks, self.chunk, width)
 
     def systems(self, w: torch.Tensor) -> torch.Tensor:
         """(B, H, nc, C, C) per chunk: I - (the in-chunk part of B), unit diagonal stored."""
-        lower = self._blocks(w, self.inside_index)
+        lower = self._blocks(w, self.inside_index, self.chunk)
         lower.neg_().diagonal(dim1=-2, dim2=-1).fill_(1)
         return lower
 
     def previous(self, w: torch.Tensor) -> torch.Tensor | None:
-        """(B, H, nc, Cp, Cp) per chunk: the weights of its rows on the previous chunk's rows."""
-        return self._blocks(w, self.previous_index) if self.has_previous else None
+        """(B, H, nc, C, W) per chunk: the weights of its rows on the W rows before it (near slots)."""
+        return self._blocks(w, self.previous_index, self.band) if self.has_previous else None
+
+
+# One C x C block of band matmul costs about as much as this many slice pieces. With it the rule picks W = 4C
+# for square:ce and W = C for the other patterns, as measured (mixer fwd+bwd, C = 32, interleaved): square:ce at
+# n = 512 38.5 ms (W = C) -> 36.6 (4C), at 2048 202 -> 182 ms; square at 2048 121 (C) vs 124 ms (4C); exp2:ce at
+# 2048 79 (C) vs 82 ms (2C).
+BAND_BLOCK_COST = 2
 
 
 @lru_cache(maxsize=32)
 def sparse_plan(layout: SlotLayout, chunk: int) -> _SparsePlan:
-    return _SparsePlan(layout, chunk)
+    """The cheapest plan among near-slot bands W = C, 2C, 4C, 8C (at most n rows): fewest slice pieces plus
+    BAND_BLOCK_COST per C x C block of band matmuls. Wide bands pay off for cache-efficient patterns with many
+    slots (square:ce: 234 pieces at n = 512, C = 32 and W = C; 64 at W = 4C)."""
+    plans = [_SparsePlan(layout, chunk, chunk << j) for j in range(4) if j == 0 or chunk << j <= layout.n]
+    return min(plans, key=lambda p: p.num_pieces + BAND_BLOCK_COST * p.num_chunks * (p.band // chunk))
 
 
 class SparseSolve(torch.autograd.Function):
@@ -165,7 +178,7 @@ def _forward_substitution(plan: _SparsePlan, w: torch.Tensor, y: torch.Tensor) -
     systems, previous = _flat(plan.systems(w)), plan.previous(w)
     previous = None if previous is None else _flat(previous)
     w3, y3 = _flat(w), _flat(y)
-    bh, e, chunk = y3.shape[0], y3.shape[-1], plan.chunk
+    bh, e = y3.shape[0], y3.shape[-1]
     for c, (c0, c1) in enumerate(plan.bounds):
         for k, t0, t1, s0, s1, stride, runs, length in plan.steps[c]:  # sources before the chunk
             dst, src, wt = y3[:, t0:t1], y3[:, s0:s1:stride], w3[:, k, t0:t1]
@@ -175,7 +188,8 @@ def _forward_substitution(plan: _SparsePlan, w: torch.Tensor, y: torch.Tensor) -
                 dst.view(bh, runs, length, e).addcmul_(wt.view(bh, runs, length, 1), src[:, :, None])
         rows = y3[:, c0:c1]
         if previous is not None and c:
-            rows.baddbmm_(previous[:, c, : c1 - c0], y3[:, c0 - chunk : c0])
+            lo = max(0, c0 - plan.band)
+            rows.baddbmm_(previous[:, c, : c1 - c0, lo - c0 + plan.band :], y3[:, lo:c0])
         solve_unit_lower_(systems[:, c, : c1 - c0, : c1 - c0], rows)
 
 
@@ -184,16 +198,17 @@ def _backward_substitution(plan: _SparsePlan, w: torch.Tensor, dz: torch.Tensor)
     systems, previous = _flat(plan.systems(w)), plan.previous(w)
     previous = None if previous is None else _flat(previous)
     w3, z3 = _flat(w), _flat(dz)
-    bh, e, chunk = z3.shape[0], z3.shape[-1], plan.chunk
+    bh, e = z3.shape[0], z3.shape[-1]
     for c in reversed(range(plan.num_chunks)):
         c0, c1 = plan.bounds[c]
         rows = z3[:, c0:c1]
         solve_unit_lower_(systems[:, c, : c1 - c0, : c1 - c0], rows, transpose=True)
         if previous is not None and c:
-            z3[:, c0 - chunk : c0].baddbmm_(previous[:, c, : c1 - c0].mT, rows)
+            lo = max(0, c0 - plan.band)
+            z3[:, lo:c0].baddbmm_(previous[:, c, : c1 - c0, lo - c0 + plan.band :].mT, rows)
         for k, t0, t1, s0, s1, stride, runs, length in plan.steps[c]:
             dst, src, wt = z3[:, s0:s1:stride], z3[:, t0:t1], w3[:, k, t0:t1]
             if length == 1:
                 dst.addcmul_(wt[..., None], src)
             else:
-                dst.add_((wt.view(bh, runs, 1, length) @ src.view(bh, runs, length, e)).squeeze(-2))
+                dst.add_(run_sums(wt.view(bh, runs, length), src.view(bh, runs, length, e)))
