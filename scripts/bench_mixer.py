@@ -218,11 +218,11 @@ def _log(line: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write (a PNG with the same stem goes next to it)")
-    parser.add_argument("--quick", action="store_true", help="n <= 2048, reference only at 512, 3 repeats")
+    parser.add_argument("--quick", action="store_true", help="n <= 2048, reference only at 512, 7 repeats")
     parser.add_argument("--lengths", type=int, nargs="*", help=f"sequence lengths (default {LENGTHS})")
     parser.add_argument("--patterns", nargs="*", help=f"patterns (default {PATTERNS})")
     parser.add_argument("--repeats", type=int,
-                        help="timed runs per measurement after one warm-up (default 5, quick 3; at most 3 for n > 2048)")
+                        help="timed runs per measurement after one warm-up (default 9, quick 7; at most 3 for n > 2048)")
     parser.add_argument("--max-reference", type=int, help="largest n for the reference (default 2048, quick 512)")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
 
     lengths = args.lengths or [n for n in LENGTHS if not args.quick or n <= 2048]
     patterns = args.patterns or list(PATTERNS)
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or (7 if args.quick else 9)
     max_reference = args.max_reference or (512 if args.quick else 2048)
     if repeats < 1 or any(n < 2 for n in lengths):
         parser.error("--repeats must be >= 1 and lengths >= 2")
