@@ -3,7 +3,8 @@
 B = diag(g) B~ is strictly lower triangular, so Y = (I - B)^-1 Z is found by block forward
 substitution over chunks of C rows (DESIGN.md section 3.2), and the backward needs only the transposed
 system: dZ = (I - B)^-T dY by backward block substitution, then dB_ij = dZ_i . y_j on the pattern.
-Nothing of size n x n is kept: memory is O(n d) plus the B weights of sparse patterns (O(n K)).
+Nothing of size n x n is kept: memory is O(n d) plus the B weights of sparse patterns (O(n K)) and,
+while solving, their near-slot band blocks (O(n W), W <= 8 C).
 
 - :class:`SparseSolve` takes the weights W (B, H, K, n) of a sparse pattern (slot-major, see
   :mod:`.slots`) and Z. The part of a row that reads its own chunk is a C x C unit lower-triangular
@@ -86,7 +87,7 @@ class _SparsePlan:
             if near_slot[k, 0]:
                 continue
             if f - a + 1 >= chunk:
-                span = chunk << (((f - a + 1) // chunk).bit_length() - 1)
+                span = chunk << (((f - a + 1) // chunk).bit_length() - 1)  # C 2^j <= f - a + 1
                 for s0 in range(0, n, span):
                     self.pieces[s0 // chunk].extend(slot_pieces(f, a, k, s0, min(n, s0 + span)))
             else:
