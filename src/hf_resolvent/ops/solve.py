@@ -83,19 +83,10 @@ class _SparsePlan:
             np.where(previous, t * band + (src - c0 + band), nc * chunk * band).reshape(-1))
         # Per chunk: pieces added when the loop reaches it (block slots for whole spans, mixed slots).
         self.pieces: list[list[Piece]] = [[] for _ in range(nc)]
-        for k, (f, a) in enumerate(zip(layout.fs, layout.steps)):
-            if near_slot[k, 0]:
-                continue
-            if f - a + 1 >= chunk:
-                span = chunk << (((f - a + 1) // chunk).bit_length() - 1)  # C 2^j <= f - a + 1
-                for s0 in range(0, n, span):
-                    self.pieces[s0 // chunk].extend(slot_pieces(f, a, k, s0, min(n, s0 + span)))
-            else:
-                for c in range(nc):
-                    lo, hi = c * chunk, min(n, (c + 1) * chunk)
-                    far = np.nonzero(valid[k, lo:hi] & (src[k, lo:hi] < lo))[0]
-                    if len(far):  # sources are non-decreasing along a slot: far rows form a prefix
-                        self.pieces[c].extend(slot_pieces(f, a, k, lo, lo + int(far[-1]) + 1))
+        for k, slot in enumerate(_far_pieces(layout, chunk)):
+            if not near_slot[k, 0]:
+                for c, piece in slot:
+                    self.pieces[c].append(piece)
         self.num_pieces = sum(map(len, self.pieces))
         self.bounds = [(c * chunk, min(n, (c + 1) * chunk)) for c in range(nc)]
         # The pieces as plain tuples for the loops: (slot, t0, t1, s0, s1, stride, runs, length).
@@ -122,6 +113,32 @@ class _SparsePlan:
         return self._blocks(w, self.previous_index, self.band) if self.has_previous else None
 
 
+@lru_cache(maxsize=32)
+def _far_pieces(layout: SlotLayout, chunk: int) -> tuple[tuple[tuple[int, Piece], ...], ...]:
+    """Per slot, the (chunk, piece) pairs that add its sources before each chunk when it is outside the band
+    (empty for slots with f <= C, which are always in it); they do not depend on the band's width."""
+    n, src = layout.n, layout.src
+    valid = src >= 0
+    out = []
+    for k, (f, a) in enumerate(zip(layout.fs, layout.steps)):
+        pairs = []
+        if f <= chunk:  # always in the band
+            out.append(())
+            continue
+        if f - a + 1 >= chunk:
+            span = chunk << (((f - a + 1) // chunk).bit_length() - 1)  # C 2^j <= f - a + 1
+            for s0 in range(0, n, span):
+                pairs += [(s0 // chunk, p) for p in slot_pieces(f, a, k, s0, min(n, s0 + span))]
+        else:
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                far = np.nonzero(valid[k, lo:hi] & (src[k, lo:hi] < lo))[0]
+                if len(far):  # sources are non-decreasing along a slot: far rows form a prefix
+                    pairs += [(lo // chunk, p) for p in slot_pieces(f, a, k, lo, lo + int(far[-1]) + 1)]
+        out.append(tuple(pairs))
+    return tuple(out)
+
+
 # One C x C block of band matmul costs about as much as this many slice pieces. With it the rule picks W = 4C
 # for square:ce and W = C for the other patterns, as measured (mixer fwd+bwd, C = 32, interleaved): square:ce at
 # n = 512 38.5 ms (W = C) -> 36.6 (4C), at 2048 202 -> 182 ms; square at 2048 121 (C) vs 124 ms (4C); exp2:ce at
@@ -134,8 +151,14 @@ def sparse_plan(layout: SlotLayout, chunk: int) -> _SparsePlan:
     """The cheapest plan among near-slot bands W = C, 2C, 4C, 8C (at most n rows): fewest slice pieces plus
     BAND_BLOCK_COST per C x C block of band matmuls. Wide bands pay off for cache-efficient patterns with many
     slots (square:ce: 234 pieces at n = 512, C = 32 and W = C; 64 at W = 4C)."""
-    plans = [_SparsePlan(layout, chunk, chunk << j) for j in range(4) if j == 0 or chunk << j <= layout.n]
-    return min(plans, key=lambda p: p.num_pieces + BAND_BLOCK_COST * p.num_chunks * (p.band // chunk))
+    pieces = [len(slot) for slot in _far_pieces(layout, chunk)]
+
+    def cost(band: int) -> int:
+        outside = sum(m for f, m in zip(layout.fs, pieces) if f > band)
+        return outside + BAND_BLOCK_COST * -(-layout.n // chunk) * (band // chunk)
+
+    bands = [chunk << j for j in range(4) if j == 0 or chunk << j <= layout.n]
+    return _SparsePlan(layout, chunk, min(bands, key=cost))
 
 
 class SparseSolve(torch.autograd.Function):
