@@ -2,14 +2,16 @@
 """Training throughput of the 44M shape: GPT-2 (transformers' GPT2LMHeadModel, SDPA) vs every resolvent mixer.
 
     python scripts/bench_train.py --out bench_train.json            # CPU defaults: batch 1 x 512, short runs
-    python scripts/bench_train.py --out bench_train.json --batch 32 --steps 10 --device cuda --bf16
+    python scripts/bench_train.py --out bench_train.json --batch 32 --rounds 10 --device cuda --bf16
 
-One training step = forward, next-token cross-entropy, backward, gradient clipping and an AdamW update, on random
-token windows (throughput does not depend on the data). Models are measured side by side in one run: in each of
-``--rounds`` rounds every model is built (seeded), warmed up for one step and timed for ``--steps`` steps; a
-model's step time is the median over all its timed steps, so a slow period of a shared machine hits every model
-alike. Writes ``{"rows": [{"model", "tokens_per_s", "step_ms", "ratio_to_gpt2", "params"}, ...], ...}`` to
-``--out``, prints a Markdown table and writes a PNG next to the JSON.
+One training step = forward, next-token cross-entropy, backward, gradient clipping and a fused AdamW update (as
+in ``pretrain.py``), on random token windows (throughput does not depend on the data). Models are measured side
+by side: all of them are built (seeded) and kept in memory with their optimizers (about 0.8 GB each at 44M,
+float32), warmed up for one step, then each of ``--rounds`` rounds runs one step of every model in a fresh
+random order. A model's ratio to GPT-2 is the median over rounds of its step time over GPT-2's step time in the
+same round, so a slow period of a shared machine (which moves single steps by tens of percent) hits both sides
+of each ratio alike. Writes ``{"rows": [{"model", "tokens_per_s", "step_ms", "ratio_to_gpt2", "params"}, ...],
+...}`` to ``--out``, prints a Markdown table and writes a PNG next to the JSON.
 
 Shape (paper Table 2): 6 layers, d 512, ff 2048, 8 heads of 64, context 512, vocab 50257 (GPT-2 tokenizer).
 """
@@ -38,8 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="default: the preset's context (512 for 44m)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=8, help="timed rounds; each runs one step of every model")
     p.add_argument("--device", default=None)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
@@ -53,27 +54,29 @@ def make_model(name: str, preset: str, vocab: int, seq_len: int):
     return T.build_model(cfg, vocab, seq_len)
 
 
-def time_steps(model, batch: torch.Tensor, steps: int, device: torch.device, bf16: bool) -> list[float]:
-    """Seconds of ``steps`` full training steps (after one untimed warm-up step)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), weight_decay=0.1)
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else torch.autocast(device.type, enabled=False)
-    out = []
-    for i in range(steps + 1):
-        if device.type == "cuda":
+class Trainee:
+    """One model with its optimizer, so that models can take turns step by step."""
+
+    def __init__(self, name: str, model: torch.nn.Module, device: torch.device, bf16: bool):
+        self.name, self.model, self.device = name, model, device
+        self.opt = T.build_optimizer(model, 1e-4)  # pretrain.py's optimizer (fused AdamW)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def step(self, batch: torch.Tensor) -> float:
+        """Seconds of one full training step."""
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with ctx:
-            logits = model(input_ids=batch[:, :-1]).logits
+        with self.autocast:
+            logits = self.model(input_ids=batch[:, :-1]).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
-        if i > 0:
-            out.append(time.perf_counter() - t0)
-    return out
+        return time.perf_counter() - t0
 
 
 def run(args) -> dict:
@@ -84,34 +87,33 @@ def run(args) -> dict:
     names = ["gpt2", *args.mixers]
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, args.vocab, (args.batch, seq_len + 1), generator=gen).to(device)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    params: dict[str, int] = {}
-    for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]  # alternate the order between rounds
-        for name in order:
-            torch.manual_seed(0)
-            model = make_model(name, args.preset, args.vocab, seq_len).to(device).train()
-            params[name] = T.count_parameters(model)
-            ts = time_steps(model, batch, args.steps, device, args.bf16)
-            times[name].extend(ts)
-            print(f"[bench_train] round {r + 1}/{args.rounds} {name:>18}: "
-                  + ", ".join(f"{t * 1000:.0f}" for t in ts) + " ms/step", flush=True)
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    tokens = args.batch * seq_len
-    base = statistics.median(times["gpt2"])
-    rows = []
+    trainees = []
     for name in names:
+        torch.manual_seed(0)
+        model = make_model(name, args.preset, args.vocab, seq_len).to(device).train()
+        trainees.append(Trainee(name, model, device, args.bf16))
+        trainees[-1].step(batch)  # warm-up: allocates the optimizer state, first-call caches
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = torch.randperm(len(trainees), generator=gen).tolist()
+        for i in order:
+            times[names[i]].append(trainees[i].step(batch))
+        print(f"[bench_train] round {r + 1}/{args.rounds}: "
+              + ", ".join(f"{n} {times[n][-1] * 1000:.0f}" for n in names) + " ms", flush=True)
+    tokens = args.batch * seq_len
+    base = times["gpt2"]
+    rows = []
+    for name, t in zip(names, trainees):
         step = statistics.median(times[name])
+        params = T.count_parameters(t.model)
         rows.append({"model": name, "tokens_per_s": tokens / step, "step_ms": step * 1000,
-                     "ratio_to_gpt2": step / base, "params": params[name],
-                     "params_ratio_to_gpt2": params[name] / params["gpt2"],
+                     "ratio_to_gpt2": statistics.median(a / b for a, b in zip(times[name], base)),
+                     "params": params, "params_ratio_to_gpt2": params / T.count_parameters(trainees[0].model),
                      "complexity": T.complexity_of(name)})
     return {"rows": rows, "shape": {**T.SHAPES[args.preset], "seq_len": seq_len, "vocab": args.vocab},
-            "batch": args.batch, "steps_per_round": args.steps, "rounds": args.rounds, "device": str(device),
+            "batch": args.batch, "rounds": args.rounds, "device": str(device),
             "threads": torch.get_num_threads() if device.type == "cpu" else None, "bf16": args.bf16,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "step_s": times}
 
 
 def markdown(result: dict) -> str:

@@ -134,18 +134,6 @@ def _check_resumable(saved: dict, cfg: dict) -> None:
                             + "; ".join(diffs) + ". Use the same options or another --output-dir.")
 
 
-def _optimizer(model, tcfg: dict, device: torch.device) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": float(tcfg["weight_decay"])},
-              {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=float(tcfg["lr"]), betas=tuple(float(b) for b in tcfg["betas"]),
-                             eps=float(tcfg["eps"]), **kwargs)
-
-
 def _lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of windows ``batch`` (B, L + 1): inputs [:, :-1], targets [:, 1:]."""
     logits = model(input_ids=batch[:, :-1]).logits
@@ -331,7 +319,7 @@ def train(argv: list[str] | None = None) -> dict:
     if tcfg.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()
     params = T.count_parameters(model)
-    optimizer = _optimizer(model, tcfg, accelerator.device)
+    optimizer = T.build_optimizer(model, tcfg["lr"], tcfg["betas"], tcfg["weight_decay"], tcfg["eps"])
     model, optimizer = accelerator.prepare(model, optimizer)
     if tcfg.get("compile"):
         model = torch.compile(model)

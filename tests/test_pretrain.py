@@ -152,6 +152,30 @@ def test_paper_configs_resolve():
     assert T.lr_at(60, tcfg) == pytest.approx(0.55) and T.lr_at(110, tcfg) == pytest.approx(0.1)
 
 
+def test_optimizer_decays_matrices_only_and_fuses_on_cpu():
+    model = T.build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense",
+                           "overrides": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32}}, 50, 16)
+    opt = T.build_optimizer(model, 1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert decay["fused"] and decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-6
+    # The fused update is the per-tensor loop's, up to rounding.
+    twin = T.build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense",
+                          "overrides": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32}}, 50, 16)
+    twin.load_state_dict(model.state_dict())
+    twin_opt = T.build_optimizer(twin, 1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6, fused=False)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    for m, o in ((model, opt), (twin, twin_opt)):
+        for _ in range(3):
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_two_processes_under_accelerate_launch_agree(data_dir, straight, tmp_path):
     out_a, _ = straight
     out = tmp_path / "ddp"
