@@ -258,6 +258,23 @@ def test_parallel_gradients_equal_reference_gradients(key):
             assert_close(par[k], ref[k], f"tied gradient of {k}", tol=1e-10)
 
 
+@pytest.mark.parametrize("spec", ["attention", "dense"])
+def test_parallel_at_split_causal_lengths(spec):
+    """n = 400, d = e, left padding: the lengths where the direct term is a row tree of flash calls
+    (ops.flash.causal_attention); outputs and gradients equal the reference's."""
+    pattern = get_pattern(spec)
+    inp, _, start = padded_case(400, 7, seed=9)
+    inp["x"] = torch.randn(2, 3, 400, 8, generator=torch.Generator().manual_seed(9))
+    names = ["qa", "ka", "x"] + (["qb", "kb", "g"] if pattern.has_recurrence else [])
+    inp = {k: v.requires_grad_(k in names) for k, v in inp.items()}
+    dy = torch.randn(2, 3, 400, 8, generator=torch.Generator().manual_seed(10))
+    out = {impl: mix(spec, inp, impl, start=start) for impl in ("reference", "parallel")}
+    assert_close(out["parallel"], out["reference"], f"{spec} n=400")
+    grads = {impl: torch.autograd.grad(y, [inp[k] for k in names], dy) for impl, y in out.items()}
+    for k, par, ref in zip(names, grads["parallel"], grads["reference"]):
+        assert_close(par, ref, f"gradient of {k}", tol=1e-4)
+
+
 @pytest.mark.parametrize("spec", ["dense", "exp2:ce", "square"])
 def test_gradcheck_parallel(spec):
     pattern = get_pattern(spec)

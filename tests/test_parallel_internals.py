@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_resolvent.ops import dense as dense_mod
+from hf_resolvent.ops import flash as flash_mod
 from hf_resolvent.ops import parallel_mix, reference_mix
 from hf_resolvent.ops import slots as slots_mod
 from hf_resolvent.ops import solve as solve_mod
@@ -152,6 +153,32 @@ def test_dense_solve_matches_direct_solve():
     b = g[..., None] * torch.nan_to_num(torch.softmax(s, -1))
     expected = torch.linalg.solve_triangular(torch.eye(n, dtype=F64) - b, z, upper=False)
     torch.testing.assert_close(DenseSolve.apply(q, k, g, z, 0.5, chunk), expected)
+
+
+@pytest.mark.parametrize("n, leaf", [(400, 128), (70, 8)])  # the default split; many levels, partial leaves
+def test_split_causal_attention_matches_sdpa(n, leaf, monkeypatch):
+    monkeypatch.setattr(flash_mod, "LEAF", leaf)
+    monkeypatch.setattr(flash_mod, "SPLIT_MIN_ROWS", 1)
+    calls, real = [], flash_mod.attend_block
+    monkeypatch.setattr(flash_mod, "attend_block", lambda *a: calls.append(a[-1]) or real(*a))
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(2, 3, n, 8, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, n, 8, generator=gen, requires_grad=True)
+    dy = torch.randn(2, 3, n, 8, generator=gen)
+    out = flash_mod.causal_attention(q, k, v, 0.3)
+    grads = torch.autograd.grad(out, (q, k, v), dy)
+    assert calls.count(True) == -(-n // leaf) and calls.count(False) >= 1  # really split
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), dy)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_split_causal_attention_gradcheck(one_thread, monkeypatch):
+    monkeypatch.setattr(flash_mod, "LEAF", 4)
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 13, 3, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradcheck(lambda *a: flash_mod._SplitCausalAttention.apply(*a, 0.5), (q, k, v))
 
 
 def _saved_elements(pattern, n):

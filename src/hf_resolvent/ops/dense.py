@@ -1,7 +1,7 @@
 """The dense pattern (P^B_i = all earlier positions) in the parallel form, with an explicit backward.
 
-Y = Z + B Y with B = diag(g) softmax_{j<i}(scale qb_i . kb_j); Z = (1 - g) A~ X comes from causal SDPA
-(one fast kernel call; solving it in the same row tree with the heads stacked was measured slower).
+Y = Z + B Y with B = diag(g) softmax_{j<i}(scale qb_i . kb_j); Z = (1 - g) A~ X comes from causal attention
+(:mod:`.flash`; solving it in the same row tree with the heads stacked was measured slower).
 
 Rows are split recursively (a binary tree on chunk boundaries). For a node [a, c) split at s0, the
 contribution of keys [a, s0) to rows [s0, c) is one call of the CPU flash attention kernel
@@ -21,68 +21,15 @@ from __future__ import annotations
 
 import torch
 
+from .flash import attend_block, attend_block_backward, merge_block, walk
 from .solve import solve_unit_lower_
 from .threads import by_head_groups, head_groups
 
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-FANOUT = 2  # children per node of the row tree
 # The backward splits the heads over worker threads from this many rows on (measured on 2 cores, fwd+bwd:
 # 0.86x the time at n = 2048, even at 1024, 1.24x at 512 where the hand-offs outweigh the gain).
 GROUPED_MIN_ROWS = 2048
-
-
-def _attend_block(q, k, v, scale):
-    """Non-causal attention of q over k, v: (out, lse). The CPU flash kernel where it applies."""
-    if q.device.type == "cpu":
-        return _flash(q, k, v, 0.0, False, scale=scale)
-    s = q @ k.mT * scale
-    lse = torch.logsumexp(s, -1)
-    return torch.exp(s - lse[..., None]) @ v, lse
-
-
-def _attend_block_backward(do, q, k, v, o, lse, scale):
-    """(dq, dk, dv) of one block of softmax rows whose full output is o and full log-sum-exp is lse.
-
-    The flash backward uses o only through delta_i = do_i . o_i and the probabilities only as
-    exp(s - lse): passing the *full* row's o and lse makes the block's share of the gradient exact.
-    """
-    if q.device.type == "cpu":
-        return _flash_backward(do, q, k, v, o, lse, 0.0, False, scale=scale)
-    p = torch.exp(q @ k.mT * scale - lse[..., None])
-    ds = p * (do @ v.mT - (do * o).sum(-1, keepdim=True)) * scale
-    return ds @ k, ds.mT @ q, p.mT @ do
-
-
-def _children(a: int, b: int, chunk: int) -> list[tuple[int, int]]:
-    """Split rows [a, b) into FANOUT spans on chunk boundaries (a is one)."""
-    chunks = -(-(b - a) // chunk)
-    size = -(-chunks // FANOUT) * chunk
-    return [(s, min(b, s + size)) for s in range(a, b, size)]
-
-
-def _walk(n: int, chunk: int, leaf, node, reverse: bool = False) -> None:
-    """Visit the row tree: ``leaf(c)`` per chunk, ``node(a, s0, s1)`` for keys [a, s0) -> rows [s0, s1).
-
-    Forward order (solve the keys first) or reverse order (the backward: rows first).
-    """
-
-    def visit(a: int, c: int) -> None:
-        if c - a <= chunk:
-            leaf(a // chunk)
-            return
-        spans = _children(a, c, chunk)
-        for s0, s1 in reversed(spans) if reverse else spans:
-            if reverse:
-                visit(s0, s1)
-            if s0 > a:
-                node(a, s0, s1)
-            if not reverse:
-                visit(s0, s1)
-
-    visit(0, n)
 
 
 def _chunk_scores(q, k, scale, chunk):
@@ -132,12 +79,10 @@ def _tree_forward(q, k, y, g, scale, chunk, for_backward=True):
         solve_unit_lower_(system, y_c)
 
     def node(a, s0, s1):
-        ob, lb = _attend_block(q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], scale)
-        lse_r = lse[:, :, s0:s1]
-        o[:, :, s0:s1].lerp_(ob, torch.sigmoid(lb - lse_r)[..., None])
-        torch.logaddexp(lse_r, lb, out=lse_r)
+        ob, lb = attend_block(q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], scale)
+        merge_block(o[:, :, s0:s1], lse[:, :, s0:s1], ob, lb)
 
-    _walk(n, chunk, leaf, node)
+    walk(n, chunk, leaf, node)
     if not for_backward:
         return None, None
     shape = (b, h, nc, chunk, width)
@@ -164,7 +109,7 @@ def _tree_backward(q, k, y, o, lse, g, grad, scale, chunk):
         solve_unit_lower_(system, dz_c, transpose=True)
 
     def node(a, s0, s1):
-        gq, gk, gv = _attend_block_backward(
+        gq, gk, gv = attend_block_backward(
             gcol[:, :, s0:s1] * dz[:, :, s0:s1], q[:, :, s0:s1], k[:, :, a:s0], y[:, :, a:s0], o[:, :, s0:s1],
             lse[:, :, s0:s1], scale,
         )
@@ -172,7 +117,7 @@ def _tree_backward(q, k, y, o, lse, g, grad, scale, chunk):
         dk[:, :, a:s0] += gk
         dz[:, :, a:s0] += gv
 
-    _walk(n, chunk, leaf, node, reverse=True)
+    walk(n, chunk, leaf, node, reverse=True)
     # In-chunk score gradients of all chunks at once: ds_ij = p_ij g_i (dz_i . y_j - dz_i . o_i) scale.
     shape = (b, h, nc, chunk, width)
     dzc, yc, oc = dz.view(shape), y.view(shape), o.view(shape)

@@ -3,7 +3,7 @@
 Y = (I - B)^-1 A X is computed as Z = A X (an attention over P^A), then Y = Z + B Y solved by block
 forward substitution (DESIGN.md section 3.2), both with explicit backwards (autograd Functions):
 
-- dense patterns: Z by causal SDPA; the solve is a row tree of CPU flash-attention calls over the
+- dense patterns: Z by causal attention (:mod:`.flash`); the solve is a row tree of CPU flash-attention calls over the
   solved Y, merged by log-sum-exps, with C x C triangular solves at the leaves (:mod:`.dense`);
 - sparse patterns (banded, diagonal, f-patterns, cache-efficient ones, local attention): scores and
   weighted sums by shifted / strided slices per slot, no gather and no n x n tensor (:mod:`.slots`);
@@ -19,11 +19,11 @@ Shapes: B batch, H heads, n positions, d key width, e value width, C chunk, M (=
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..patterns import Pattern, get_pattern
 from .common import check_inputs, row_valid_mask
 from .dense import DenseSolve
+from .flash import causal_attention
 from .slots import SlotDot, slot_attention, slot_layout, slot_softmax
 from .solve import SparseSolve
 from .threads import serial
@@ -60,7 +60,7 @@ def gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def direct_mix(qa, ka, x, pattern: Pattern, start=None, scale=None) -> torch.Tensor:
     """A~ X (B, H, n, e): softmax attention of qa over ka restricted to P^A (which holds the row itself).
 
-    Dense kinds use causal SDPA; sparse kinds score P^A = {t} U P^B_t by shifted / strided slices.
+    Dense kinds use causal attention (:func:`.flash.causal_attention`); sparse kinds score P^A = {t} U P^B_t by shifted / strided slices.
     Padded rows (``start``) come out as garbage-free but meaningless rows: callers zero them.
     """
     pattern = get_pattern(pattern)
@@ -106,7 +106,7 @@ class _Roll:
 
 def _direct(qa, ka, x, pattern: Pattern, scale: float) -> torch.Tensor:
     if pattern.is_dense:
-        return F.scaled_dot_product_attention(qa, ka, x, is_causal=True, scale=scale)
+        return causal_attention(qa, ka, x, scale)
     with serial():  # many small ops: one intra-op thread (see .threads)
         return slot_attention(qa, ka, x, slot_layout(pattern, x.shape[-2], with_self=True), scale)
 
