@@ -83,6 +83,8 @@ def run(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
         torch.set_num_threads(args.threads)
+    if device.type == "cpu":
+        T.keep_freed_memory()  # as pretrain.py does: no fresh pages for the 100 MB blocks of every step
     seq_len = args.seq_len or T.SHAPES[args.preset]["n_positions"]
     names = ["gpt2", *args.mixers]
     gen = torch.Generator().manual_seed(0)

@@ -287,6 +287,8 @@ def train(argv: list[str] | None = None) -> dict:
     )
     main = accelerator.is_main_process
     log = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
+    if accelerator.device.type == "cpu":
+        T.keep_freed_memory()  # reuse the large blocks every step frees (see its docstring)
     data_dir = ensure_data(accelerator, cfg)
     data_meta = json.loads((data_dir / "meta.json").read_text())
     from transformers import AutoTokenizer

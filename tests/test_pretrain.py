@@ -176,6 +176,29 @@ def test_optimizer_decays_matrices_only_and_fuses_on_cpu():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+_FAULTS_OF_LARGE_BLOCKS = """
+import resource, sys, torch
+from hf_resolvent import training as T
+if sys.argv[1] == "keep":
+    assert T.keep_freed_memory()
+for _ in range(3):  # 100 MB blocks allocated and freed: the heap settles
+    torch.ones(25_000_000)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    torch.ones(25_000_000)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
+def test_keep_freed_memory_reuses_large_blocks():
+    faults = {mode: int(subprocess.run([sys.executable, "-c", _FAULTS_OF_LARGE_BLOCKS, mode], check=True,
+                                       capture_output=True, text=True).stdout)
+              for mode in ("default", "keep")}
+    assert faults["default"] > 5 * 20_000  # 24,414 fresh 4 KiB pages per 100 MB block
+    assert faults["keep"] < 5_000
+
+
 def test_two_processes_under_accelerate_launch_agree(data_dir, straight, tmp_path):
     out_a, _ = straight
     out = tmp_path / "ddp"

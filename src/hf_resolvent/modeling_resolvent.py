@@ -154,7 +154,9 @@ class ResolventMixer(nn.Module):
         ``layer_cache``: this layer's :class:`~hf_resolvent.cache_resolvent.ResolventCacheLayer` or None."""
         batch, n, width = hidden_states.shape
         proj = self.in_proj(hidden_states).view(batch, n, len(self.parts), self.num_heads, self.head_dim)
-        t = {name: proj[:, :, i].transpose(1, 2) for i, name in enumerate(self.parts)}  # (B, H, n, hd)
+        # unbind, not proj[:, :, i]: its backward is one stack, where each index's backward zero-fills a
+        # proj-sized gradient that autograd then sums (3.8 ms more per layer at the 44M shape)
+        t = {name: part.transpose(1, 2) for name, part in zip(self.parts, proj.unbind(2))}  # (B, H, n, hd)
         if rope is not None:
             cos, sin = rope
             for name in ("qa", "ka", "qb", "kb"):

@@ -304,6 +304,28 @@ def build_optimizer(model, lr: float, betas=(0.9, 0.98), weight_decay: float = 0
                              fused=fused)
 
 
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of returning it to the system (CPU training).
+
+    Every step of the 44M shape allocates and frees about 750 MB in blocks of 100 MB (logits, their gradient,
+    the tied embedding's gradients); glibc serves blocks that large with fresh ``mmap`` pages, so the kernel
+    faulted in and zeroed 190k pages per step: 400 ms of system time per 1.5 s step, measured on 2 cores.
+    With mmap off and trimming at 2 GB the freed blocks are reused (13k faults, 70 ms). PyTorch's CPU tuning
+    guide gets the same from jemalloc or tcmalloc. Returns False where there is no glibc (nothing changed).
+    """
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # glibc's <malloc.h> parameter numbers
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
 # --------------------------------------------------------------------------------------------- checkpoints
 
 
