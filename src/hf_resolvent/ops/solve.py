@@ -213,7 +213,9 @@ def _forward_substitution(plan: _SparsePlan, w: torch.Tensor, y: torch.Tensor) -
         rows = y3[:, c0:c1]
         if previous is not None and c:
             lo = max(0, c0 - plan.band)
-            rows.baddbmm_(previous[:, c, : c1 - c0, lo - c0 + plan.band :], y3[:, lo:c0])
+            # bmm then add, not baddbmm_ into the slice: ATen's batched gemm needs a contiguous result, else it
+            # loops over the batch with one addmm per (batch x head) row
+            rows += torch.bmm(previous[:, c, : c1 - c0, lo - c0 + plan.band :], y3[:, lo:c0])
         solve_unit_lower_(systems[:, c, : c1 - c0, : c1 - c0], rows)
 
 
@@ -229,7 +231,7 @@ def _backward_substitution(plan: _SparsePlan, w: torch.Tensor, dz: torch.Tensor)
         solve_unit_lower_(systems[:, c, : c1 - c0, : c1 - c0], rows, transpose=True)
         if previous is not None and c:
             lo = max(0, c0 - plan.band)
-            z3[:, lo:c0].baddbmm_(previous[:, c, : c1 - c0, lo - c0 + plan.band :].mT, rows)
+            z3[:, lo:c0] += torch.bmm(previous[:, c, : c1 - c0, lo - c0 + plan.band :].mT, rows)  # bmm: as above
         for k, t0, t1, s0, s1, stride, runs, length in plan.steps[c]:
             dst, src, wt = z3[:, s0:s1:stride], z3[:, t0:t1], w3[:, k, t0:t1]
             if length == 1:
