@@ -9,8 +9,8 @@ in ``pretrain.py``), on random token windows (throughput does not depend on the 
 by side: all of them are built (seeded) and kept in memory with their optimizers (about 0.8 GB each at 44M,
 float32), warmed up for one step, then each of ``--rounds`` rounds runs one step of every model in a fresh
 random order. A model's ratio to GPT-2 is the median over rounds of its step time over GPT-2's step time in the
-same round, so a slow period of a shared machine (which moves single steps by tens of percent) hits both sides
-of each ratio alike. Writes ``{"rows": [{"model", "tokens_per_s", "step_ms", "ratio_to_gpt2", "params"}, ...],
+same round (the table also gives their quartiles: on a shared machine single steps move by tens of percent, so
+use enough rounds). Writes ``{"rows": [{"model", "tokens_per_s", "step_ms", "ratio_to_gpt2", "params"}, ...],
 ...}`` to ``--out``, prints a Markdown table and writes a PNG next to the JSON.
 
 Shape (paper Table 2): 6 layers, d 512, ff 2048, 8 heads of 64, context 512, vocab 50257 (GPT-2 tokenizer).
@@ -108,8 +108,10 @@ def run(args) -> dict:
     for name, t in zip(names, trainees):
         step = statistics.median(times[name])
         params = T.count_parameters(t.model)
+        ratios = [a / b for a, b in zip(times[name], base)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
         rows.append({"model": name, "tokens_per_s": tokens / step, "step_ms": step * 1000,
-                     "ratio_to_gpt2": statistics.median(a / b for a, b in zip(times[name], base)),
+                     "ratio_to_gpt2": statistics.median(ratios), "ratio_quartiles": [q1, q3],
                      "params": params, "params_ratio_to_gpt2": params / T.count_parameters(trainees[0].model),
                      "complexity": T.complexity_of(name)})
     return {"rows": rows, "shape": {**T.SHAPES[args.preset], "seq_len": seq_len, "vocab": args.vocab},
@@ -119,10 +121,12 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| model | params | step (ms) | tokens/s | step time vs GPT-2 |", "|---|---:|---:|---:|---:|"]
+    lines = ["| model | params | step (ms) | tokens/s | step time vs GPT-2 (quartiles) |", "|---|---:|---:|---:|---:|"]
     for r in result["rows"]:
+        q1, q3 = r["ratio_quartiles"]
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M ({r['params_ratio_to_gpt2']:.2f}x) | "
-                     f"{r['step_ms']:.0f} | {r['tokens_per_s']:,.0f} | {r['ratio_to_gpt2']:.2f}x |")
+                     f"{r['step_ms']:.0f} | {r['tokens_per_s']:,.0f} | {r['ratio_to_gpt2']:.2f}x "
+                     f"({q1:.2f}-{q3:.2f}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -321,7 +321,8 @@ def train(argv: list[str] | None = None) -> dict:
     if tcfg.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()
     params = T.count_parameters(model)
-    optimizer = T.build_optimizer(model, tcfg["lr"], tcfg["betas"], tcfg["weight_decay"], tcfg["eps"])
+    optimizer = T.build_optimizer(model, tcfg["lr"], tcfg["betas"], tcfg["weight_decay"], tcfg["eps"],
+                                  fused=accelerator.device.type in T.FUSED_ADAMW_DEVICES)  # prepare() moves it
     model, optimizer = accelerator.prepare(model, optimizer)
     if tcfg.get("compile"):
         model = torch.compile(model)

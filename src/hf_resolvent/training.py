@@ -283,11 +283,15 @@ def count_parameters(model) -> int:
     return total
 
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
 def build_optimizer(model, lr: float, betas=(0.9, 0.98), weight_decay: float = 0.1, eps: float = 1e-8,
                     fused: bool | None = None):
     """AdamW with weight decay on matrices (embeddings included) and none on biases, norms and gate vectors.
 
-    ``fused`` (default: when every parameter is on CPU or CUDA) selects PyTorch's fused implementation: on CPU
+    ``fused`` (default: when every parameter is on a FUSED_ADAMW_DEVICES device; pass it when the model moves
+    after this call) selects PyTorch's fused implementation: on CPU
     it measured 32 ms against 140 ms for the per-tensor loop over a 48M-parameter model (2 cores), about 7% of
     a 44M training step. Both compute the same update up to float rounding.
     """
@@ -299,7 +303,7 @@ def build_optimizer(model, lr: float, betas=(0.9, 0.98), weight_decay: float = 0
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": float(weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
     if fused is None:
-        fused = all(p.device.type in ("cpu", "cuda") for p in decay + no_decay)
+        fused = all(p.device.type in FUSED_ADAMW_DEVICES for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps),
                              fused=fused)
 

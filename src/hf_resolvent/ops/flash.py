@@ -92,6 +92,14 @@ def walk(n: int, chunk: int, leaf, node, reverse: bool = False) -> None:
     visit(0, n)
 
 
+def _causal_blocks(n: int) -> list[tuple[int, int, int, int, bool]]:
+    """(row start, row end, key start, key end, causal) of causal attention's row tree, in forward order."""
+    blocks = []
+    walk(n, LEAF, lambda c: blocks.append((c * LEAF, min(n, (c + 1) * LEAF)) * 2 + (True,)),
+         lambda a, s0, s1: blocks.append((s0, s1, a, s0, False)))
+    return blocks
+
+
 class _SplitCausalAttention(torch.autograd.Function):
     """Causal attention as a row tree of flash calls (see the module docstring). Saves q, k, v, o, lse."""
 
@@ -101,15 +109,12 @@ class _SplitCausalAttention(torch.autograd.Function):
         o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device)
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
 
-        def block(r0, r1, k0, k1, causal):
+        for r0, r1, k0, k1, causal in _causal_blocks(n):
             ob, lb = attend_block(q[:, :, r0:r1], k[:, :, k0:k1], v[:, :, k0:k1], scale, causal)
             if k0 == 0:  # the rows' first block in forward order
                 o[:, :, r0:r1], lse[:, :, r0:r1] = ob, lb
             else:
                 merge_block(o[:, :, r0:r1], lse[:, :, r0:r1], ob, lb)
-
-        walk(n, LEAF, lambda c: block(c * LEAF, min(n, (c + 1) * LEAF), c * LEAF, min(n, (c + 1) * LEAF), True),
-             lambda a, s0, s1: block(s0, s1, a, s0, False))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale = scale
         return o
@@ -120,16 +125,13 @@ class _SplitCausalAttention(torch.autograd.Function):
         n, grad = q.shape[-2], grad.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
-        def block(r0, r1, k0, k1, causal):
+        for r0, r1, k0, k1, causal in _causal_blocks(n):
             rows, keys = slice(r0, r1), slice(k0, k1)
             gq, gk, gv = attend_block_backward(grad[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
                                                o[:, :, rows], lse[:, :, rows], ctx.scale, causal)
             dq[:, :, rows] += gq
             dk[:, :, keys] += gk
             dv[:, :, keys] += gv
-
-        walk(n, LEAF, lambda c: block(c * LEAF, min(n, (c + 1) * LEAF), c * LEAF, min(n, (c + 1) * LEAF), True),
-             lambda a, s0, s1: block(s0, s1, a, s0, False))
         return dq, dk, dv, None
 
 
