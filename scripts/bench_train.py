@@ -57,8 +57,8 @@ def make_model(name: str, preset: str, vocab: int, seq_len: int):
 class Trainee:
     """One model with its optimizer, so that models can take turns step by step."""
 
-    def __init__(self, name: str, model: torch.nn.Module, device: torch.device, bf16: bool):
-        self.name, self.model, self.device = name, model, device
+    def __init__(self, model: torch.nn.Module, device: torch.device, bf16: bool):
+        self.model, self.device = model, device
         self.opt = T.build_optimizer(model, 1e-4)  # pretrain.py's optimizer (fused AdamW)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
@@ -93,7 +93,7 @@ def run(args) -> dict:
     for name in names:
         torch.manual_seed(0)
         model = make_model(name, args.preset, args.vocab, seq_len).to(device).train()
-        trainees.append(Trainee(name, model, device, args.bf16))
+        trainees.append(Trainee(model, device, args.bf16))
         trainees[-1].step(batch)  # warm-up: allocates the optimizer state, first-call caches
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -109,7 +109,7 @@ def run(args) -> dict:
         step = statistics.median(times[name])
         params = T.count_parameters(t.model)
         ratios = [a / b for a, b in zip(times[name], base)]
-        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
         rows.append({"model": name, "tokens_per_s": tokens / step, "step_ms": step * 1000,
                      "ratio_to_gpt2": statistics.median(ratios), "ratio_quartiles": [q1, q3],
                      "params": params, "params_ratio_to_gpt2": params / T.count_parameters(trainees[0].model),
