@@ -5,7 +5,9 @@ Shapes follow the library: B batch, H heads, n positions, d key width, e value w
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,15 @@ settings.load_profile("hf_resolvent")
 # each other (measured 10-20x slower with 2 threads than with 1 on a loaded 2-core machine).
 # HF_RESOLVENT_TEST_THREADS overrides the count.
 torch.set_num_threads(int(os.environ.get("HF_RESOLVENT_TEST_THREADS", "1")))
+
+
+def load_script(name: str):
+    """The module of ``scripts/<name>.py`` (the scripts are not a package), loaded afresh."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def cubic_plus_one(k: int) -> int:

@@ -3,23 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_script
 
 
 def test_bench_mixer_writes_rows_for_every_impl(tmp_path):
     out = tmp_path / "mixer.json"
-    assert _load_script("bench_mixer").main(["--out", str(out), "--lengths", "48", "--patterns", "dense", "exp2:ce",
+    assert load_script("bench_mixer").main(["--out", str(out), "--lengths", "48", "--patterns", "dense", "exp2:ce",
                                              "--repeats", "1", "--max-reference", "48", "--heads", "2"]) == 0
     result = json.loads(out.read_text())
     keys = {(r["impl"], r["pattern"], r["n"]) for r in result["rows"]}
@@ -31,7 +22,7 @@ def test_bench_mixer_writes_rows_for_every_impl(tmp_path):
 
 def test_bench_train_writes_one_row_per_model(tmp_path):
     out = tmp_path / "train.json"
-    assert _load_script("bench_train").main(["--out", str(out), "--preset", "tiny", "--mixers", "exp2:ce", "dense",
+    assert load_script("bench_train").main(["--out", str(out), "--preset", "tiny", "--mixers", "exp2:ce", "dense",
                                              "--rounds", "2", "--seq-len", "32", "--vocab", "300"]) == 0
     result = json.loads(out.read_text())
     rows = {r["model"]: r for r in result["rows"]}

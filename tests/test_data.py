@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 from hf_resolvent import data as D
 
@@ -192,11 +192,6 @@ def test_token_shards_and_step_sampler(tmp_path):
 
 
 def test_prepare_data_cli_reports_errors(tmp_path, capsys):
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "prepare_data.py")
-    spec = importlib.util.spec_from_file_location("prepare_data", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("prepare_data")
     assert mod.main(["--output-dir", str(tmp_path / "x"), "--files", str(tmp_path / "nope.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err

@@ -3,30 +3,19 @@ trust_remote_code=True where hf_resolvent is not importable; without token or ne
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from conftest import load_script
 
 from hf_resolvent import ResolventConfig, ResolventForCausalLM
 from hf_resolvent import data as D
 from hf_resolvent import training as T
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("_push_script", ROOT / "scripts" / "push_to_hub.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-push = _load_script()
+push = load_script("push_to_hub")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ script under ``accelerate launch --num_processes 2 --cpu``; the final folder (mo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 from safetensors.torch import load_file
 
 from hf_resolvent import data as D
@@ -21,14 +21,7 @@ from hf_resolvent import training as T
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-pretrain = _load_script("pretrain")
+pretrain = load_script("pretrain")
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +214,7 @@ def test_two_processes_under_accelerate_launch_agree(data_dir, straight, tmp_pat
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-4)
 
 
-evaluate_script = _load_script("evaluate")
+evaluate_script = load_script("evaluate")
 
 
 def test_strided_perplexity_scores_every_token_once():

@@ -3,26 +3,17 @@ solver, structure, randomisation, curriculum; the training script's metric and a
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import load_script
 
 from hf_resolvent import synthetic as S
 
-ROOT = Path(__file__).resolve().parents[1]
 V = S.Vocab(n_noise=4, n_keys=16, n_values=16)
 SPECS = [S.TaskSpec("copy", 12, vocab=V), S.TaskSpec("assoc", 30, 8, vocab=V), S.TaskSpec("multihop", 30, 8, vocab=V)]
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("_synthetic_script", ROOT / "scripts" / "synthetic.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.task)
@@ -145,7 +136,7 @@ class _Oracle(torch.nn.Module):
 
 
 def test_accuracy_metric():
-    mod = _load_script()
+    mod = load_script("synthetic")
     spec = SPECS[2]
     res = mod.evaluate(_Oracle(spec), spec, 32, seed=0, device="cpu", batch_size=8)
     assert res["accuracy"] == 1.0 and res["sequence_accuracy"] == 1.0 and res["intermediate_accuracy"] == 1.0
@@ -156,7 +147,7 @@ def test_accuracy_metric():
 
 @pytest.mark.parametrize("mixer", ["dense", "gpt2"])
 def test_script_smoke(mixer, tmp_path):
-    mod = _load_script()
+    mod = load_script("synthetic")
     out = tmp_path / "r.json"
     assert mod.main(["--task", "multihop", "--mixer", mixer, "--preset", "smoke", "--quiet", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
@@ -167,7 +158,7 @@ def test_script_smoke(mixer, tmp_path):
 
 
 def test_script_curriculum_option(tmp_path, capsys):
-    mod = _load_script()
+    mod = load_script("synthetic")
     out = tmp_path / "r.json"
     assert mod.main(["--task", "assoc", "--mixer", "attention", "--preset", "smoke", "--curriculum", "2,1",
                      "--quiet", "--out", str(out)]) == 0
