@@ -103,7 +103,7 @@ def run(args) -> dict:
         print(f"[bench_train] round {r + 1}/{args.rounds}: "
               + ", ".join(f"{n} {times[n][-1] * 1000:.0f}" for n in names) + " ms", flush=True)
     tokens = args.batch * seq_len
-    base = times["gpt2"]
+    base, base_params = times["gpt2"], T.count_parameters(trainees[0].model)
     rows = []
     for name, t in zip(names, trainees):
         step = statistics.median(times[name])
@@ -112,7 +112,7 @@ def run(args) -> dict:
         q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
         rows.append({"model": name, "tokens_per_s": tokens / step, "step_ms": step * 1000,
                      "ratio_to_gpt2": statistics.median(ratios), "ratio_quartiles": [q1, q3],
-                     "params": params, "params_ratio_to_gpt2": params / T.count_parameters(trainees[0].model),
+                     "params": params, "params_ratio_to_gpt2": params / base_params,
                      "complexity": T.complexity_of(name)})
     return {"rows": rows, "shape": {**T.SHAPES[args.preset], "seq_len": seq_len, "vocab": args.vocab},
             "batch": args.batch, "rounds": args.rounds, "device": str(device),

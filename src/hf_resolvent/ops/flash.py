@@ -27,14 +27,20 @@ FANOUT = 2  # children per node of the row tree
 SPLIT_MIN_ROWS, SPLIT_MAX_ROWS, LEAF = 384, 512, 128
 
 
+def _block_scores(q, k, scale, causal):
+    """Scores (B, H, m, m') of the non-CPU paths below; -inf above the diagonal when ``causal``."""
+    s = q @ k.mT * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
 def attend_block(q, k, v, scale, causal=False):
     """Attention of q (B, H, m, d) over k, v (B, H, m', .): (out, lse (B, H, m)). The CPU flash kernel where
     it applies; ``causal`` masks key j > row i (top-left aligned, m = m')."""
     if q.device.type == "cpu":
         return _flash(q, k, v, 0.0, causal, scale=scale)[:2]
-    s = q @ k.mT * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    s = _block_scores(q, k, scale, causal)
     lse = torch.logsumexp(s, -1)
     return torch.exp(s - lse[..., None]) @ v, lse
 
@@ -47,10 +53,7 @@ def attend_block_backward(do, q, k, v, o, lse, scale, causal=False):
     """
     if q.device.type == "cpu":
         return _flash_backward(do, q, k, v, o, lse, 0.0, causal, scale=scale)
-    s = q @ k.mT * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    p = torch.exp(s - lse[..., None])
+    p = torch.exp(_block_scores(q, k, scale, causal) - lse[..., None])
     ds = p * (do @ v.mT - (do * o).sum(-1, keepdim=True)) * scale
     return ds @ k, ds.mT @ q, p.mT @ do
 
