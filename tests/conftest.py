@@ -68,6 +68,29 @@ def make_mixer_inputs(
     return {k: v.to(dtype).requires_grad_(requires_grad) for k, v in out.items()}
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def cpu_path(request):
+    """Runs a test on both CPU paths of the parallel form: the compiled kernels (hf_resolvent.ops.cpu_kernels) and
+    the PyTorch code they replace. The compiled one must build here: a failed build fails the test."""
+    from hf_resolvent.ops import cpu_kernels
+
+    if request.param == "torch":
+        with cpu_kernels.disabled():
+            yield request.param
+        return
+    assert cpu_kernels.available(), "the compiled CPU kernels did not build (see the warning)"
+    yield request.param
+
+
+@pytest.fixture
+def torch_path():
+    """Runs a test on the PyTorch code of the parallel form only (its chunked solve's plan, say)."""
+    from hf_resolvent.ops import cpu_kernels
+
+    with cpu_kernels.disabled():
+        yield
+
+
 @pytest.fixture
 def mixer_inputs():
     """Factory fixture: ``mixer_inputs(batch=..., n=..., ...)`` -> dict of inputs (see make_mixer_inputs)."""

@@ -83,7 +83,7 @@ def assert_close(actual, expected, what, tol=TOL):
 
 
 @pytest.mark.parametrize("key", list(SPECS))
-def test_three_forms_agree(key):
+def test_three_forms_agree(key, cpu_path):
     """For n a multiple of the default chunk (64) and not (97), batch 2, 3 heads, d = 8 != e = 5."""
     spec = SPECS[key]
     for n in (64, 97):
@@ -113,7 +113,7 @@ def test_three_forms_agree_with_left_padding(key):
 
 
 @pytest.mark.parametrize("key", list(SPECS))
-def test_parallel_chunk_boundaries(key):
+def test_parallel_chunk_boundaries(key, cpu_path):
     """Small chunks: many chunk boundaries, lengths that are and are not multiples, a custom scale."""
     pattern = get_pattern(SPECS[key])
     for n, chunk in ((48, 16), (53, 16), (29, 5)):
@@ -228,7 +228,7 @@ def _grads(fn, inputs, names):
 
 
 @pytest.mark.parametrize("key", list(SPECS))
-def test_parallel_gradients_equal_reference_gradients(key):
+def test_parallel_gradients_equal_reference_gradients(key, cpu_path):
     pattern = get_pattern(SPECS[key])
     inp, _, start = padded_case(21, 5, seed=4)
     inp = {k: v.double() for k, v in inp.items()}
@@ -276,7 +276,7 @@ def test_parallel_at_split_causal_lengths(spec):
 
 
 @pytest.mark.parametrize("spec", ["dense", "exp2:ce", "square"])
-def test_gradcheck_parallel(spec):
+def test_gradcheck_parallel(spec, cpu_path):
     pattern = get_pattern(spec)
     inp = make_mixer_inputs(batch=2, heads=1, n=10, d=3, e=2, dtype=torch.float64, seed=5, requires_grad=True)
     start = torch.tensor([0, 3])

@@ -15,7 +15,16 @@ from hf_resolvent.ops import parallel_mix, reference_mix
 from hf_resolvent.ops import slots as slots_mod
 from hf_resolvent.ops import solve as solve_mod
 from hf_resolvent.ops.dense import DenseSolve
-from hf_resolvent.ops.slots import SlotCombine, SlotDot, slot_combine, slot_dot, slot_layout, slot_pieces, slot_scatter
+from hf_resolvent.ops.slots import (
+    SlotCombine,
+    SlotDot,
+    slot_combine,
+    slot_dot,
+    slot_layout,
+    slot_pieces,
+    slot_probs,
+    slot_scatter,
+)
 from hf_resolvent.ops.solve import SparseSolve, solve_unit_lower_
 from hf_resolvent.patterns import get_pattern
 
@@ -46,7 +55,7 @@ def _dense_slot_matrix(layout):
 
 @pytest.mark.parametrize("spec", SPARSE)
 @pytest.mark.parametrize("with_self", [False, True])
-def test_slot_ops_match_dense_matrices(spec, with_self, monkeypatch):
+def test_slot_ops_match_dense_matrices(spec, with_self, monkeypatch, cpu_path):
     monkeypatch.setattr(slots_mod, "ROW_BLOCK", 16)  # several row blocks, runs cut at block edges
     n = 53
     layout = slot_layout(get_pattern(spec), n, with_self)
@@ -59,6 +68,18 @@ def test_slot_ops_match_dense_matrices(spec, with_self, monkeypatch):
     torch.testing.assert_close(slot_dot(q, k, layout) * valid, torch.einsum("kts,bhtd,bhsd->bhkt", m, q, k))
     torch.testing.assert_close(slot_combine(w, v, layout), torch.einsum("kts,bhkt,bhse->bhte", m, w, v))
     torch.testing.assert_close(slot_scatter(w, u, layout), torch.einsum("kts,bhkt,bhte->bhse", m, w, u))
+    # slot_probs: the softmax of each row's scaled scores over its valid slots, with gradients
+    scores = 0.7 * torch.einsum("bhtd,bhsd->bhts", q, k).masked_fill(m.sum(0) == 0, float("-inf"))
+    dense_probs = torch.softmax(scores, -1).nan_to_num()  # rows without slots: all 0
+    qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+    probs = slot_probs(qg, kg, layout, 0.7)
+    torch.testing.assert_close(torch.einsum("kts,bhkt->bhts", m, probs), dense_probs)
+    grad = torch.randn(probs.shape, generator=gen, dtype=F64)
+    expected = torch.autograd.grad(torch.einsum("kts,bhts->bhkt", m, torch.softmax(
+        0.7 * torch.einsum("bhtd,bhsd->bhts", qg, kg).masked_fill(m.sum(0) == 0, float("-inf")), -1).nan_to_num()),
+        (qg, kg), grad * valid)
+    for got, want in zip(torch.autograd.grad(probs, (qg, kg), grad), expected):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("f,a", [(1, 1), (5, 3), (10, 6), (4, 4), (26, 12)])
@@ -93,7 +114,7 @@ def _force_band(monkeypatch, blocks):
 @pytest.mark.parametrize("spec", ["exp2", "exp2:ce", "square", "square:ce", "f:3*k+1:ce", "banded:5"])
 @pytest.mark.parametrize("chunk", [4, 8, 12])
 @pytest.mark.parametrize("band", [1, 3, 8])
-def test_sparse_solve_matches_dense_solve(spec, chunk, band, monkeypatch):
+def test_sparse_solve_matches_dense_solve(spec, chunk, band, monkeypatch, torch_path):
     """Covers every kind of entry of the chunked solve: in-chunk, near-slot band (one chunk wide, several,
     wider than the rows before the first chunks), whole-span slots (f - a + 1 >= C) and per-chunk pieces
     (f >= C > f - a + 1)."""
@@ -110,7 +131,7 @@ def test_sparse_solve_matches_dense_solve(spec, chunk, band, monkeypatch):
 
 @pytest.mark.parametrize("spec,chunk,band", [("exp2:ce", 4, 1), ("square", 5, 1), ("banded:2", 8, 1), ("square:ce", 8, 1),
                                              ("square:ce", 4, 3)])
-def test_sparse_solve_gradcheck(spec, chunk, band, one_thread, monkeypatch):
+def test_sparse_solve_gradcheck(spec, chunk, band, one_thread, monkeypatch, torch_path):
     _force_band(monkeypatch, band)
     n = 29
     layout = slot_layout(get_pattern(spec), n)
@@ -197,7 +218,7 @@ def _saved_elements(pattern, n):
 
 
 @pytest.mark.parametrize("pattern", ["dense", "exp2", "square:ce"])
-def test_autograd_memory_is_linear_in_n(pattern):
+def test_autograd_memory_is_linear_in_n(pattern, cpu_path):
     """Everything autograd keeps is O(n (d + K + C)): no n x n score matrix, no (n, K, d) gather."""
     n, heads, d, chunk = 512, 2, 8, 16
     slots = 1 if pattern == "dense" else slot_layout(get_pattern(pattern), n, True).num_slots
@@ -227,7 +248,7 @@ def test_bad_chunk_is_a_clear_error():
         parallel_mix(x, x, x, x, x, torch.rand(1, 1, 8), "exp2", chunk=0)
 
 
-def test_parallel_with_two_threads():
+def test_parallel_with_two_threads(cpu_path):
     """The suite runs on one thread (conftest); this covers the threaded paths (serial sections inside
     a two-thread run, flash nodes with intra-op threads) and checks the thread count is restored."""
     before = torch.get_num_threads()

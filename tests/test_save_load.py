@@ -123,7 +123,9 @@ _LOADER = textwrap.dedent(
 )
 
 
-def test_trust_remote_code_in_a_fresh_process_without_hf_resolvent(tmp_path):
+def test_trust_remote_code_in_a_fresh_process_without_hf_resolvent(tmp_path, torch_path):
+    """The bundle is the PyTorch path (no compiled kernels): the reference logits come from the same path, so
+    that they can be compared bit for bit."""
     model = tiny_model(MIXER)
     folder = tmp_path / "model"
     model.save_pretrained(folder)

@@ -24,9 +24,9 @@ from ..patterns import Pattern, get_pattern
 from .common import check_inputs, row_valid_mask
 from .dense import DenseSolve
 from .flash import causal_attention
-from .slots import SlotDot, slot_attention, slot_layout, slot_softmax
+from .slots import slot_attention, slot_layout, slot_probs
 from .solve import SparseSolve
-from .threads import serial
+from .threads import serial_for
 
 # Rows per block of the forward substitution (``chunk=None``), tuned on a 2-core CPU at n = 2048-8192.
 DENSE_CHUNK = 64
@@ -107,7 +107,7 @@ class _Roll:
 def _direct(qa, ka, x, pattern: Pattern, scale: float) -> torch.Tensor:
     if pattern.is_dense:
         return causal_attention(qa, ka, x, scale)
-    with serial():  # many small ops: one intra-op thread (see .threads)
+    with serial_for(x):  # many small ops: one intra-op thread (see .threads) unless compiled
         return slot_attention(qa, ka, x, slot_layout(pattern, x.shape[-2], with_self=True), scale)
 
 
@@ -122,8 +122,8 @@ def _solve(qb, kb, g_eff, z, pattern: Pattern, scale: float, chunk) -> torch.Ten
     if pattern.kind == "dense":
         return DenseSolve.apply(qb, kb, g_eff, z, scale, chunk or DENSE_CHUNK)
     layout = slot_layout(pattern, z.shape[-2])
-    with serial():
-        w = slot_softmax(SlotDot.apply(qb, kb, layout) * scale, layout) * g_eff[:, :, None, :]
+    with serial_for(z):
+        w = slot_probs(qb, kb, layout, scale) * g_eff[:, :, None, :]
         return SparseSolve.apply(w, z, layout, chunk or SPARSE_CHUNK)
 
 

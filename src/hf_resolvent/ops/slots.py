@@ -19,13 +19,14 @@ empty (duplicates of S_i), are masked by :attr:`SlotLayout.valid`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
 
 from ..patterns import Pattern
-from .threads import serial
+from .cpu_kernels import compiled_for, compiled_ops
+from .threads import serial_for
 
 # Rows per block of the slot loops: small enough that temporaries stay in cache and are recycled
 # by the allocator, large enough that the Python loop is short.
@@ -41,6 +42,9 @@ class SlotLayout:
         fs, steps: per slot k the offset f_k and period a_k (tuples of length K).
         src: (K, n) numpy int64 array of 0-indexed sources, -1 where the slot is empty.
         valid: (K, n) bool tensor (CPU), ``src >= 0``.
+
+    The compiled CPU kernels (:mod:`.cpu_kernels`) read ``src`` directly (``src_tensor``); the PyTorch code
+    below covers the same rows with slices (:class:`Piece`).
     """
 
     n: int
@@ -52,6 +56,11 @@ class SlotLayout:
     @property
     def num_slots(self) -> int:
         return len(self.fs)
+
+    @cached_property
+    def src_tensor(self) -> torch.Tensor:
+        """``src`` as a contiguous (K, n) int64 CPU tensor."""
+        return torch.from_numpy(np.ascontiguousarray(self.src, dtype=np.int64))
 
     def valid_on(self, device, dtype=None) -> torch.Tensor:
         """``valid`` as a (1, 1, K, n) tensor on ``device`` (bool, or ``dtype`` when given)."""
@@ -213,6 +222,8 @@ def piece_scatter(w: torch.Tensor, u: torch.Tensor, out: torch.Tensor, p: Piece,
 
 def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """Scores S (B, H, K, n): S[k, t] = q_t . k_{src_k(t)}; 0 where t < f_k."""
+    if compiled_for(q, k):
+        return compiled_ops().slot_dot(q.contiguous(), k.contiguous(), layout.src_tensor)
     b, h, n, d = q.shape
     out = q.new_zeros(b, h, layout.num_slots, n)
     pieces = block_pieces(layout)
@@ -224,6 +235,8 @@ def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout) -> torch.Tens
 
 def slot_combine(w: torch.Tensor, v: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """Weighted sum (B, H, n, e): out_t = sum_k w[k, t] v_{src_k(t)} (w is (B, H, K, n))."""
+    if compiled_for(w, v):
+        return compiled_ops().slot_combine(w.contiguous(), v.contiguous(), layout.src_tensor)
     out = v.new_zeros(v.shape)
     for p in block_pieces(layout):
         piece_combine(w, v, out, p)
@@ -232,6 +245,8 @@ def slot_combine(w: torch.Tensor, v: torch.Tensor, layout: SlotLayout) -> torch.
 
 def slot_scatter(w: torch.Tensor, u: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """Transpose of :func:`slot_combine` (B, H, n, e): out_s = sum over (k, t) with src_k(t) = s of w[k, t] u_t."""
+    if compiled_for(w, u):
+        return compiled_ops().slot_scatter(w.contiguous(), u.contiguous(), layout.src_tensor)
     out = u.new_zeros(u.shape)
     for p in block_pieces(layout):
         piece_scatter(w, u, out, p)
@@ -245,14 +260,14 @@ class SlotDot(torch.autograd.Function):
     def forward(ctx, q, k, layout):
         ctx.save_for_backward(q, k)
         ctx.layout = layout
-        with serial():
+        with serial_for(q):
             return slot_dot(q, k, layout)
 
     @staticmethod
     def backward(ctx, grad):
         q, k = ctx.saved_tensors
         grad = grad.contiguous()
-        with serial():
+        with serial_for(q):
             dq = slot_combine(grad, k, ctx.layout) if ctx.needs_input_grad[0] else None
             dk = slot_scatter(grad, q, ctx.layout) if ctx.needs_input_grad[1] else None
         return dq, dk, None
@@ -265,14 +280,14 @@ class SlotCombine(torch.autograd.Function):
     def forward(ctx, w, v, layout):
         ctx.save_for_backward(w, v)
         ctx.layout = layout
-        with serial():
+        with serial_for(v):
             return slot_combine(w, v, layout)
 
     @staticmethod
     def backward(ctx, grad):
         w, v = ctx.saved_tensors
         grad = grad.contiguous()
-        with serial():
+        with serial_for(v):
             dw = slot_dot(grad, v, ctx.layout) if ctx.needs_input_grad[0] else None
             dv = slot_scatter(w, grad, ctx.layout) if ctx.needs_input_grad[1] else None
         return dw, dv, None
@@ -285,7 +300,32 @@ def slot_softmax(scores: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     return probs * valid.to(probs.dtype)
 
 
+class _CompiledSlotProbs(torch.autograd.Function):
+    """:func:`slot_probs` in one compiled pass per direction (:mod:`.cpu_kernels`). Saves q, k and the probs."""
+
+    @staticmethod
+    def forward(ctx, q, k, layout, scale):
+        q, k = q.contiguous(), k.contiguous()
+        probs = compiled_ops().slot_probs(q, k, layout.src_tensor, scale)
+        ctx.save_for_backward(q, k, probs)
+        ctx.layout, ctx.scale = layout, scale
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, probs = ctx.saved_tensors
+        dq, dk = compiled_ops().slot_probs_backward(grad.contiguous(), probs, q, k, ctx.layout.src_tensor, ctx.scale)
+        return dq, dk, None, None
+
+
+def slot_probs(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout, scale: float) -> torch.Tensor:
+    """Softmax weights (B, H, K, n) of each row over its valid slots, scores scale * q_t . k_{src_k(t)}; 0 on
+    invalid slots. Differentiable in q and k."""
+    if compiled_for(q, k):
+        return _CompiledSlotProbs.apply(q, k, layout, scale)
+    return slot_softmax(SlotDot.apply(q, k, layout) * scale, layout)
+
+
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SlotLayout, scale: float) -> torch.Tensor:
     """Softmax attention of q over the slots of each row: (B, H, n, e)."""
-    probs = slot_softmax(SlotDot.apply(q, k, layout) * scale, layout)
-    return SlotCombine.apply(probs, v, layout)
+    return SlotCombine.apply(slot_probs(q, k, layout, scale), v, layout)

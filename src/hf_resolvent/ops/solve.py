@@ -23,6 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from .cpu_kernels import compiled_for, compiled_ops
 from .slots import Piece, SlotLayout, run_sums, slot_dot, slot_pieces
 from .threads import serial
 
@@ -166,29 +167,39 @@ class SparseSolve(torch.autograd.Function):
 
     Args (forward): w (B, H, K, n) weights (zero where the layout is not valid), z (B, H, n, e),
     layout, chunk. Returns y (B, H, n, e). Backward: dz = (I - B)^-T dy, dw[k, t] = dz_t . y_src.
-    Runs on one intra-op thread (see :mod:`.threads`).
+    The compiled CPU kernels (:mod:`.cpu_kernels`) solve row by row; the PyTorch path goes chunk by chunk on one
+    intra-op thread (see :mod:`.threads`).
     """
 
     @staticmethod
     def forward(ctx, w, z, layout, chunk):
-        plan = sparse_plan(layout, chunk)
-        with serial():
+        ctx.layout, ctx.chunk = layout, chunk
+        ctx.compiled = compiled_for(w, z)
+        if ctx.compiled:  # row by row in C++, skipping invalid slots: no chunks, no plan, no mask
+            w = w.contiguous()
+            y = compiled_ops().slot_solve(w, z.contiguous(), layout.src_tensor)
+        else:
             w = w * layout.valid_on(w.device, w.dtype)
-            y = z.contiguous().clone()
-            _forward_substitution(plan, w, y)
+            with serial():
+                y = z.contiguous().clone()
+                _forward_substitution(sparse_plan(layout, chunk), w, y)
         ctx.save_for_backward(w, y)
-        ctx.layout, ctx.plan = layout, plan
         return y
 
     @staticmethod
     def backward(ctx, grad):
         w, y = ctx.saved_tensors
-        with serial():
-            dz = grad.contiguous().clone()
-            _backward_substitution(ctx.plan, w, dz)
-            dw = None
-            if ctx.needs_input_grad[0]:
-                dw = slot_dot(dz, y, ctx.layout) * ctx.layout.valid_on(dz.device, dz.dtype)
+        if ctx.compiled:
+            dz = compiled_ops().slot_solve_transpose(w, grad.contiguous(), ctx.layout.src_tensor)
+        else:
+            with serial():
+                dz = grad.contiguous().clone()
+                _backward_substitution(sparse_plan(ctx.layout, ctx.chunk), w, dz)
+        dw = None
+        if ctx.needs_input_grad[0]:
+            dw = slot_dot(dz, y, ctx.layout)
+            if not ctx.compiled:  # the compiled slot_dot leaves invalid slots at 0 already
+                dw = dw * ctx.layout.valid_on(dz.device, dz.dtype)
         return dw, dz, None, None
 
 

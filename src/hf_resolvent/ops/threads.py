@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+
+from .cpu_kernels import compiled_for
 
 
 @contextmanager
@@ -39,6 +41,12 @@ def serial():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def serial_for(*tensors: torch.Tensor):
+    """:func:`serial` for sections of small PyTorch ops on ``tensors``; a no-op where the compiled CPU kernels
+    (:mod:`.cpu_kernels`) take them, which spread the (batch x head) rows over the intra-op threads themselves."""
+    return nullcontext() if compiled_for(*tensors) else serial()
 
 
 _POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, workers, pool)

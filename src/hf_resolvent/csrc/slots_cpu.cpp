@@ -1,0 +1,319 @@
+// Slot kernels of the sparse patterns on CPU: the compiled twins of hf_resolvent/ops/slots.py (scores and
+// weighted sums over each row's slots) and hf_resolvent/ops/solve.py (the forward substitution Y = Z + B Y
+// and its transpose). The maths and the PyTorch versions live there; this file only makes them fast.
+//
+// Why C++: a sparse mixer is O(n K d) arithmetic, tiny next to a matmul, but written with PyTorch ops it
+// is thousands of small strided ops per layer, each costing more to dispatch than to compute. Here every
+// (batch, head) row runs one plain loop over positions and slots, and the rows run on the intra-op threads.
+//
+// Shapes (all contiguous): q, k, u, v, z, y (B, H, n, D); w, scores (B, H, K, n), slot-major as in slots.py;
+// src (K, n) int64, src[s][t] = the 0-indexed source row of slot s at row t, or -1 where the slot is empty.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "common_cpu.h"
+
+namespace hf_resolvent {
+namespace {
+
+// src must index rows before n (before t itself for the solves, whose sources must be solved already).
+void check_layout(const at::Tensor& src, int64_t n, bool strictly_causal, const char* op) {
+  TORCH_CHECK(src.dim() == 2 && src.size(1) == n && src.scalar_type() == at::kLong && src.is_contiguous(), op,
+              ": src must be a contiguous (K, n) int64 tensor with n = ", n, ", got ", src.sizes(), " ",
+              src.scalar_type());
+  const int64_t* s = src.data_ptr<int64_t>();
+  for (int64_t slot = 0; slot < src.size(0); ++slot) {
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t j = s[slot * n + t];
+      TORCH_CHECK(j < (strictly_causal ? t : n), op, ": slot ", slot, " of row ", t, " reads row ", j,
+                  strictly_causal ? ", not an earlier row" : ", past the sequence");
+    }
+  }
+}
+
+// (B, H, n, D) -> number of (batch x head) rows, after checking it against the reference tensor's n.
+int64_t rows_of(const at::Tensor& t, int64_t n, const char* name, const char* op) {
+  TORCH_CHECK(t.dim() == 4 && t.size(2) == n && t.is_contiguous(), op, ": ", name,
+              " must be a contiguous (B, H, n, D) tensor with n = ", n, ", got ", t.sizes());
+  return t.size(0) * t.size(1);
+}
+
+void check_weights(const at::Tensor& w, const at::Tensor& src, const at::Tensor& like, const char* op) {
+  TORCH_CHECK(w.dim() == 4 && w.size(0) == like.size(0) && w.size(1) == like.size(1) && w.size(2) == src.size(0) &&
+                  w.size(3) == src.size(1) && w.is_contiguous(),
+              op, ": weights must be a contiguous (B, H, K, n) tensor matching the layout, got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == like.scalar_type(), op, ": weights and rows need the same dtype");
+}
+
+// scores[s, t] = q_t . k_{src_s(t)}; 0 where the slot is empty.
+at::Tensor slot_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& src) {
+  const int64_t n = q.size(2), d = q.size(3), slots = src.size(0);
+  const int64_t bh = rows_of(q, n, "q", "slot_dot");
+  TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), "slot_dot: k must match q");
+  rows_of(k, n, "k", "slot_dot");
+  check_layout(src, n, false, "slot_dot");
+  at::Tensor out = at::empty({q.size(0), q.size(1), slots, n}, q.options());
+  const int64_t* s = src.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "slot_dot", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* qr = qp + r * n * d;
+        const scalar_t* kr = kp + r * n * d;
+        scalar_t* o = op + r * slots * n;
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t slot = 0; slot < slots; ++slot) {
+            const int64_t j = s[slot * n + t];
+            o[slot * n + t] = j >= 0 ? dot(qr + t * d, kr + j * d, d) : scalar_t(0);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// probs[s, t] = softmax over the row's non-empty slots of scale * q_t . k_{src_s(t)}; 0 on empty slots (and on
+// rows without any). One pass per row instead of scores, mask, softmax and mask as separate tensors.
+at::Tensor slot_probs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& src, double scale) {
+  const int64_t n = q.size(2), d = q.size(3), slots = src.size(0);
+  const int64_t bh = rows_of(q, n, "q", "slot_probs");
+  TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), "slot_probs: k must match q");
+  rows_of(k, n, "k", "slot_probs");
+  check_layout(src, n, false, "slot_probs");
+  at::Tensor out = at::empty({q.size(0), q.size(1), slots, n}, q.options());
+  const int64_t* s = src.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "slot_probs", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t sc = static_cast<scalar_t>(scale);
+    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+      // A row's scores live in `row` until written: the output's slot stride is n elements, and with many
+      // slots several passes over those strided entries thrash the cache (measured 4x slower at n = 2048).
+      std::vector<scalar_t> row(slots);
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* qr = qp + r * n * d;
+        const scalar_t* kr = kp + r * n * d;
+        scalar_t* o = op + r * slots * n;
+        for (int64_t t = 0; t < n; ++t) {
+          scalar_t top = -std::numeric_limits<scalar_t>::infinity();
+          for (int64_t slot = 0; slot < slots; ++slot) {
+            const int64_t j = s[slot * n + t];
+            row[slot] = j >= 0 ? sc * dot(qr + t * d, kr + j * d, d) : -std::numeric_limits<scalar_t>::infinity();
+            top = std::max(top, row[slot]);
+          }
+          scalar_t total = 0;
+          for (int64_t slot = 0; slot < slots; ++slot) {
+            row[slot] = s[slot * n + t] >= 0 ? std::exp(row[slot] - top) : scalar_t(0);
+            total += row[slot];
+          }
+          const scalar_t inv = total > 0 ? scalar_t(1) / total : scalar_t(0);
+          for (int64_t slot = 0; slot < slots; ++slot) o[slot * n + t] = row[slot] * inv;
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// (dq, dk) of slot_probs given dprobs: ds = p (dp - sum_s p dp) scale, dq_t = sum_s ds k_src, dk_src += ds q_t.
+std::tuple<at::Tensor, at::Tensor> slot_probs_backward(const at::Tensor& dprobs, const at::Tensor& probs,
+                                                       const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& src, double scale) {
+  const int64_t n = q.size(2), d = q.size(3), slots = src.size(0);
+  const int64_t bh = rows_of(q, n, "q", "slot_probs_backward");
+  TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), "slot_probs_backward: k must match q");
+  rows_of(k, n, "k", "slot_probs_backward");
+  check_layout(src, n, false, "slot_probs_backward");
+  check_weights(probs, src, q, "slot_probs_backward");
+  check_weights(dprobs, src, q, "slot_probs_backward");
+  at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
+  const int64_t* s = src.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "slot_probs_backward", [&] {
+    const scalar_t* gp = dprobs.data_ptr<scalar_t>();
+    const scalar_t* pp = probs.data_ptr<scalar_t>();
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    scalar_t* dqp = dq.data_ptr<scalar_t>();
+    scalar_t* dkp = dk.data_ptr<scalar_t>();
+    const scalar_t sc = static_cast<scalar_t>(scale);
+    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> p_row(slots), g_row(slots);  // strided entries read once (see slot_probs)
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gr = gp + r * slots * n;
+        const scalar_t* pr = pp + r * slots * n;
+        const scalar_t* qr = qp + r * n * d;
+        const scalar_t* kr = kp + r * n * d;
+        scalar_t* dqr = dqp + r * n * d;
+        scalar_t* dkr = dkp + r * n * d;
+        for (int64_t t = 0; t < n; ++t) {
+          scalar_t mean = 0;  // sum_s p dp: the row's expected dp
+          for (int64_t slot = 0; slot < slots; ++slot) {
+            p_row[slot] = pr[slot * n + t];
+            g_row[slot] = gr[slot * n + t];
+            mean += p_row[slot] * g_row[slot];
+          }
+          for (int64_t slot = 0; slot < slots; ++slot) {
+            const int64_t j = s[slot * n + t];
+            if (j < 0) continue;
+            const scalar_t ds = p_row[slot] * (g_row[slot] - mean) * sc;
+            axpy(dqr + t * d, ds, kr + j * d, d);
+            axpy(dkr + j * d, ds, qr + t * d, d);
+          }
+        }
+      }
+    });
+  });
+  return {dq, dk};
+}
+
+// out_t = sum_s w[s, t] v_{src_s(t)}.
+at::Tensor slot_combine(const at::Tensor& w, const at::Tensor& v, const at::Tensor& src) {
+  const int64_t n = v.size(2), e = v.size(3), slots = src.size(0);
+  const int64_t bh = rows_of(v, n, "v", "slot_combine");
+  check_layout(src, n, false, "slot_combine");
+  check_weights(w, src, v, "slot_combine");
+  at::Tensor out = at::zeros(v.sizes(), v.options());
+  const int64_t* s = src.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "slot_combine", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* wr = wp + r * slots * n;
+        const scalar_t* vr = vp + r * n * e;
+        scalar_t* o = op + r * n * e;
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t slot = 0; slot < slots; ++slot) {
+            const int64_t j = s[slot * n + t];
+            if (j >= 0) axpy(o + t * e, wr[slot * n + t], vr + j * e, e);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// The transpose of slot_combine: out_j = sum over (s, t) with src_s(t) = j of w[s, t] u_t.
+at::Tensor slot_scatter(const at::Tensor& w, const at::Tensor& u, const at::Tensor& src) {
+  const int64_t n = u.size(2), e = u.size(3), slots = src.size(0);
+  const int64_t bh = rows_of(u, n, "u", "slot_scatter");
+  check_layout(src, n, false, "slot_scatter");
+  check_weights(w, src, u, "slot_scatter");
+  at::Tensor out = at::zeros(u.sizes(), u.options());
+  const int64_t* s = src.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "slot_scatter", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    const scalar_t* up = u.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* wr = wp + r * slots * n;
+        const scalar_t* ur = up + r * n * e;
+        scalar_t* o = op + r * n * e;
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t slot = 0; slot < slots; ++slot) {
+            const int64_t j = s[slot * n + t];
+            if (j >= 0) axpy(o + j * e, wr[slot * n + t], ur + t * e, e);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// y = (I - B)^-1 z with B[t, src_s(t)] = w[s, t]: rows in order, each reading only rows already solved.
+at::Tensor slot_solve(const at::Tensor& w, const at::Tensor& z, const at::Tensor& src) {
+  const int64_t n = z.size(2), e = z.size(3), slots = src.size(0);
+  const int64_t bh = rows_of(z, n, "z", "slot_solve");
+  check_layout(src, n, true, "slot_solve");
+  check_weights(w, src, z, "slot_solve");
+  at::Tensor y = z.clone();
+  const int64_t* s = src.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "slot_solve", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* wr = wp + r * slots * n;
+        scalar_t* yr = yp + r * n * e;
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t slot = 0; slot < slots; ++slot) {
+            const int64_t j = s[slot * n + t];
+            if (j >= 0) axpy(yr + t * e, wr[slot * n + t], yr + j * e, e);
+          }
+        }
+      }
+    });
+  });
+  return y;
+}
+
+// dz = (I - B)^-T dy: rows from the last; row t is complete when reached (only later rows read it), then
+// pushes its share back to its sources.
+at::Tensor slot_solve_transpose(const at::Tensor& w, const at::Tensor& dy, const at::Tensor& src) {
+  const int64_t n = dy.size(2), e = dy.size(3), slots = src.size(0);
+  const int64_t bh = rows_of(dy, n, "dy", "slot_solve_transpose");
+  check_layout(src, n, true, "slot_solve_transpose");
+  check_weights(w, src, dy, "slot_solve_transpose");
+  at::Tensor dz = dy.clone();
+  const int64_t* s = src.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(dy.scalar_type(), "slot_solve_transpose", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* zp = dz.data_ptr<scalar_t>();
+    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* wr = wp + r * slots * n;
+        scalar_t* zr = zp + r * n * e;
+        for (int64_t t = n - 1; t >= 0; --t) {
+          for (int64_t slot = 0; slot < slots; ++slot) {
+            const int64_t j = s[slot * n + t];
+            if (j >= 0) axpy(zr + j * e, wr[slot * n + t], zr + t * e, e);
+          }
+        }
+      }
+    });
+  });
+  return dz;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hf_resolvent, m) {
+  m.def("slot_dot(Tensor q, Tensor k, Tensor src) -> Tensor");
+  m.def("slot_probs(Tensor q, Tensor k, Tensor src, float scale) -> Tensor");
+  m.def("slot_probs_backward(Tensor dprobs, Tensor probs, Tensor q, Tensor k, Tensor src, float scale) -> (Tensor, Tensor)");
+  m.def("slot_combine(Tensor w, Tensor v, Tensor src) -> Tensor");
+  m.def("slot_scatter(Tensor w, Tensor u, Tensor src) -> Tensor");
+  m.def("slot_solve(Tensor w, Tensor z, Tensor src) -> Tensor");
+  m.def("slot_solve_transpose(Tensor w, Tensor dy, Tensor src) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hf_resolvent, CPU, m) {
+  m.impl("slot_dot", &slot_dot);
+  m.impl("slot_probs", &slot_probs);
+  m.impl("slot_probs_backward", &slot_probs_backward);
+  m.impl("slot_combine", &slot_combine);
+  m.impl("slot_scatter", &slot_scatter);
+  m.impl("slot_solve", &slot_solve);
+  m.impl("slot_solve_transpose", &slot_solve_transpose);
+}
+
+}  // namespace hf_resolvent

@@ -1,0 +1,91 @@
+"""Compiled CPU kernels (C++ in ``hf_resolvent/csrc``), built on first use with ``torch.utils.cpp_extension``.
+
+Why: on CPU the sparse mixers are bound by the count of small PyTorch ops, not by arithmetic (square:ce at
+n = 512 issues ~6,700 ops per layer forward + backward); the compiled loops do the same work in a few calls.
+The PyTorch code beside each kernel (:mod:`.slots`, :mod:`.solve`) stays the reference it is tested against
+and the path taken wherever the kernels are not: other devices, other dtypes, no C++ compiler, or
+``HF_RESOLVENT_CPU_KERNELS=0`` in the environment, or the flat copy of the mixer code that ``save_pretrained``
+writes for ``trust_remote_code`` (it has no C++ sources).
+
+The first use compiles for about a minute (g++ and ninja are needed; torch caches the build under
+``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, and rebuilds only when a source changes).
+A failed build warns once and leaves the PyTorch path in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_DISABLE = "HF_RESOLVENT_CPU_KERNELS"
+_state: dict[str, bool] = {}  # "ok": the build's outcome once tried; "off": inside disabled()
+_log = logging.getLogger(__name__)
+
+
+def _flags() -> tuple[str, list[str]]:
+    """(name suffix, compiler flags) for this CPU. The suffix keeps builds for different instruction sets apart
+    when a home directory (and so the build cache) is shared between machines."""
+    flags = ["-O3", "-fopenmp-simd"]
+    if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return "avx2", flags + ["-mavx2", "-mfma"]
+    return "generic", flags
+
+
+def _build() -> bool:
+    if os.environ.get(_DISABLE, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    sources = sorted(str(p) for p in _CSRC.glob("*.cpp"))
+    if not sources:  # the flat copy of these modules that save_pretrained writes for remote code has no csrc
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        suffix, flags = _flags()
+        _log.info("hf_resolvent: building the CPU kernels (first use only, about a minute)")
+        load(name=f"hf_resolvent_cpu_{suffix}", sources=sources,
+             extra_cflags=flags, extra_include_paths=[str(_CSRC)], is_python_module=False, verbose=False)
+    except Exception as err:  # no compiler, missing headers, a read-only cache, ...
+        warnings.warn(
+            f"hf_resolvent: the compiled CPU kernels could not be built ({type(err).__name__}: {err}); the PyTorch "
+            f"path is used instead (same results, slower for sparse patterns). Set {_DISABLE}=0 to skip the build.",
+            RuntimeWarning, stacklevel=3,
+        )
+        return False
+    return True
+
+
+def available() -> bool:
+    """True when the compiled kernels are loaded (building them on the first call)."""
+    if "ok" not in _state:
+        _state["ok"] = _build()
+    return bool(_state["ok"])
+
+
+def compiled_for(*tensors: torch.Tensor) -> bool:
+    """True when the compiled kernels can run on these tensors: CPU, float32 or float64, kernels available."""
+    if _state.get("off") or not all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in tensors):
+        return False
+    return available()
+
+
+@contextmanager
+def disabled():
+    """Run the enclosed code on the PyTorch path (tests and benchmarks compare the two)."""
+    before = _state.get("off", False)
+    _state["off"] = True
+    try:
+        yield
+    finally:
+        _state["off"] = before
+
+
+def compiled_ops():
+    """The kernels' operator namespace, ``torch.ops.hf_resolvent``."""
+    return torch.ops.hf_resolvent
