@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_resolvent.ops import cpu_kernels, parallel_mix, reference_mix
+from hf_resolvent.ops.dense import CompiledDenseSolve, DenseSolve
 from hf_resolvent.ops.slots import SlotCombine, slot_layout, slot_probs
 from hf_resolvent.ops.solve import SparseSolve
 from hf_resolvent.patterns import get_pattern
@@ -38,16 +39,45 @@ def test_compiled_functions_gradcheck(spec):
     assert torch.autograd.gradcheck(lambda a, b: SlotCombine.apply(a, b, layout), (w, z))
 
 
-def test_compiled_path_is_taken_and_matches_the_reference():
+def _dense_inputs(n, d, e, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, 3, n, d, generator=gen, dtype=dtype) for _ in range(2))
+    z = torch.randn(2, 3, n, e, generator=gen, dtype=dtype)
+    g = torch.rand(2, 3, n, generator=gen, dtype=dtype)
+    g[..., 0] = 0  # as the mixer passes it: row 0 has no keys
+    return [t.requires_grad_() for t in (q, k, g, z)]
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 100, 700])
+@pytest.mark.parametrize("d,e,chunk", [(16, 24, 64), (64, 64, 32), (8, 8, 7)])
+def test_compiled_dense_solve_matches_the_pytorch_one(n, d, e, chunk):
+    """Outputs and all four gradients, n below, at and past the chunk, chunks that do not divide n."""
+    inputs = _dense_inputs(n, d, e, seed=n)
+    dy = torch.randn(2, 3, n, e, generator=torch.Generator().manual_seed(1))
+    results = []
+    for solve in (CompiledDenseSolve, DenseSolve):
+        y = solve.apply(*inputs, 0.3, chunk)
+        results.append((y, *torch.autograd.grad(y, inputs, dy)))
+    for name, got, want in zip(["y", "dq", "dk", "dg", "dz"], *results):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_compiled_dense_solve_gradcheck():
+    inputs = _dense_inputs(37, 5, 3, dtype=F64, seed=2)
+    assert torch.autograd.gradcheck(lambda *t: CompiledDenseSolve.apply(*t, 0.7, 8), inputs)
+
+
+@pytest.mark.parametrize("spec,kernels", [("square:ce", {"slot_probs", "slot_combine", "slot_solve"}),
+                                          ("dense", {"dense_solve_forward"})])
+def test_compiled_path_is_taken_and_matches_the_reference(spec, kernels):
     """A float32 mixer on CPU runs the kernels (the profiler sees them) and agrees with the reference."""
     gen = torch.Generator().manual_seed(0)
     qa, ka, qb, kb, x = (torch.randn(2, 2, 70, 8, generator=gen) for _ in range(5))
     g = torch.rand(2, 2, 70, generator=gen)
     with torch.profiler.profile() as prof:
-        y = parallel_mix(qa, ka, qb, kb, x, g, "square:ce")
-    names = {e.name for e in prof.events()}
-    assert {"hf_resolvent::slot_probs", "hf_resolvent::slot_combine", "hf_resolvent::slot_solve"} <= names
-    torch.testing.assert_close(y, reference_mix(qa, ka, qb, kb, x, g, "square:ce"), atol=1e-5, rtol=1e-5)
+        y = parallel_mix(qa, ka, qb, kb, x, g, spec)
+    assert {f"hf_resolvent::{name}" for name in kernels} <= {e.name for e in prof.events()}
+    torch.testing.assert_close(y, reference_mix(qa, ka, qb, kb, x, g, spec), atol=1e-5, rtol=1e-5)
 
 
 def test_kernels_check_their_inputs():
@@ -64,6 +94,13 @@ def test_kernels_check_their_inputs():
         ops.slot_dot(z, z, torch.zeros(1, 5, dtype=torch.long))
     with pytest.raises(RuntimeError, match=r"weights must be a contiguous \(B, H, K, n\) tensor"):
         ops.slot_solve(torch.rand(1, 1, 2, n), z, torch.full((1, n), -1))
+    g = torch.rand(1, 1, n)
+    with pytest.raises(RuntimeError, match="dense_solve: chunk must be >= 1, got 0"):
+        ops.dense_solve_forward(z, z, g, z, 1.0, 0)
+    with pytest.raises(RuntimeError, match=r"dense_solve: g must be \(B, H, n\)"):
+        ops.dense_solve_forward(z, z, g[..., :-1], z, 1.0, 4)
+    with pytest.raises(RuntimeError, match="dense_solve: all inputs must share q's dtype"):
+        ops.dense_solve_forward(z, z, g.double(), z, 1.0, 4)
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch):

@@ -1,24 +1,30 @@
-// Vector helpers shared by the CPU kernels. `omp simd` (built with -fopenmp-simd, no OpenMP runtime) lets the
-// compiler reorder the dot product's sum into SIMD lanes, which strict IEEE order would forbid.
+// Vector helpers shared by the CPU kernels.
 #pragma once
 
 #include <cstdint>
 
 namespace hf_resolvent {
 
+// Dot product in 16 independent lanes: without -ffast-math GCC keeps `omp simd reduction(+)` (and a plain loop)
+// a scalar, latency-bound chain; the lane array vectorizes (measured 8% of the dense backward).
 template <typename T>
-inline T dot(const T* a, const T* b, int64_t d) {
-  T acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
-  return acc;
+inline T dot(const T* __restrict x, const T* __restrict y, int64_t len) {
+  constexpr int L = 16;
+  T lane[L] = {};
+  int64_t j = 0;
+  for (; j + L <= len; j += L)
+    for (int c = 0; c < L; ++c) lane[c] += x[j + c] * y[j + c];
+  T s = 0;
+  for (; j < len; ++j) s += x[j] * y[j];
+  for (int c = 0; c < L; ++c) s += lane[c];
+  return s;
 }
 
 // y += a x
 template <typename T>
-inline void axpy(T* y, T a, const T* x, int64_t d) {
+inline void axpy(T* __restrict y, T a, const T* __restrict x, int64_t len) {
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+  for (int64_t c = 0; c < len; ++c) y[c] += a * x[c];
 }
 
 }  // namespace hf_resolvent

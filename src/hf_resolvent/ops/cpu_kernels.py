@@ -30,10 +30,16 @@ _log = logging.getLogger(__name__)
 
 
 def _flags() -> tuple[str, list[str]]:
-    """(name suffix, compiler flags) for this CPU. The suffix keeps builds for different instruction sets apart
-    when a home directory (and so the build cache) is shared between machines."""
-    flags = ["-O3", "-fopenmp-simd"]
-    if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    """(name suffix, compiler flags) for this CPU: the instruction set PyTorch itself found here. The suffix keeps
+    builds for different instruction sets apart when a home directory (so the build cache) is shared by machines.
+
+    -fopenmp: ATen's ``at::parallel_for`` is an inline ``omp parallel``; without the flag it runs every (batch x
+    head) row on the calling thread. The OpenMP runtime is the one libtorch_cpu already loads."""
+    flags = ["-O3", "-fopenmp"]
+    capability = torch.backends.cpu.get_cpu_capability() if platform.machine() in ("x86_64", "AMD64") else ""
+    if capability == "AVX512":
+        return "avx512", flags + ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mavx2", "-mfma"]
+    if capability == "AVX2":
         return "avx2", flags + ["-mavx2", "-mfma"]
     return "generic", flags
 

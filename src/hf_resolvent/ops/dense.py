@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_kernels import compiled_for, compiled_ops
 from .flash import attend_block, attend_block_backward, merge_block, walk
 from .solve import solve_unit_lower_
 from .threads import by_head_groups, head_groups
@@ -166,3 +167,31 @@ class DenseSolve(torch.autograd.Function):
         dq, dk, dz, dg = by_head_groups(lambda *t: _tree_backward(*t, ctx.scale, ctx.chunk),
                                         (qp, kp, y, o, lse, gp, grad), groups)
         return dq[..., :n, :d], dk[..., :n, :d], dg[..., :n], dz[..., :n, :e], None, None
+
+
+class CompiledDenseSolve(torch.autograd.Function):
+    """:class:`DenseSolve` by the compiled CPU kernel (hf_resolvent/csrc/dense_cpu.cpp): chunks of rows in order,
+    each one gemm of scores against all earlier keys and one against the solved rows; no row tree. Same args.
+    Saves q, k, g, y and the row log-sum-exps (the backward recomputes the probabilities from them)."""
+
+    @staticmethod
+    def forward(ctx, q, k, g, z, scale, chunk):
+        q, k, g = q.contiguous(), k.contiguous(), g.contiguous()
+        y, lse = compiled_ops().dense_solve_forward(q, k, g, z.contiguous(), scale, chunk)
+        ctx.save_for_backward(q, k, g, y, lse)
+        ctx.scale, ctx.chunk = scale, chunk
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, g, y, lse = ctx.saved_tensors
+        dq, dk, dz, dg = compiled_ops().dense_solve_backward(q, k, g, y, lse, grad.contiguous(), ctx.scale, ctx.chunk)
+        return dq, dk, dg, dz, None, None
+
+
+def dense_solve(q, k, g, z, scale: float, chunk: int) -> torch.Tensor:
+    """Y = Z + diag(g) softmax_{j<i}(scale q_i . k_j) Y: (B, H, n, e), by the compiled CPU kernel where it runs
+    (:mod:`.cpu_kernels`), else by :class:`DenseSolve`."""
+    if compiled_for(q, k, g, z):
+        return CompiledDenseSolve.apply(q, k, g, z, scale, chunk)
+    return DenseSolve.apply(q, k, g, z, scale, chunk)

@@ -22,7 +22,7 @@ import torch
 
 from ..patterns import Pattern, get_pattern
 from .common import check_inputs, row_valid_mask
-from .dense import DenseSolve
+from .dense import dense_solve
 from .flash import causal_attention
 from .slots import slot_attention, slot_layout, slot_probs
 from .solve import SparseSolve
@@ -120,7 +120,7 @@ def _recurrent_rows(pattern: Pattern, n: int, device) -> torch.Tensor:
 
 def _solve(qb, kb, g_eff, z, pattern: Pattern, scale: float, chunk) -> torch.Tensor:
     if pattern.kind == "dense":
-        return DenseSolve.apply(qb, kb, g_eff, z, scale, chunk or DENSE_CHUNK)
+        return dense_solve(qb, kb, g_eff, z, scale, chunk or DENSE_CHUNK)
     layout = slot_layout(pattern, z.shape[-2])
     with serial_for(z):
         w = slot_probs(qb, kb, layout, scale) * g_eff[:, :, None, :]
