@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     lengths = args.lengths or [n for n in LENGTHS if not args.quick or n <= 2048]
     patterns = args.patterns or list(PATTERNS)
     repeats = args.repeats or (7 if args.quick else 9)
-    max_reference = args.max_reference or (512 if args.quick else 2048)
+    max_reference = args.max_reference if args.max_reference is not None else (512 if args.quick else 2048)
     if repeats < 1 or any(n < 2 for n in lengths):
         parser.error("--repeats must be >= 1 and lengths >= 2")
 

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from hf_resolvent.ops import cpu_kernels, parallel_mix, reference_mix
+from hf_resolvent.ops import cpu_kernels, flash, parallel_mix, reference_mix
 from hf_resolvent.ops.dense import CompiledDenseSolve, DenseSolve
 from hf_resolvent.ops.slots import SlotCombine, slot_layout, slot_probs
 from hf_resolvent.ops.solve import SparseSolve
@@ -62,13 +62,34 @@ def test_compiled_dense_solve_matches_the_pytorch_one(n, d, e, chunk):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("n,d,e", [(1, 8, 8), (100, 16, 24), (512, 64, 64), (97, 8, 5)])
+def test_compiled_causal_attention_matches_sdpa(n, d, e, monkeypatch):
+    monkeypatch.setattr(flash, "COMPILED_CHUNK", 7 if n == 97 else 64)  # chunks that do not divide n
+    gen = torch.Generator().manual_seed(n)
+    q, k = (torch.randn(2, 3, n, d, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, n, e, generator=gen, requires_grad=True)
+    dout = torch.randn(2, 3, n, e, generator=gen)
+    got = flash.causal_attention(q, k, v, 0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_causal_attention_gradcheck(monkeypatch):
+    monkeypatch.setattr(flash, "COMPILED_CHUNK", 8)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 29, 4, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradcheck(lambda *t: flash.causal_attention(*t, 0.6), (q, k, v))
+
+
 def test_compiled_dense_solve_gradcheck():
     inputs = _dense_inputs(37, 5, 3, dtype=F64, seed=2)
     assert torch.autograd.gradcheck(lambda *t: CompiledDenseSolve.apply(*t, 0.7, 8), inputs)
 
 
 @pytest.mark.parametrize("spec,kernels", [("square:ce", {"slot_probs", "slot_combine", "slot_solve"}),
-                                          ("dense", {"dense_solve_forward"})])
+                                          ("dense", {"dense_solve_forward", "causal_attention_forward"})])
 def test_compiled_path_is_taken_and_matches_the_reference(spec, kernels):
     """A float32 mixer on CPU runs the kernels (the profiler sees them) and agrees with the reference."""
     gen = torch.Generator().manual_seed(0)

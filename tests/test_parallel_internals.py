@@ -177,7 +177,7 @@ def test_dense_solve_matches_direct_solve():
 
 
 @pytest.mark.parametrize("n, leaf", [(400, 128), (70, 8)])  # the default split; many levels, partial leaves
-def test_split_causal_attention_matches_sdpa(n, leaf, monkeypatch):
+def test_split_causal_attention_matches_sdpa(n, leaf, monkeypatch, torch_path):
     monkeypatch.setattr(flash_mod, "LEAF", leaf)
     monkeypatch.setattr(flash_mod, "SPLIT_MIN_ROWS", 1)
     calls, real = [], flash_mod.attend_block
@@ -195,7 +195,7 @@ def test_split_causal_attention_matches_sdpa(n, leaf, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_split_causal_attention_gradcheck(one_thread, monkeypatch):
+def test_split_causal_attention_gradcheck(one_thread, monkeypatch, torch_path):
     monkeypatch.setattr(flash_mod, "LEAF", 4)
     gen = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(1, 2, 13, 3, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))

@@ -26,6 +26,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
@@ -313,6 +314,141 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dense_solve_backward(
   return {dq, dk, dz, dg};
 }
 
+// ------------------------------------------------------------------------------------------------
+// Causal attention, the direct term Z of the dense and attention patterns: the same chunked gemms without the
+// solve. o_i = softmax_{j <= i}(scale q_i . k_j) v. At n = 512 PyTorch's CPU flash kernel cannot skip the masked
+// half (it walks keys in blocks of 512); whole chunks of rows against exactly the keys they see do.
+
+void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t chunk, const char* op) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes(), op, ": q and k must be (B, H, n, d) of one shape, got ",
+              q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3), op,
+              ": v must be (B, H, n, e) with (B, H, n) = ", q.sizes().slice(0, 3), ", got ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, op,
+              ": expected float32 or float64, got ", q.scalar_type());
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": all inputs must share q's dtype ", q.scalar_type(),
+                ", got ", t->scalar_type());
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), op, ": inputs must be contiguous CPU tensors");
+  }
+  TORCH_CHECK(chunk >= 1, op, ": chunk must be >= 1, got ", chunk);
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  TORCH_CHECK(q.size(2) < kMaxInt && q.size(3) < kMaxInt && v.size(3) < kMaxInt, op,
+              ": n, d and e must fit a 32-bit BLAS int");
+}
+
+// s (rows x r1, ld r1) = scale q_c k^T turned into row i's probabilities over keys j <= i (0 past them).
+// With lse given (backward) it exponentiates against it; else it computes and stores it (forward).
+template <typename T>
+void causal_probs(const T* q, const T* k, int r0, int r1, int d, T scale, T* s, T* lse, bool have_lse) {
+  const int rows = r1 - r0, ld = r1;
+  gemm<T>(false, true, rows, r1, d, scale, q + (int64_t)r0 * d, d, k, d, T(0), s, ld);
+  for (int i = r0; i < r1; ++i) {
+    T* si = s + (int64_t)(i - r0) * ld;
+    const int keys = i + 1;
+    if (have_lse) {
+      exp_shift(si, keys, lse[i]);
+    } else {
+      const T m = row_max(si, keys);
+      const T sum = exp_shift(si, keys, m);
+      lse[i] = m + std::log(sum);
+      const T inv = T(1) / sum;
+#pragma omp simd
+      for (int j = 0; j < keys; ++j) si[j] *= inv;
+    }
+    fill_zero(si + keys, r1 - keys);
+  }
+}
+
+// Row i of dS = scale p (dp - delta_i), in place over dp (len keys, zero up to ld).
+template <typename T>
+void attention_score_grad(const T* p, T* dp, int keys, int ld, T delta, T scale) {
+#pragma omp simd
+  for (int j = 0; j < keys; ++j) dp[j] = scale * p[j] * (dp[j] - delta);
+  fill_zero(dp + keys, ld - keys);
+}
+
+std::tuple<at::Tensor, at::Tensor> causal_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, double scale, int64_t chunk) {
+  check_attention(q, k, v, chunk, "causal_attention_forward");
+  const int64_t heads = q.size(0) * q.size(1);
+  const int n = q.size(2), d = q.size(3), e = v.size(3);
+  const int c = static_cast<int>(std::min<int64_t>(chunk, std::max(n, 1)));
+  at::Tensor o = at::empty_like(v);
+  at::Tensor lse = at::empty(q.sizes().slice(0, 3), q.options());
+  if (heads == 0 || n == 0) return {o, lse};
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_attention_forward", [&] {
+    const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>();
+    const scalar_t* vp = v.const_data_ptr<scalar_t>();
+    scalar_t *op = o.mutable_data_ptr<scalar_t>(), *lp = lse.mutable_data_ptr<scalar_t>();
+    const scalar_t sc = static_cast<scalar_t>(scale);
+    at::parallel_for(0, heads, 1, [&](int64_t h0, int64_t h1) {
+      std::vector<scalar_t> s((size_t)c * n);
+      for (int64_t h = h0; h < h1; ++h) {
+        const scalar_t *qh = qp + h * n * d, *kh = kp + h * n * d, *vh = vp + h * n * e;
+        for (int r0 = 0; r0 < n; r0 += c) {
+          const int r1 = std::min(n, r0 + c);
+          causal_probs<scalar_t>(qh, kh, r0, r1, d, sc, s.data(), lp + h * n, false);
+          gemm<scalar_t>(false, false, r1 - r0, e, r1, scalar_t(1), s.data(), r1, vh, e, scalar_t(0),
+                         op + h * n * e + (int64_t)r0 * e, e);
+        }
+      }
+    });
+  });
+  return {o, lse};
+}
+
+// Chunks are independent here (no solve): each adds its share to dk and dv; delta_i = do_i . o_i as in flash.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+    const at::Tensor& dout, double scale, int64_t chunk) {
+  check_attention(q, k, v, chunk, "causal_attention_backward");
+  TORCH_CHECK(o.sizes() == v.sizes() && dout.sizes() == v.sizes() && lse.sizes() == q.sizes().slice(0, 3),
+              "causal_attention_backward: o and dout must be (B, H, n, e) like v, lse (B, H, n)");
+  for (const at::Tensor* t : {&o, &lse, &dout})
+    TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->device().is_cpu() && t->is_contiguous(),
+                "causal_attention_backward: o, lse and dout must be contiguous CPU tensors of q's dtype");
+  const int64_t heads = q.size(0) * q.size(1);
+  const int n = q.size(2), d = q.size(3), e = v.size(3);
+  const int c = static_cast<int>(std::min<int64_t>(chunk, std::max(n, 1)));
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  if (heads == 0 || n == 0) return {dq, dk, dv};
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_attention_backward", [&] {
+    const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>();
+    const scalar_t *vp = v.const_data_ptr<scalar_t>(), *opp = o.const_data_ptr<scalar_t>();
+    const scalar_t *lp = lse.const_data_ptr<scalar_t>(), *gp = dout.const_data_ptr<scalar_t>();
+    scalar_t *dqp = dq.mutable_data_ptr<scalar_t>(), *dkp = dk.mutable_data_ptr<scalar_t>();
+    scalar_t* dvp = dv.mutable_data_ptr<scalar_t>();
+    const scalar_t sc = static_cast<scalar_t>(scale);
+    at::parallel_for(0, heads, 1, [&](int64_t h0, int64_t h1) {
+      std::vector<scalar_t> p((size_t)c * n), dp((size_t)c * n);
+      for (int64_t h = h0; h < h1; ++h) {
+        const scalar_t *qh = qp + h * n * d, *kh = kp + h * n * d, *vh = vp + h * n * e;
+        const scalar_t *oh = opp + h * n * e, *gh = gp + h * n * e;
+        scalar_t *dqh = dqp + h * n * d, *dkh = dkp + h * n * d, *dvh = dvp + h * n * e;
+        fill_zero(dkh, n * d);
+        fill_zero(dvh, n * e);
+        for (int r0 = 0; r0 < n; r0 += c) {
+          const int r1 = std::min(n, r0 + c), rows = r1 - r0, ld = r1;
+          const scalar_t *qc = qh + (int64_t)r0 * d, *gc = gh + (int64_t)r0 * e;
+          causal_probs<scalar_t>(qh, kh, r0, r1, d, sc, p.data(), const_cast<scalar_t*>(lp + h * n), true);
+          // dv[0:r1] += p^T do_c; dp = do_c v[0:r1]^T
+          gemm<scalar_t>(true, false, r1, e, rows, scalar_t(1), p.data(), ld, gc, e, scalar_t(1), dvh, e);
+          gemm<scalar_t>(false, true, rows, r1, e, scalar_t(1), gc, e, vh, e, scalar_t(0), dp.data(), ld);
+          for (int i = r0; i < r1; ++i)
+            attention_score_grad(p.data() + (int64_t)(i - r0) * ld, dp.data() + (int64_t)(i - r0) * ld, i + 1, r1,
+                                 dot(gh + (int64_t)i * e, oh + (int64_t)i * e, e), sc);
+          // dq_c = dS k[0:r1]; dk[0:r1] += dS^T q_c
+          gemm<scalar_t>(false, false, rows, d, r1, scalar_t(1), dp.data(), ld, kh, d, scalar_t(0),
+                         dqh + (int64_t)r0 * d, d);
+          gemm<scalar_t>(true, false, r1, d, rows, scalar_t(1), dp.data(), ld, qc, d, scalar_t(1), dkh, d);
+        }
+      }
+    });
+  });
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_resolvent, m) {
@@ -320,11 +456,17 @@ TORCH_LIBRARY_FRAGMENT(hf_resolvent, m) {
   m.def(
       "dense_solve_backward(Tensor q, Tensor k, Tensor g, Tensor y, Tensor lse, Tensor dy, float scale, int chunk)"
       " -> (Tensor dq, Tensor dk, Tensor dz, Tensor dg)");
+  m.def("causal_attention_forward(Tensor q, Tensor k, Tensor v, float scale, int chunk) -> (Tensor o, Tensor lse)");
+  m.def(
+      "causal_attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor dout, float scale,"
+      " int chunk) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(hf_resolvent, CPU, m) {
   m.impl("dense_solve_forward", &dense_solve_forward);
   m.impl("dense_solve_backward", &dense_solve_backward);
+  m.impl("causal_attention_forward", &causal_attention_forward);
+  m.impl("causal_attention_backward", &causal_attention_backward);
 }
 
 }  // namespace hf_resolvent

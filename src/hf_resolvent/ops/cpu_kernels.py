@@ -93,5 +93,8 @@ def disabled():
 
 
 def compiled_ops():
-    """The kernels' operator namespace, ``torch.ops.hf_resolvent``."""
+    """The kernels' operator namespace, ``torch.ops.hf_resolvent`` (building them on the first call)."""
+    if not available():
+        raise RuntimeError(f"hf_resolvent: the compiled CPU kernels are not available (no C++ compiler, a failed "
+                           f"build, or {_DISABLE}=0); check compiled_for() before calling them")
     return torch.ops.hf_resolvent

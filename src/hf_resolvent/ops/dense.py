@@ -14,6 +14,9 @@ The backward mirrors the tree in reverse: transposed chunk solves give dZ = (I -
 node's flash backward, fed with the rows' *full* outputs and log-sum-exps, gives that block's share
 of dq, dk and of B^T dZ. Memory: O(n (d + e)) per head; no n x n tensor.
 
+On CPU the compiled kernel (:class:`CompiledDenseSolve`, hf_resolvent/csrc/dense_cpu.cpp) replaces the tree:
+chunks of rows in order, each with one gemm of scores against all earlier keys; :func:`dense_solve` picks it.
+
 Shapes: B batch, H heads, n positions, d key width, e value width, C chunk, D = max(d, e).
 """
 

@@ -9,6 +9,10 @@ forward substitution (DESIGN.md section 3.2), both with explicit backwards (auto
   weighted sums by shifted / strided slices per slot, no gather and no n x n tensor (:mod:`.slots`);
   the solve goes chunk by chunk (:mod:`.solve`). O(n (C + K) d) work, O(n (d + K)) memory.
 
+On CPU, for float32 and float64, both solves and the slot operations run as compiled C++ kernels
+(:mod:`.cpu_kernels`, sources in ``hf_resolvent/csrc``) once they build; the PyTorch code is their fallback
+and the reference the tests hold them to.
+
 Left padding (``start``) is turned into right padding by rotating each sequence, so every kernel
 runs unmasked on the same pattern rows; causality keeps real rows away from the rotated padding.
 Computation is in float32 (float64 for float64 inputs).
