@@ -1,4 +1,6 @@
-// Dense solve of the parallel form on CPU: Y = (I - diag(g) P)^-1 Z, P the causal softmax over earlier keys.
+// Dense kernels of the parallel form on CPU, both made of chunked gemms per (batch, head):
+// - the dense solve Y = (I - diag(g) P)^-1 Z, P the causal softmax over earlier keys (ops/dense.py's DenseSolve);
+// - causal attention, the direct term Z = A~ X of the dense and attention patterns (ops/flash.py), at the end.
 //
 // Shapes (all contiguous, one dtype: float32 or float64):
 //   q, k  (B, H, n, d)     queries / keys of the B weights
@@ -11,9 +13,9 @@
 // Each (batch, head) is independent: at::parallel_for over them, one head per task; the gemms inside
 // run on one thread (MKL goes serial inside an OpenMP region), which on few cores beats splitting
 // one head's small gemms over threads. Build with -fopenmp: ATen's OpenMP parallel_for is an inline
-// `omp parallel`, which without it runs every head on the calling thread (and MKL then threads each
-// small gemm, mostly spinning: measured slower on 2 threads than on 1). Rows go in chunks of C: a chunk's scores against
-// all earlier keys are one gemm, the contribution of the solved rows before it a second gemm, and
+// `omp parallel`, which without it runs every head on the calling thread (and MKL then threads each small
+// gemm, mostly spinning: measured slower on 2 threads than on 1). Rows go in chunks of C: a chunk's scores
+// against all earlier keys are one gemm, the contribution of the solved rows before it a second gemm, and
 // only the C x C unit lower-triangular in-chunk system is solved by substitution loops. Nothing of
 // size n x n is stored: per thread, two C x n scratch buffers. This is hf_resolvent/ops/dense.py's DenseSolve
 // (its PyTorch twin and reference) without the row tree: the gemms see whole chunks of rows.
