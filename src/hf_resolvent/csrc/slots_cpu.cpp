@@ -42,10 +42,10 @@ void check_layout(const at::Tensor& src, int64_t n, bool strictly_causal, const 
   }
 }
 
-// (B, H, n, D) -> number of (batch x head) rows, after checking it against the reference tensor's n.
-int64_t rows_of(const at::Tensor& t, int64_t n, const char* name, const char* op) {
-  TORCH_CHECK(t.dim() == 4 && t.size(2) == n && t.is_contiguous(), op, ": ", name,
-              " must be a contiguous (B, H, n, D) tensor with n = ", n, ", got ", t.sizes());
+// t must be a contiguous (B, H, n, D) tensor; returns its number of (batch x head) rows.
+int64_t rows_of(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.dim() == 4 && t.is_contiguous(), op, ": ", name, " must be a contiguous (B, H, n, D) tensor, got ",
+              t.sizes());
   return t.size(0) * t.size(1);
 }
 
@@ -58,11 +58,12 @@ void check_weights(const at::Tensor& w, const at::Tensor& src, const at::Tensor&
 
 // scores[s, t] = q_t . k_{src_s(t)}; 0 where the slot is empty.
 at::Tensor slot_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& src) {
-  const int64_t n = q.size(2), d = q.size(3), slots = src.size(0);
-  const int64_t bh = rows_of(q, n, "q", "slot_dot");
+  const int64_t bh = rows_of(q, "q", "slot_dot");
+  const int64_t n = q.size(2), d = q.size(3);
   TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), "slot_dot: k must match q");
-  rows_of(k, n, "k", "slot_dot");
+  rows_of(k, "k", "slot_dot");
   check_layout(src, n, false, "slot_dot");
+  const int64_t slots = src.size(0);
   at::Tensor out = at::empty({q.size(0), q.size(1), slots, n}, q.options());
   const int64_t* s = src.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "slot_dot", [&] {
@@ -89,11 +90,12 @@ at::Tensor slot_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // probs[s, t] = softmax over the row's non-empty slots of scale * q_t . k_{src_s(t)}; 0 on empty slots (and on
 // rows without any). One pass per row instead of scores, mask, softmax and mask as separate tensors.
 at::Tensor slot_probs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& src, double scale) {
-  const int64_t n = q.size(2), d = q.size(3), slots = src.size(0);
-  const int64_t bh = rows_of(q, n, "q", "slot_probs");
+  const int64_t bh = rows_of(q, "q", "slot_probs");
+  const int64_t n = q.size(2), d = q.size(3);
   TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), "slot_probs: k must match q");
-  rows_of(k, n, "k", "slot_probs");
+  rows_of(k, "k", "slot_probs");
   check_layout(src, n, false, "slot_probs");
+  const int64_t slots = src.size(0);
   at::Tensor out = at::empty({q.size(0), q.size(1), slots, n}, q.options());
   const int64_t* s = src.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "slot_probs", [&] {
@@ -134,11 +136,12 @@ at::Tensor slot_probs(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 std::tuple<at::Tensor, at::Tensor> slot_probs_backward(const at::Tensor& dprobs, const at::Tensor& probs,
                                                        const at::Tensor& q, const at::Tensor& k,
                                                        const at::Tensor& src, double scale) {
-  const int64_t n = q.size(2), d = q.size(3), slots = src.size(0);
-  const int64_t bh = rows_of(q, n, "q", "slot_probs_backward");
+  const int64_t bh = rows_of(q, "q", "slot_probs_backward");
+  const int64_t n = q.size(2), d = q.size(3);
   TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), "slot_probs_backward: k must match q");
-  rows_of(k, n, "k", "slot_probs_backward");
+  rows_of(k, "k", "slot_probs_backward");
   check_layout(src, n, false, "slot_probs_backward");
+  const int64_t slots = src.size(0);
   check_weights(probs, src, q, "slot_probs_backward");
   check_weights(dprobs, src, q, "slot_probs_backward");
   at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
@@ -181,116 +184,76 @@ std::tuple<at::Tensor, at::Tensor> slot_probs_backward(const at::Tensor& dprobs,
   return {dq, dk};
 }
 
-// out_t = sum_s w[s, t] v_{src_s(t)}.
-at::Tensor slot_combine(const at::Tensor& w, const at::Tensor& v, const at::Tensor& src) {
-  const int64_t n = v.size(2), e = v.size(3), slots = src.size(0);
-  const int64_t bh = rows_of(v, n, "v", "slot_combine");
-  check_layout(src, n, false, "slot_combine");
-  check_weights(w, src, v, "slot_combine");
-  at::Tensor out = at::zeros(v.sizes(), v.options());
+// The four weighted sums below, in one loop: for each position t (ascending, or descending with `reverse`) and
+// each non-empty slot s of it, with source j: out_t += w[s, t] in_j (gather), or out_j += w[s, t] in_t
+// (scatter, the transpose). The caller initialises out. For the solves `in` is `out`: sources precede their rows,
+// so ascending gathers read rows already solved, and descending scatters push a row only once it is complete.
+void weighted_sums(const at::Tensor& w, const at::Tensor& in, at::Tensor& out, const at::Tensor& src, bool scatter,
+                   bool reverse) {
+  const int64_t n = out.size(2), e = out.size(3), slots = src.size(0), bh = out.size(0) * out.size(1);
   const int64_t* s = src.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "slot_combine", [&] {
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "weighted_sums", [&] {
     const scalar_t* wp = w.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
+    const scalar_t* ip = in.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* wr = wp + r * slots * n;
-        const scalar_t* vr = vp + r * n * e;
+        const scalar_t* ir = ip + r * n * e;
         scalar_t* o = op + r * n * e;
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t step = 0; step < n; ++step) {
+          const int64_t t = reverse ? n - 1 - step : step;
           for (int64_t slot = 0; slot < slots; ++slot) {
             const int64_t j = s[slot * n + t];
-            if (j >= 0) axpy(o + t * e, wr[slot * n + t], vr + j * e, e);
+            if (j < 0) continue;
+            if (scatter)
+              axpy(o + j * e, wr[slot * n + t], ir + t * e, e);
+            else
+              axpy(o + t * e, wr[slot * n + t], ir + j * e, e);
           }
         }
       }
     });
   });
+}
+
+// out_t = sum_s w[s, t] v_{src_s(t)}.
+at::Tensor slot_combine(const at::Tensor& w, const at::Tensor& v, const at::Tensor& src) {
+  rows_of(v, "v", "slot_combine");
+  check_layout(src, v.size(2), false, "slot_combine");
+  check_weights(w, src, v, "slot_combine");
+  at::Tensor out = at::zeros(v.sizes(), v.options());
+  weighted_sums(w, v, out, src, false, false);
   return out;
 }
 
 // The transpose of slot_combine: out_j = sum over (s, t) with src_s(t) = j of w[s, t] u_t.
 at::Tensor slot_scatter(const at::Tensor& w, const at::Tensor& u, const at::Tensor& src) {
-  const int64_t n = u.size(2), e = u.size(3), slots = src.size(0);
-  const int64_t bh = rows_of(u, n, "u", "slot_scatter");
-  check_layout(src, n, false, "slot_scatter");
+  rows_of(u, "u", "slot_scatter");
+  check_layout(src, u.size(2), false, "slot_scatter");
   check_weights(w, src, u, "slot_scatter");
   at::Tensor out = at::zeros(u.sizes(), u.options());
-  const int64_t* s = src.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "slot_scatter", [&] {
-    const scalar_t* wp = w.data_ptr<scalar_t>();
-    const scalar_t* up = u.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* wr = wp + r * slots * n;
-        const scalar_t* ur = up + r * n * e;
-        scalar_t* o = op + r * n * e;
-        for (int64_t t = 0; t < n; ++t) {
-          for (int64_t slot = 0; slot < slots; ++slot) {
-            const int64_t j = s[slot * n + t];
-            if (j >= 0) axpy(o + j * e, wr[slot * n + t], ur + t * e, e);
-          }
-        }
-      }
-    });
-  });
+  weighted_sums(w, u, out, src, true, false);
   return out;
 }
 
 // y = (I - B)^-1 z with B[t, src_s(t)] = w[s, t]: rows in order, each reading only rows already solved.
 at::Tensor slot_solve(const at::Tensor& w, const at::Tensor& z, const at::Tensor& src) {
-  const int64_t n = z.size(2), e = z.size(3), slots = src.size(0);
-  const int64_t bh = rows_of(z, n, "z", "slot_solve");
-  check_layout(src, n, true, "slot_solve");
+  rows_of(z, "z", "slot_solve");
+  check_layout(src, z.size(2), true, "slot_solve");
   check_weights(w, src, z, "slot_solve");
   at::Tensor y = z.clone();
-  const int64_t* s = src.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "slot_solve", [&] {
-    const scalar_t* wp = w.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* wr = wp + r * slots * n;
-        scalar_t* yr = yp + r * n * e;
-        for (int64_t t = 0; t < n; ++t) {
-          for (int64_t slot = 0; slot < slots; ++slot) {
-            const int64_t j = s[slot * n + t];
-            if (j >= 0) axpy(yr + t * e, wr[slot * n + t], yr + j * e, e);
-          }
-        }
-      }
-    });
-  });
+  weighted_sums(w, y, y, src, false, false);
   return y;
 }
 
-// dz = (I - B)^-T dy: rows from the last; row t is complete when reached (only later rows read it), then
-// pushes its share back to its sources.
+// dz = (I - B)^-T dy: rows from the last, each pushing its share back to its sources once complete.
 at::Tensor slot_solve_transpose(const at::Tensor& w, const at::Tensor& dy, const at::Tensor& src) {
-  const int64_t n = dy.size(2), e = dy.size(3), slots = src.size(0);
-  const int64_t bh = rows_of(dy, n, "dy", "slot_solve_transpose");
-  check_layout(src, n, true, "slot_solve_transpose");
+  rows_of(dy, "dy", "slot_solve_transpose");
+  check_layout(src, dy.size(2), true, "slot_solve_transpose");
   check_weights(w, src, dy, "slot_solve_transpose");
   at::Tensor dz = dy.clone();
-  const int64_t* s = src.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES(dy.scalar_type(), "slot_solve_transpose", [&] {
-    const scalar_t* wp = w.data_ptr<scalar_t>();
-    scalar_t* zp = dz.data_ptr<scalar_t>();
-    at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* wr = wp + r * slots * n;
-        scalar_t* zr = zp + r * n * e;
-        for (int64_t t = n - 1; t >= 0; --t) {
-          for (int64_t slot = 0; slot < slots; ++slot) {
-            const int64_t j = s[slot * n + t];
-            if (j >= 0) axpy(zr + j * e, wr[slot * n + t], zr + t * e, e);
-          }
-        }
-      }
-    });
-  });
+  weighted_sums(w, dz, dz, src, true, true);
   return dz;
 }
 
