@@ -1,13 +1,14 @@
 """Compiled CPU kernels (C++ in ``hf_resolvent/csrc``), built on first use with ``torch.utils.cpp_extension``.
 
 Why: on CPU the sparse mixers are bound by the count of small PyTorch ops, not by arithmetic (square:ce at
-n = 512 issues ~6,700 ops per layer forward + backward); the compiled loops do the same work in a few calls.
-The PyTorch code beside each kernel (:mod:`.slots`, :mod:`.solve`) stays the reference it is tested against
-and the path taken wherever the kernels are not: other devices, other dtypes, no C++ compiler, or
-``HF_RESOLVENT_CPU_KERNELS=0`` in the environment, or the flat copy of the mixer code that ``save_pretrained``
-writes for ``trust_remote_code`` (it has no C++ sources).
+n = 512 issues ~6,700 ops per layer forward + backward); compiled loops do the same work in a few calls. The
+dense solve and causal attention become chunks of rows per head whose gemms see every key at once, with no
+tree of kernel calls. The PyTorch code beside each kernel (:mod:`.slots`, :mod:`.solve`, :mod:`.dense`,
+:mod:`.flash`) stays the reference it is tested against and the path taken wherever the kernels are not: other
+devices, other dtypes, no C++ compiler, ``HF_RESOLVENT_CPU_KERNELS=0`` in the environment, or the flat copy of
+the mixer code that ``save_pretrained`` writes for ``trust_remote_code`` (it has no C++ sources).
 
-The first use compiles for about a minute (g++ and ninja are needed; torch caches the build under
+The first use compiles for about 20 s on 2 cores (g++ and ninja are needed; torch caches the build under
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, and rebuilds only when a source changes).
 A failed build warns once and leaves the PyTorch path in place.
 """
@@ -54,7 +55,7 @@ def _build() -> bool:
         from torch.utils.cpp_extension import load
 
         suffix, flags = _flags()
-        _log.info("hf_resolvent: building the CPU kernels (first use only, about a minute)")
+        _log.info("hf_resolvent: building the CPU kernels (first use only, about 20 s)")
         load(name=f"hf_resolvent_cpu_{suffix}", sources=sources,
              extra_cflags=flags, extra_include_paths=[str(_CSRC)], is_python_module=False, verbose=False)
     except Exception as err:  # no compiler, missing headers, a read-only cache, ...
