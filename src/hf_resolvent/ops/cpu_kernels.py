@@ -8,8 +8,9 @@ tree of kernel calls. The PyTorch code beside each kernel (:mod:`.slots`, :mod:`
 devices, other dtypes, no C++ compiler, ``HF_RESOLVENT_CPU_KERNELS=0`` in the environment, or the flat copy of
 the mixer code that ``save_pretrained`` writes for ``trust_remote_code`` (it has no C++ sources).
 
-The first use compiles for about 20 s on 2 cores (g++ and ninja are needed; torch caches the build under
-``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, and rebuilds only when a source changes).
+The first use compiles for about 20 s on 2 cores (a C++ compiler is needed, ninja is a dependency; torch caches
+the build under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, and rebuilds only when a
+source changes).
 A failed build warns once and leaves the PyTorch path in place.
 """
 
