@@ -340,20 +340,20 @@ void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // s (rows x r1, ld r1) = scale q_c k^T turned into row i's probabilities over keys j <= i (0 past them).
-// With lse given (backward) it exponentiates against it; else it computes and stores it (forward).
+// The backward passes the forward's log-sum-exps (known_lse); the forward passes nullptr and gets them in new_lse.
 template <typename T>
-void causal_probs(const T* q, const T* k, int r0, int r1, int d, T scale, T* s, T* lse, bool have_lse) {
+void causal_probs(const T* q, const T* k, int r0, int r1, int d, T scale, T* s, const T* known_lse, T* new_lse) {
   const int rows = r1 - r0, ld = r1;
   gemm<T>(false, true, rows, r1, d, scale, q + (int64_t)r0 * d, d, k, d, T(0), s, ld);
   for (int i = r0; i < r1; ++i) {
     T* si = s + (int64_t)(i - r0) * ld;
     const int keys = i + 1;
-    if (have_lse) {
-      exp_shift(si, keys, lse[i]);
+    if (known_lse != nullptr) {
+      exp_shift(si, keys, known_lse[i]);
     } else {
       const T m = row_max(si, keys);
       const T sum = exp_shift(si, keys, m);
-      lse[i] = m + std::log(sum);
+      new_lse[i] = m + std::log(sum);
       const T inv = T(1) / sum;
 #pragma omp simd
       for (int j = 0; j < keys; ++j) si[j] *= inv;
@@ -390,7 +390,7 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_forward(const at::Tensor& q,
         const scalar_t *qh = qp + h * n * d, *kh = kp + h * n * d, *vh = vp + h * n * e;
         for (int r0 = 0; r0 < n; r0 += c) {
           const int r1 = std::min(n, r0 + c);
-          causal_probs<scalar_t>(qh, kh, r0, r1, d, sc, s.data(), lp + h * n, false);
+          causal_probs<scalar_t>(qh, kh, r0, r1, d, sc, s.data(), nullptr, lp + h * n);
           gemm<scalar_t>(false, false, r1 - r0, e, r1, scalar_t(1), s.data(), r1, vh, e, scalar_t(0),
                          op + h * n * e + (int64_t)r0 * e, e);
         }
@@ -433,7 +433,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
         for (int r0 = 0; r0 < n; r0 += c) {
           const int r1 = std::min(n, r0 + c), rows = r1 - r0, ld = r1;
           const scalar_t *qc = qh + (int64_t)r0 * d, *gc = gh + (int64_t)r0 * e;
-          causal_probs<scalar_t>(qh, kh, r0, r1, d, sc, p.data(), const_cast<scalar_t*>(lp + h * n), true);
+          causal_probs<scalar_t>(qh, kh, r0, r1, d, sc, p.data(), lp + h * n, nullptr);
           // dv[0:r1] += p^T do_c; dp = do_c v[0:r1]^T
           gemm<scalar_t>(true, false, r1, e, rows, scalar_t(1), p.data(), ld, gc, e, scalar_t(1), dvh, e);
           gemm<scalar_t>(false, true, rows, r1, e, scalar_t(1), gc, e, vh, e, scalar_t(0), dp.data(), ld);
