@@ -197,9 +197,11 @@ class SparseSolve(torch.autograd.Function):
                 _backward_substitution(sparse_plan(ctx.layout, ctx.chunk), w, dz)
         dw = None
         if ctx.needs_input_grad[0]:
-            dw = slot_dot(dz, y, ctx.layout)
-            if not ctx.compiled:  # the compiled slot_dot leaves invalid slots at 0 already
-                dw = dw * ctx.layout.valid_on(dz.device, dz.dtype)
+            if ctx.compiled:  # the compiled slot_dot leaves invalid slots at 0
+                dw = slot_dot(dz, y, ctx.layout)
+            else:
+                with serial():
+                    dw = slot_dot(dz, y, ctx.layout) * ctx.layout.valid_on(dz.device, dz.dtype)
         return dw, dz, None, None
 
 
