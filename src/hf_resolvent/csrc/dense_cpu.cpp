@@ -140,28 +140,38 @@ void fill_zero(T* x, int len) {
   if (len > 0) std::memset(x, 0, sizeof(T) * len);
 }
 
+// q, k (B, H, n, d) of one shape and values (B, H, n, e) named `vname`: one floating dtype, contiguous CPU
+// tensors, sizes that fit the BLAS ints; chunk >= 1. Shared by the dense solve and causal attention.
+void check_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* vname, int64_t chunk,
+                const char* op) {
+  TORCH_CHECK(q.dim() == 4, op, ": q must be (B, H, n, d), got ", q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes(), op, ": k must have q's shape ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3), op, ": ", vname,
+              " must be (B, H, n, e) with (B, H, n) = ", q.sizes().slice(0, 3), ", got ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, op,
+              ": expected float32 or float64, got ", q.scalar_type());
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": all inputs must share q's dtype ", q.scalar_type(),
+                ", got ", t->scalar_type());
+    TORCH_CHECK(t->device().is_cpu(), op, ": CPU kernel got a tensor on ", t->device());
+    TORCH_CHECK(t->is_contiguous(), op, ": inputs must be contiguous (call .contiguous())");
+  }
+  TORCH_CHECK(chunk >= 1, op, ": chunk must be >= 1, got ", chunk);
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();  // BLAS dimensions and strides are int
+  TORCH_CHECK(q.size(2) < kMaxInt && q.size(3) < kMaxInt && v.size(3) < kMaxInt, op,
+              ": n, d and e must fit a 32-bit BLAS int, got ", q.size(2), ", ", q.size(3), ", ", v.size(3));
+}
+
+// The dense solve's inputs: check_rows for q, k and z (or y), and the gates g (B, H, n).
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& g, const at::Tensor& z,
                   const char* zname, int64_t chunk) {
-  TORCH_CHECK(q.dim() == 4, "dense_solve: q must be (B, H, n, d), got ", q.sizes());
-  TORCH_CHECK(k.sizes() == q.sizes(), "dense_solve: k must have q's shape ", q.sizes(), ", got ", k.sizes());
+  check_rows(q, k, z, zname, chunk, "dense_solve");
   TORCH_CHECK(g.dim() == 3 && g.sizes() == q.sizes().slice(0, 3), "dense_solve: g must be (B, H, n) = ",
               q.sizes().slice(0, 3), ", got ", g.sizes());
-  TORCH_CHECK(z.dim() == 4 && z.sizes().slice(0, 3) == q.sizes().slice(0, 3), "dense_solve: ", zname,
-              " must be (B, H, n, e) with (B, H, n) = ", q.sizes().slice(0, 3), ", got ", z.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
-              "dense_solve: expected float32 or float64, got ", q.scalar_type());
-  for (const at::Tensor* t : {&k, &g, &z})
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dense_solve: all inputs must share q's dtype ",
-                q.scalar_type(), ", got ", t->scalar_type());
-  for (const at::Tensor* t : {&q, &k, &g, &z}) {
-    TORCH_CHECK(t->device().is_cpu(), "dense_solve: CPU kernel got a tensor on ", t->device());
-    TORCH_CHECK(t->is_contiguous(), "dense_solve: inputs must be contiguous (call .contiguous())");
-  }
-  TORCH_CHECK(chunk >= 1, "dense_solve: chunk must be >= 1, got ", chunk);
-  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();  // BLAS dimensions and strides are int
-  TORCH_CHECK(q.size(2) < kMaxInt && q.size(3) < kMaxInt && z.size(3) < kMaxInt,
-              "dense_solve: n, d and e must fit a 32-bit BLAS int, got ", q.size(2), ", ", q.size(3), ", ",
-              z.size(3));
+  TORCH_CHECK(g.scalar_type() == q.scalar_type(), "dense_solve: all inputs must share q's dtype ", q.scalar_type(),
+              ", got ", g.scalar_type());
+  TORCH_CHECK(g.device().is_cpu(), "dense_solve: CPU kernel got a tensor on ", g.device());
+  TORCH_CHECK(g.is_contiguous(), "dense_solve: inputs must be contiguous (call .contiguous())");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -321,24 +331,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dense_solve_backward(
 // solve. o_i = softmax_{j <= i}(scale q_i . k_j) v. At n = 512 PyTorch's CPU flash kernel cannot skip the masked
 // half (it walks keys in blocks of 512); whole chunks of rows against exactly the keys they see do.
 
-void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t chunk, const char* op) {
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes(), op, ": q and k must be (B, H, n, d) of one shape, got ",
-              q.sizes(), " and ", k.sizes());
-  TORCH_CHECK(v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3), op,
-              ": v must be (B, H, n, e) with (B, H, n) = ", q.sizes().slice(0, 3), ", got ", v.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, op,
-              ": expected float32 or float64, got ", q.scalar_type());
-  for (const at::Tensor* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": all inputs must share q's dtype ", q.scalar_type(),
-                ", got ", t->scalar_type());
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), op, ": inputs must be contiguous CPU tensors");
-  }
-  TORCH_CHECK(chunk >= 1, op, ": chunk must be >= 1, got ", chunk);
-  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
-  TORCH_CHECK(q.size(2) < kMaxInt && q.size(3) < kMaxInt && v.size(3) < kMaxInt, op,
-              ": n, d and e must fit a 32-bit BLAS int");
-}
-
 // s (rows x r1, ld r1) = scale q_c k^T turned into row i's probabilities over keys j <= i (0 past them).
 // The backward passes the forward's log-sum-exps (known_lse); the forward passes nullptr and gets them in new_lse.
 template <typename T>
@@ -372,7 +364,7 @@ void attention_score_grad(const T* p, T* dp, int keys, int ld, T delta, T scale)
 
 std::tuple<at::Tensor, at::Tensor> causal_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, double scale, int64_t chunk) {
-  check_attention(q, k, v, chunk, "causal_attention_forward");
+  check_rows(q, k, v, "v", chunk, "causal_attention_forward");
   const int64_t heads = q.size(0) * q.size(1);
   const int n = q.size(2), d = q.size(3), e = v.size(3);
   const int c = static_cast<int>(std::min<int64_t>(chunk, std::max(n, 1)));
@@ -404,7 +396,7 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_forward(const at::Tensor& q,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
     const at::Tensor& dout, double scale, int64_t chunk) {
-  check_attention(q, k, v, chunk, "causal_attention_backward");
+  check_rows(q, k, v, "v", chunk, "causal_attention_backward");
   TORCH_CHECK(o.sizes() == v.sizes() && dout.sizes() == v.sizes() && lse.sizes() == q.sizes().slice(0, 3),
               "causal_attention_backward: o and dout must be (B, H, n, e) like v, lse (B, H, n)");
   for (const at::Tensor* t : {&o, &lse, &dout})
