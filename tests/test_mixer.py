@@ -259,9 +259,10 @@ def test_parallel_gradients_equal_reference_gradients(key, cpu_path):
 
 
 @pytest.mark.parametrize("spec", ["attention", "dense"])
-def test_parallel_at_split_causal_lengths(spec):
-    """n = 400, d = e, left padding: the lengths where the direct term is a row tree of flash calls
-    (ops.flash.causal_attention); outputs and gradients equal the reference's."""
+def test_parallel_at_split_causal_lengths(spec, cpu_path):
+    """n = 400, d = e, left padding: the lengths where the PyTorch path's direct term is a row tree of flash calls
+    (ops.flash.causal_attention), and the compiled attention's chunks there; outputs and gradients equal the
+    reference's."""
     pattern = get_pattern(spec)
     inp, _, start = padded_case(400, 7, seed=9)
     inp["x"] = torch.randn(2, 3, 400, 8, generator=torch.Generator().manual_seed(9))
