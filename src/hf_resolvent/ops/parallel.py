@@ -3,8 +3,8 @@
 Y = (I - B)^-1 A X is computed as Z = A X (an attention over P^A), then Y = Z + B Y solved by block
 forward substitution (DESIGN.md section 3.2), both with explicit backwards (autograd Functions):
 
-- dense patterns: Z by causal attention (:mod:`.flash`); the solve is a row tree of CPU flash-attention calls over the
-  solved Y, merged by log-sum-exps, with C x C triangular solves at the leaves (:mod:`.dense`);
+- dense patterns: Z by causal attention (:mod:`.flash`); the solve is a row tree of CPU flash-attention calls
+  over the solved Y, merged by log-sum-exps, with C x C triangular solves at the leaves (:mod:`.dense`);
 - sparse patterns (banded, diagonal, f-patterns, cache-efficient ones, local attention): scores and
   weighted sums by shifted / strided slices per slot, no gather and no n x n tensor (:mod:`.slots`);
   the solve goes chunk by chunk (:mod:`.solve`). O(n (C + K) d) work, O(n (d + K)) memory.
@@ -64,7 +64,8 @@ def gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def direct_mix(qa, ka, x, pattern: Pattern, start=None, scale=None) -> torch.Tensor:
     """A~ X (B, H, n, e): softmax attention of qa over ka restricted to P^A (which holds the row itself).
 
-    Dense kinds use causal attention (:func:`.flash.causal_attention`); sparse kinds score P^A = {t} U P^B_t by shifted / strided slices.
+    Dense kinds use causal attention (:func:`.flash.causal_attention`); sparse kinds score P^A = {t} U P^B_t
+    by shifted / strided slices.
     Padded rows (``start``) come out as garbage-free but meaningless rows: callers zero them.
     """
     pattern = get_pattern(pattern)
