@@ -8,17 +8,22 @@ tree of kernel calls. The PyTorch code beside each kernel (:mod:`.slots`, :mod:`
 devices, other dtypes, no C++ compiler, ``HF_RESOLVENT_CPU_KERNELS=0`` in the environment, or the flat copy of
 the mixer code that ``save_pretrained`` writes for ``trust_remote_code`` (it has no C++ sources).
 
-The first use compiles for about 20 s on 2 cores (a C++ compiler is needed, ninja is a dependency; torch caches
-the build under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, and rebuilds only when a
-source changes).
+The first use compiles for about 20 s on 2 cores (a C++ compiler is needed, ninja is a dependency) and says so on
+stderr; the build is cached in :func:`build_dir` (under ``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``) and redone only when a source changes. One build runs at a time per folder, under
+an operating-system lock (:mod:`hf_resolvent.locks`) that ends with its holder: a second process waits for a live
+builder at most ``HF_RESOLVENT_BUILD_WAIT`` seconds (default 300) and then takes the PyTorch path, and the lock
+file that ``torch.utils.cpp_extension`` leaves behind when a build is killed (it would wait on it forever) is
+removed, with a message, since no builder can be alive when our lock is free.
 A failed build warns once and leaves the PyTorch path in place.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
+import sys
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,8 +32,8 @@ import torch
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _DISABLE = "HF_RESOLVENT_CPU_KERNELS"
+_BUILD_WAIT = "HF_RESOLVENT_BUILD_WAIT"
 _state: dict[str, bool] = {}  # "ok": the build's outcome once tried; "off": inside disabled()
-_log = logging.getLogger(__name__)
 
 
 def _flags() -> tuple[str, list[str]]:
@@ -46,20 +51,51 @@ def _flags() -> tuple[str, list[str]]:
     return "generic", flags
 
 
+def build_dir() -> Path:
+    """The folder this Python, PyTorch and instruction set build into (delete it to force a rebuild)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # torch's own rule
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
+    return Path(root) / tag / f"hf_resolvent_cpu_{_flags()[0]}"
+
+
+def _is_current(folder: Path, name: str, sources: list[Path]) -> bool:
+    """True when the folder holds a library newer than every source (loading it compiles nothing)."""
+    built = folder / f"{name}.so"
+    newest = max(p.stat().st_mtime for p in sources)
+    return built.exists() and built.stat().st_mtime >= newest
+
+
 def _build() -> bool:
     if os.environ.get(_DISABLE, "1").strip().lower() in ("0", "false", "off", "no"):
         return False
-    sources = sorted(str(p) for p in _CSRC.glob("*.cpp"))
+    sources = sorted(_CSRC.glob("*.cpp"))
     if not sources:  # the flat copy of these modules that save_pretrained writes for remote code has no csrc
         return False
     try:
         from torch.utils.cpp_extension import load
 
+        from ..locks import exclusive, say  # inside try: the flat remote-code copy never gets here
+
         suffix, flags = _flags()
-        _log.info("hf_resolvent: building the CPU kernels (first use only, about 20 s)")
-        load(name=f"hf_resolvent_cpu_{suffix}", sources=sources,
-             extra_cflags=flags, extra_include_paths=[str(_CSRC)], is_python_module=False, verbose=False)
-    except Exception as err:  # no compiler, missing headers, a read-only cache, ...
+        name, folder = f"hf_resolvent_cpu_{suffix}", build_dir()
+        wait_s = float(os.environ.get(_BUILD_WAIT, "300"))
+        with exclusive(folder / "hf_resolvent.lock", what="the CPU kernels' build", wait_s=wait_s,
+                       fix=f"the PyTorch path is used meanwhile; raise {_BUILD_WAIT} to wait longer"):
+            baton = folder / "lock"  # torch's own lock file: a build killed mid-way leaves it, and load() waits on it
+            if baton.exists():
+                say(f"removing {baton}, left by a kernel build that was interrupted (no build is running)")
+                baton.unlink()
+            compiling = not _is_current(folder, name, sources + list(_CSRC.glob("*.h")))
+            if compiling:
+                say(f"compiling the CPU kernels, about 20 s, once (cached in {folder})")
+            t0 = time.perf_counter()
+            load(name=name, sources=[str(p) for p in sources], extra_cflags=flags, build_directory=str(folder),
+                 extra_include_paths=[str(_CSRC)], is_python_module=False, verbose=False)
+            if compiling:
+                say(f"compiled the CPU kernels in {time.perf_counter() - t0:.0f} s")
+    except Exception as err:  # no compiler, missing headers, a read-only cache, a build that holds the lock, ...
         warnings.warn(
             f"hf_resolvent: the compiled CPU kernels could not be built ({type(err).__name__}: {err}); the PyTorch "
             f"path is used instead (same results, slower for sparse patterns). Set {_DISABLE}=0 to skip the build.",

@@ -1,0 +1,111 @@
+"""Faults injected into the first-use build of the C++ CPU kernels and into the locks that guard it: a build
+killed mid-way (torch's lock file left behind), a live builder holding the folder, a holder killed with kill -9.
+Each build here runs in a subprocess with its own TORCH_EXTENSIONS_DIR, so a hang fails the test by timeout
+instead of blocking the suite."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hf_resolvent import locks
+from hf_resolvent.ops import cpu_kernels
+
+# What a user runs first: a model's generate(), which reaches the mixer and so the lazy build.
+_GENERATE = textwrap.dedent("""
+    import sys
+    import torch
+    from hf_resolvent import ResolventConfig, ResolventForCausalLM
+    from hf_resolvent.ops import cpu_kernels
+
+    config = ResolventConfig(vocab_size=50, n_layer=1, n_embd=32, n_head=2, n_inner=64, n_positions=64,
+                             mixer="exp2:ce")
+    ResolventForCausalLM(config).generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    sys.exit(0 if cpu_kernels.available() else 3)
+""")
+
+
+def _run(code: str, extensions_dir, timeout: float, **env) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions_dir), "OMP_NUM_THREADS": "1", **env}
+    env.pop(cpu_kernels._DISABLE, None)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _build_dir(extensions_dir, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions_dir))
+    return cpu_kernels.build_dir()
+
+
+def test_a_build_killed_mid_way_is_recovered_and_the_build_says_what_it_does(tmp_path, monkeypatch):
+    folder = _build_dir(tmp_path, monkeypatch)
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # what torch.utils.cpp_extension leaves when its build is killed
+    first = _run(_GENERATE, tmp_path, timeout=400)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"removing {folder / 'lock'}, left by a kernel build that was interrupted" in first.stderr
+    assert "compiling the CPU kernels, about 20 s, once" in first.stderr
+    assert "compiled the CPU kernels in" in first.stderr
+    again = _run(_GENERATE, tmp_path, timeout=200)  # cached: loads without a word
+    assert again.returncode == 0 and "compiling" not in again.stderr, again.stderr[-3000:]
+
+
+def test_a_live_builder_is_waited_on_for_a_bounded_time(tmp_path, monkeypatch):
+    folder = _build_dir(tmp_path, monkeypatch)
+    with locks.exclusive(folder / "hf_resolvent.lock", what="a test's build", fix="-"):
+        t0 = time.monotonic()
+        waiter = _run(_GENERATE, tmp_path, timeout=200, HF_RESOLVENT_BUILD_WAIT="2")
+        waited = time.monotonic() - t0
+    assert waiter.returncode == 3, waiter.stderr[-3000:]  # generate ran, on the PyTorch path
+    assert f"waiting up to 2 s for pid {os.getpid()}" in waiter.stderr
+    assert "could not be built (LockHeld" in waiter.stderr and "HF_RESOLVENT_BUILD_WAIT" in waiter.stderr
+    assert waited < 150
+
+
+# ---------------------------------------------------------------------------------------- the lock itself
+
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from hf_resolvent import locks
+    with locks.exclusive(sys.argv[1], what="the folder", fix="-"):
+        print("held", flush=True)
+        time.sleep(120)
+""")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path / "x.lock")], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_lock_held_by_a_live_process_is_refused_at_once_or_after_the_wait(tmp_path, holder):
+    said = []
+    t0 = time.monotonic()
+    with pytest.raises(locks.LockHeld, match=f"the folder is in use by pid {holder.pid} .*; do this"):
+        with locks.exclusive(tmp_path / "x.lock", what="the folder", fix="do this"):
+            pass
+    with pytest.raises(locks.LockHeld, match=f"still in use by pid {holder.pid} .* after 1 s"):
+        with locks.exclusive(tmp_path / "x.lock", what="the folder", fix="do this", wait_s=1, report=said.append):
+            pass
+    assert time.monotonic() - t0 < 30
+    assert len(said) == 1 and said[0].startswith(f"waiting up to 1 s for pid {holder.pid}"), said
+
+
+def test_a_lock_whose_holder_was_killed_is_taken_over(tmp_path, holder):
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    said = []
+    with locks.exclusive(tmp_path / "x.lock", what="the folder", fix="-", report=said.append):
+        assert (tmp_path / "x.lock.owner").exists()
+    assert len(said) == 1 and said[0].startswith(f"took over the folder from pid {holder.pid}")
+    assert not (tmp_path / "x.lock.owner").exists()
