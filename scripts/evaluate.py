@@ -133,6 +133,9 @@ def strided_perplexity(model, tokens: np.ndarray, max_length: int, stride: int, 
         nll += loss.item()
         count += int((targets[:, 1:] != -100).sum())
     mean = nll / count
+    if not math.isfinite(mean):
+        raise T.RunError(f"the mean loss over {count:,} tokens is {mean}: the model's weights or outputs are not "
+                         f"finite; it cannot be evaluated (retrain it, or evaluate an earlier checkpoint)")
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": count, "max_length": max_length, "stride": stride}
 
 
@@ -161,17 +164,21 @@ def evaluate_model(model_dir: Path, args, device: torch.device, log=print) -> di
     _check_same_tokenizer(tokenizer, data_dir)
     meta = json.loads((data_dir / "meta.json").read_text())
     split = hdata.TokenShards(data_dir, args.split)
-    n = len(split) if not args.max_tokens else min(len(split), args.max_tokens)
-    tokens = split.read(0, n)
     run_cfg = json.loads((model_dir / "run_config.json").read_text()) if (model_dir / "run_config.json").exists() else {}
     max_length = args.max_length or run_cfg.get("data", {}).get("seq_len") or 512
+    if len(split) < max_length + 1:
+        raise hdata.DataError(f"the {args.split} split of {data_dir} has {len(split):,} tokens, fewer than one window "
+                              f"of {max_length + 1}: pass a smaller --max-length or prepare more data")
+    n = len(split) if not args.max_tokens else min(len(split), max(args.max_tokens, max_length + 1))
+    tokens = split.read(0, n)
     stride = args.stride or max(1, max_length // 2)
     label = model_mixer_label(model)
     t0 = time.time()
     ppl = strided_perplexity(model, tokens, max_length, stride, args.batch_size, device)
     log(f"[evaluate] {model_dir}: mixer {label}, {args.split} perplexity {ppl['perplexity']:.3f} "
-        f"(loss {ppl['loss']:.4f}) on {ppl['tokens']:,} tokens, windows {max_length} / stride {stride} "
-        f"({time.time() - t0:.1f}s)")
+        f"(loss {ppl['loss']:.4f}), strided: windows of {max_length} tokens every {stride}, each of "
+        f"{ppl['tokens']:,} tokens scored once with at least {max_length - stride} tokens of context (not "
+        f"training's figure, which scores a sample of non-overlapping windows) ({time.time() - t0:.1f}s)")
     samples = []
     if args.samples:
         prompts = args.prompt or DEFAULT_PROMPTS.get(meta.get("source"), DEFAULT_PROMPTS[None])
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise hdata.DataError(f"{model_dir} is not a model folder (no config.json); pass the --output-dir "
                                       f"of a finished scripts/pretrain.py run")
             results.append(evaluate_model(model_dir, args, device))
-    except (hdata.DataError, ValueError) as err:
+    except (hdata.DataError, T.RunError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path(args.models[0]).resolve().parent / "eval"

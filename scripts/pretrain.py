@@ -11,10 +11,14 @@ section.key=value`` overrides any field. Without ``--data`` (and ``data.dir`` in
 corpus is prepared into ``data/stdlib`` first (Python's standard-library text; see scripts/prepare_data.py).
 
 The data order is a function of the optimizer step (``StepSampler``), checkpoints are written atomically
-(``checkpoints/.tmp_step_N`` renamed to ``checkpoints/step_N`` once complete) and hold the model, optimizer,
-RNG states and the step: killing the run at any moment and re-running the same command with ``--resume`` ends
-with the same weights as a run never interrupted. At the end OUTPUT_DIR is a ``save_pretrained`` folder (model,
-tokenizer, README.md model card), with ``metrics.jsonl``, ``loss.png`` and ``train_results.json``.
+(``checkpoints/.tmp_step_N`` renamed to ``checkpoints/step_N`` once complete, with a checksum manifest written
+last) and hold the model, optimizer, RNG states, the step and the run's configuration: killing the run at any
+moment and re-running the same command with ``--resume`` ends with the same weights as a run never interrupted.
+``--resume`` takes the newest checkpoint that matches its manifest (naming any damaged one it skips) and refuses
+a configuration or data set other than the checkpoint's. One run at a time may use an output folder (a lock that
+ends with its process). A non-finite loss or validation result stops the run with an error. At the end
+OUTPUT_DIR is a ``save_pretrained`` folder (model, tokenizer, README.md model card; published so that a kill
+never leaves a half-written model that loads), with ``metrics.jsonl``, ``loss.png`` and ``train_results.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_resolvent import data as hdata
+from hf_resolvent import locks
 from hf_resolvent import training as T
 
 DEFAULT_DATA_ROOT = "data"
@@ -118,20 +123,46 @@ def _flat(cfg: dict, prefix: str = "") -> dict:
     return out
 
 
-def _check_resumable(saved: dict, cfg: dict) -> None:
+def _check_resumable(saved: dict, now: dict) -> None:
+    """Refuse to resume a checkpoint whose run record (configuration and data) differs from this run's."""
     diffs = []
-    for section, values in cfg.items():
-        if not isinstance(values, dict):
+    for section in sorted(set(saved) | set(now)):
+        old, new = saved.get(section), now.get(section)
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            if old != new and section != "name":
+                diffs.append(f"{section}: {old!r} -> {new!r}")
             continue
-        for key, value in values.items():
-            if (section, key) in RESUMABLE_CHANGES:
-                continue
-            old = saved.get(section, {}).get(key)
-            if old != value:
-                diffs.append(f"{section}.{key}: {old!r} -> {value!r}")
+        for key in sorted(set(old) | set(new)):
+            if (section, key) not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
+                diffs.append(f"{section}.{key}: {old.get(key)!r} -> {new.get(key)!r}")
     if diffs:
-        raise T.ConfigError("--resume with a different configuration than the checkpointed run: "
-                            + "; ".join(diffs) + ". Use the same options or another --output-dir.")
+        raise T.ConfigError("--resume with another configuration or data than the checkpointed run: "
+                            + "; ".join(diffs) + ". Use the checkpointed run's options, or another --output-dir.")
+
+
+def _run_record(cfg: dict, data_meta: dict, train_tokens, val_tokens) -> dict:
+    """What a checkpoint must match to be resumed: the configuration and the data set (its description,
+    tokenizer and split sizes)."""
+    data = {"data": data_meta.get("data"), "tokenizer": data_meta.get("tokenizer_description"),
+            "train_tokens": len(train_tokens), "val_tokens": len(val_tokens)}
+    return {**cfg, "dataset": data}
+
+
+EVAL_KEYS = ("val_loss", "val_ppl", "val_tokens", "val_windows", "val_window")
+
+
+def _describe_eval(ev: dict) -> str:
+    """The validation figures with what they measure (scripts/evaluate.py's strided perplexity differs)."""
+    return (f"val loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f} ({ev['val_windows']} non-overlapping "
+            f"windows of {ev['val_window']} tokens, {ev['val_tokens']:,} tokens scored)")
+
+
+def _finite(value: float, what: str, step: int, output_dir: Path) -> None:
+    if not math.isfinite(value):
+        last = T.latest_checkpoint(output_dir)
+        raise T.RunError(f"{what} at step {step} is {value}: the run diverged or its weights hold NaN/Inf. The last "
+                         f"checkpoint written before it is {last if last else '(none)'}; start again into a new "
+                         f"--output-dir with a lower --set train.lr=... or more --set train.warmup_steps=...")
 
 
 def _lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
@@ -166,7 +197,8 @@ def evaluate_loss(accelerator, model, val: hdata.TokenShards, seq_len: int, max_
     model.train(was_training)
     total = accelerator.reduce(total, reduction="sum")
     val_loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(total[1].item())}
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(total[1].item()),
+            "val_windows": len(starts), "val_window": seq_len}
 
 
 def params_checksum(model) -> torch.Tensor:
@@ -219,14 +251,18 @@ def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data
     state_dict = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return
+    import shutil
+
     raw = accelerator.unwrap_model(model)
-    raw.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(output_dir)
-    T.plot_loss(output_dir / "metrics.jsonl", output_dir / "loss.png",
+    staged = output_dir / ".tmp_final"
+    shutil.rmtree(staged, ignore_errors=True)
+    raw.save_pretrained(staged, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(staged)
+    T.plot_loss(output_dir / "metrics.jsonl", staged / "loss.png",
                 title=f"{T.model_label(cfg['model'])} ({cfg['name']})")
-    hdata.atomic_write_json(output_dir / "train_results.json", results)
-    card = T.render_model_card(card_info(cfg, data_meta, results, argv, raw))
-    (output_dir / "README.md").write_text(card)
+    hdata.atomic_write_json(staged / "train_results.json", results)
+    (staged / "README.md").write_text(T.render_model_card(card_info(cfg, data_meta, results, argv, raw)))
+    T.publish_model_folder(staged, output_dir)
 
 
 def card_info(cfg: dict, data_meta: dict, results: dict, argv: list[str], model) -> dict:
@@ -258,6 +294,8 @@ def card_info(cfg: dict, data_meta: dict, results: dict, argv: list[str], model)
         "lr": cfg["train"]["lr"],
         "val_loss": results.get("val_loss"),
         "val_ppl": results.get("val_ppl"),
+        "val_measure": (f"{results['val_windows']} non-overlapping windows of {results['val_window']} tokens"
+                        if "val_windows" in results else "n/a"),
         "train_command": "python scripts/pretrain.py " + " ".join(shlex.quote(a) for a in argv),
         "repo_id": "REPO_ID",
         "tags": ["hf-resolvent", "resolvent", "token-mixer", f"mixer-{T.mixer_slug(mixer)}", "causal-lm"],
@@ -277,7 +315,7 @@ def train(argv: list[str] | None = None) -> dict:
     output_dir = Path(args.output_dir)
 
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration, set_seed
+    from accelerate.utils import ProjectConfiguration
 
     trackers = _trackers(cfg["log"]["trackers"])
     accelerator = Accelerator(
@@ -285,8 +323,20 @@ def train(argv: list[str] | None = None) -> dict:
         log_with=trackers,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
     )
+    # one run per output folder: the main process holds the lock until the run ends, however it ends
+    run_lock = (locks.exclusive(output_dir / ".run.lock", what=f"the run folder {output_dir}",
+                                fix="wait for that run to end, or pass another --output-dir")
+                if accelerator.is_main_process else contextlib.nullcontext())
+    with run_lock:
+        return _run(args, argv, cfg, accelerator, output_dir, trackers)
+
+
+def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, trackers) -> dict:
+    from accelerate.utils import set_seed
+
     main = accelerator.is_main_process
     log = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
+    warn = (lambda m: print(f"[pretrain] {m}", file=sys.stderr, flush=True)) if main else (lambda m: None)
     if accelerator.device.type == "cpu":
         T.keep_freed_memory()  # reuse the large blocks every step frees (see its docstring)
     data_dir = ensure_data(accelerator, cfg)
@@ -302,14 +352,21 @@ def train(argv: list[str] | None = None) -> dict:
     max_steps = int(tcfg["max_steps"])
     sampler = hdata.StepSampler(train_tokens, seq_len, micro, accum, accelerator.num_processes, int(tcfg["seed"]))
 
-    # ---- resume bookkeeping
+    # ---- resume bookkeeping: the checkpoint itself records what it was trained with
+    record = _run_record(cfg, data_meta, train_tokens, val_tokens)
     saved_cfg_path = output_dir / "run_config.json"
     last = T.latest_checkpoint(output_dir)
     if last is not None and not args.resume:
         raise T.ConfigError(f"{output_dir} already holds checkpoints ({last.name}); pass --resume to continue "
                             f"that run, or choose another --output-dir")
-    if args.resume and saved_cfg_path.exists():
-        _check_resumable(json.loads(saved_cfg_path.read_text()), cfg)
+    if args.resume and last is not None:
+        last = T.resumable_checkpoint(output_dir, report=warn)
+        saved = json.loads((last / "trainer_state.json").read_text()).get("run")
+        if saved is None:
+            raise T.ConfigError(f"{last} does not record the configuration it was trained with (an older "
+                                f"version wrote it), so it cannot be checked against this run; train into another "
+                                f"--output-dir")
+        _check_resumable(saved, record)
     accelerator.wait_for_everyone()
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -326,6 +383,11 @@ def train(argv: list[str] | None = None) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     if tcfg.get("compile"):
         model = torch.compile(model)
+    if accelerator.device.type == "cpu" and cfg["model"]["type"] == "resolvent":
+        from hf_resolvent.ops import cpu_kernels
+
+        with accelerator.main_process_first():  # compile (first use only) before the progress bar, once
+            cpu_kernels.available()
 
     step, tokens_seen, train_time = 0, 0, 0.0
     if args.resume and last is not None:
@@ -380,6 +442,8 @@ def train(argv: list[str] | None = None) -> dict:
                 accelerator.backward(loss / accum)
             window_loss += loss.detach() / accum
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), float(tcfg["grad_clip"]))
+        # the norm of the all-reduced gradient: every process sees the same value, so all stop together
+        _finite(float(grad_norm), "the gradient norm of the training loss", step + 1, output_dir)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -399,13 +463,13 @@ def train(argv: list[str] | None = None) -> dict:
         if step % int(ev["every"]) == 0 or step == max_steps:
             last_eval = evaluate_loss(accelerator, model, val_tokens, seq_len, int(ev["max_windows"]),
                                       int(ev["micro_batch"]))
+            _finite(last_eval["val_loss"], "the validation loss", step, output_dir)
             log_row({"step": step, **last_eval})
             if main:
-                bar.write(f"[pretrain] step {step}: val loss {last_eval['val_loss']:.4f}, "
-                          f"perplexity {last_eval['val_ppl']:.2f}")
+                bar.write(f"[pretrain] step {step}: {_describe_eval(last_eval)}")
             window_t0 = time.time()
         if step % int(cfg["checkpoint"]["every"]) == 0 or step == max_steps:
-            state = {"step": step, "tokens": tokens_seen, "train_time": train_time, **last_eval}
+            state = {"step": step, "tokens": tokens_seen, "train_time": train_time, **last_eval, "run": record}
             save_checkpoint(accelerator, output_dir, step, state, int(cfg["checkpoint"]["keep"]))
             window_t0 = time.time()
         bar.update(1)
@@ -416,12 +480,12 @@ def train(argv: list[str] | None = None) -> dict:
     bar.close()
 
     if not last_eval:  # resumed from the final checkpoint: the eval result is stored there
-        last = T.latest_checkpoint(output_dir)
         state = json.loads((last / "trainer_state.json").read_text()) if last else {}
-        last_eval = {k: state[k] for k in ("val_loss", "val_ppl", "val_tokens") if k in state}
-        if not last_eval:
+        last_eval = {k: state[k] for k in EVAL_KEYS if k in state}
+        if len(last_eval) < len(EVAL_KEYS):
             last_eval = evaluate_loss(accelerator, model, val_tokens, seq_len, int(ev["max_windows"]),
                                       int(ev["micro_batch"]))
+        _finite(last_eval["val_loss"], "the validation loss", step, output_dir)
     from accelerate.utils import DistributedType
 
     replicated = accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU,
@@ -439,8 +503,7 @@ def train(argv: list[str] | None = None) -> dict:
     if not args.no_final_save:
         write_final(accelerator, model, tokenizer, cfg, output_dir, data_meta, results, argv)
     if main and not args.no_final_save:
-        log(f"[pretrain] done: {step} steps, {tokens_seen:,} tokens in {train_time:.0f}s; val loss "
-            f"{results.get('val_loss', float('nan')):.4f}, perplexity {results.get('val_ppl', float('nan')):.2f}")
+        log(f"[pretrain] done: {step} steps, {tokens_seen:,} tokens in {train_time:.0f}s; {_describe_eval(results)}")
         log(f"[pretrain] wrote the model folder {output_dir} (save_pretrained + tokenizer + README.md), "
             f"{output_dir / 'loss.png'} and {metrics_path}")
     accelerator.wait_for_everyone()
@@ -454,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         T.relaunch_cpu_processes_if_needed(__file__, sys.argv[1:])
     try:
         train(argv)
-    except (T.ConfigError, hdata.DataError) as err:
+    except (T.ConfigError, T.RunError, hdata.DataError, locks.LockHeld) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -186,6 +186,10 @@ def run(args) -> dict:
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     log(f"[synthetic] task {args.task} ({spec}), mixer {args.mixer}: {params:,} parameters, {steps} steps x batch "
         f"{batch_size}, device {device}")
+    if device.type == "cpu" and args.mixer != "gpt2":
+        from hf_resolvent.ops import cpu_kernels
+
+        cpu_kernels.available()  # compile (first use only) before the progress bar
     history = []
     t0 = time.time()
     from tqdm.auto import tqdm

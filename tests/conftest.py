@@ -91,6 +91,27 @@ def torch_path():
         yield
 
 
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A prepared data folder of the offline corpus, small: 12 documents, a 300-token BPE."""
+    from hf_resolvent import data
+
+    out = tmp_path_factory.mktemp("data")
+    data.prepare_dataset(out, source=data.STDLIB, tokenizer="bpe", vocab_size=300, max_docs=12, num_proc=1,
+                         log=lambda *a: None)
+    return out
+
+
+def tiny_run_args(data_dir, out, *extra) -> list[str]:
+    """scripts/pretrain.py arguments for a run of a 2-layer width-32 model on ``data_dir`` (seconds per run)."""
+    return ["--config", "tiny", "--data", str(data_dir), "--output-dir", str(out), "--quiet",
+            "--set", "model.overrides={n_layer: 2, n_embd: 32, n_head: 2, n_inner: 64, n_positions: 64}",
+            "--set", "data.seq_len=32", "--set", "train.batch_size=4", "--set", "train.micro_batch=2",
+            "--set", "train.warmup_steps=2", "--set", "eval.max_windows=4", "--set", "eval.micro_batch=4",
+            "--set", "log.every=1", "--set", "log.trackers=none", "--eval-every", "3", "--save-every", "3",
+            *extra]
+
+
 @pytest.fixture
 def mixer_inputs():
     """Factory fixture: ``mixer_inputs(batch=..., n=..., ...)`` -> dict of inputs (see make_mixer_inputs)."""

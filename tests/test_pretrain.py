@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import load_script, tiny_run_args
 from safetensors.torch import load_file
 
 from hf_resolvent import data as D
@@ -25,20 +25,11 @@ pretrain = load_script("pretrain")
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data")
-    D.prepare_dataset(out, source=D.STDLIB, tokenizer="bpe", vocab_size=300, max_docs=12, num_proc=1,
-                      log=lambda *a: None)
-    return out
+def data_dir(tiny_data):
+    return tiny_data
 
 
-def _args(data_dir, out, *extra):
-    return ["--config", "tiny", "--data", str(data_dir), "--output-dir", str(out), "--quiet",
-            "--set", "model.overrides={n_layer: 2, n_embd: 32, n_head: 2, n_inner: 64, n_positions: 64}",
-            "--set", "data.seq_len=32", "--set", "train.batch_size=4", "--set", "train.micro_batch=2",
-            "--set", "train.warmup_steps=2", "--set", "eval.max_windows=4", "--set", "eval.micro_batch=4",
-            "--set", "log.every=1", "--set", "log.trackers=none", "--eval-every", "3", "--save-every", "3",
-            *extra]
+_args = tiny_run_args
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -4,7 +4,9 @@
 - the model factory for the papers' comparison: ``resolvent`` models with any mixer and the GPT-2 baseline
   (``transformers.GPT2LMHeadModel`` with SDPA) at the same shape (:func:`build_model`);
 - the learning-rate schedule (linear warmup, cosine decay; :func:`lr_at`);
-- atomic checkpoint folders (:func:`finalize_checkpoint`, :func:`latest_checkpoint`);
+- checkpoint folders written atomically with a checksum manifest, and the newest intact one found again
+  (:func:`finalize_checkpoint`, :func:`resumable_checkpoint`); the final model folder published so that a kill
+  never leaves one that loads half-written (:func:`publish_model_folder`);
 - metrics JSONL, the loss plot and the model card (:func:`render_model_card`).
 """
 
@@ -72,6 +74,10 @@ DEFAULTS: dict[str, Any] = {
 
 class ConfigError(ValueError):
     """A run configuration problem (message names the field and the fix)."""
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on as asked: no intact checkpoint, non-finite numbers (the message says what to do)."""
 
 
 def deep_merge(base: dict, update: dict) -> dict:
@@ -334,34 +340,95 @@ def keep_freed_memory() -> bool:
 
 
 CKPT_RE = re.compile(r"^step_(\d{7,})$")
+MANIFEST = "manifest.json"
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step_{step:07d}"
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The finished checkpoint with the highest step (temporary folders of interrupted saves are ignored)."""
+def _checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, folder) of the finished checkpoint folders, oldest first (temporary folders of saves are not)."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
-        return None
-    found = []
-    for p in root.iterdir():
-        m = CKPT_RE.match(p.name)
-        if m and (p / "trainer_state.json").exists():
-            found.append((int(m.group(1)), p))
-    return max(found)[1] if found else None
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CKPT_RE.match(p.name)) and p.is_dir())
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint folder with the highest step, intact or not (see :func:`resumable_checkpoint`)."""
+    found = _checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and SHA-256 of every file of ``folder`` in ``manifest.json``, written last."""
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def manifest_problem(folder: Path) -> str | None:
+    """What is wrong with ``folder`` against its manifest (a missing, truncated or altered file), or None."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (an interrupted save, or a checkpoint of an older version)"
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable"
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} has {path.stat().st_size:,} bytes, the manifest says {want['bytes']:,} (truncated?)"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} does not match its checksum (altered or damaged)"
+    return None
+
+
+def resumable_checkpoint(output_dir: str | os.PathLike, report=print) -> Path | None:
+    """The newest checkpoint whose files match its manifest, or None when the run has no checkpoint.
+
+    Each damaged newer checkpoint is named through ``report`` and skipped; when checkpoints exist but none is
+    intact, :class:`RunError` names them all."""
+    found = _checkpoints(output_dir)
+    skipped = []
+    for _, folder in reversed(found):
+        problem = manifest_problem(folder)
+        if problem is None:
+            if skipped:
+                report(f"warning: skipped the damaged checkpoint(s) {'; '.join(skipped)}; resuming from "
+                       f"{folder.name}")
+            return folder
+        skipped.append(f"{folder.name} ({problem})")
+    if skipped:
+        raise RunError(f"no intact checkpoint in {Path(output_dir) / 'checkpoints'}: {'; '.join(skipped)}. Delete "
+                       f"the damaged folders to start this run again from step 0, or train into another --output-dir")
+    return None
 
 
 def finalize_checkpoint(tmp: Path, final: Path, keep: int) -> None:
-    """Rename a fully written checkpoint folder into place (the atomic step), then prune to the newest ``keep``."""
+    """Write the manifest of a fully written checkpoint folder and rename it into place (the atomic step), then
+    prune to the newest ``keep``."""
+    write_manifest(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     if keep and keep > 0:
-        root = final.parent
-        steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CKPT_RE.match(p.name)))
-        for _, p in steps[:-keep]:
+        for _, p in _checkpoints(final.parent.parent)[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -371,6 +438,26 @@ def clean_temporary_checkpoints(output_dir: str | os.PathLike) -> None:
         for p in root.iterdir():
             if p.name.startswith(".tmp"):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def publish_model_folder(staged: Path, dest: Path) -> None:
+    """Move the files of a fully written ``save_pretrained`` folder ``staged`` into ``dest``.
+
+    ``dest`` also holds the run's checkpoints and logs, so it cannot be swapped whole; instead its ``config.json``
+    (what makes a folder load) is removed first and the new one moved in last, so a kill at any moment leaves
+    either the previous complete model, no loadable model, or the new complete one. Weight files of an earlier
+    save that the new one lacks (other shards) are removed."""
+    (dest / "config.json").unlink(missing_ok=True)
+    new = {p.name for p in staged.iterdir()}
+    for p in dest.iterdir():
+        if WEIGHT_FILE.match(p.name) and p.name not in new:
+            p.unlink()
+    for p in sorted(staged.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(p, dest / p.name)
+    staged.rmdir()
 
 
 # ----------------------------------------------------------------------------------------------- metrics

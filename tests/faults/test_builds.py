@@ -109,3 +109,16 @@ def test_a_lock_whose_holder_was_killed_is_taken_over(tmp_path, holder):
         assert (tmp_path / "x.lock.owner").exists()
     assert len(said) == 1 and said[0].startswith(f"took over the folder from pid {holder.pid}")
     assert not (tmp_path / "x.lock.owner").exists()
+
+
+def test_pretrain_builds_the_kernels_before_its_progress_bar(tiny_data, tmp_path, monkeypatch):
+    import tqdm.auto
+    from conftest import load_script, tiny_run_args
+
+    pretrain = load_script("pretrain")
+    events, build, bar = [], cpu_kernels._build, tqdm.auto.tqdm
+    monkeypatch.setattr(cpu_kernels, "_state", {})  # as in a fresh process: nothing built or loaded yet
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: events.append("build") or build())
+    monkeypatch.setattr(tqdm.auto, "tqdm", lambda *a, **k: events.append("bar") or bar(*a, **k))
+    pretrain.train(tiny_run_args(tiny_data, tmp_path / "run", "--max-steps", "1", "--no-final-save"))
+    assert events == ["build", "bar"]
