@@ -13,8 +13,8 @@ other processes disturbs all of them alike); the median is reported. Compare rat
 
 Usage::
 
-    python scripts/bench_decode.py --out results/bench_decode.json            # contexts 512 ... 16384
-    python scripts/bench_decode.py --out results/bench_decode.json --quick    # contexts 512 ... 4096
+    python scripts/bench_decode.py --out runs/bench/decode.json               # contexts 512 ... 16384
+    python scripts/bench_decode.py --out runs/bench/decode.json --quick       # contexts 512 ... 4096
 
 Writes ``{"rows": [{"model", "context", "ms_per_token", "cache_bytes"}, ...], "settings": {...}}``, a PNG
 plot next to the JSON (same stem) and prints a table.

@@ -10,7 +10,7 @@ GPU benchmark (the default): with ``triton.testing.do_bench``, forward and forwa
 for n = 1k..16k, head dim 64, bfloat16 (``--dtype``). Writes a JSON file and a PNG plot (time vs n,
 one panel per pass). On a machine without CUDA it says so and exits with status 2.
 
-    python scripts/bench_kernels.py --out bench/kernels          # GPU
+    python scripts/bench_kernels.py --out runs/bench/kernels     # GPU
     python scripts/bench_kernels.py --compile-check              # any machine: compile for sm_80 / sm_90
 
 ``--compile-check`` records every kernel launch of a forward, backward and decode step (the real
@@ -31,7 +31,7 @@ DEFAULT_PATTERNS = ["attention", "dense", "banded:64", "exp2", "exp2:ce", "squar
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/kernels", help="output prefix: <out>.json and <out>.png")
+    p.add_argument("--out", default="runs/bench/kernels", help="output prefix: <out>.json and <out>.png")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     p.add_argument("--patterns", default=",".join(DEFAULT_PATTERNS))
     p.add_argument("--batch", type=int, default=4)

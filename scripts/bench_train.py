@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Training throughput of the 44M shape: GPT-2 (transformers' GPT2LMHeadModel, SDPA) vs every resolvent mixer.
 
-    python scripts/bench_train.py --out bench_train.json            # CPU defaults: batch 1 x 512, short runs
-    python scripts/bench_train.py --out bench_train.json --batch 32 --rounds 10 --device cuda --bf16
+    python scripts/bench_train.py --out runs/bench/train.json            # CPU defaults: batch 1 x 512, short runs
+    python scripts/bench_train.py --out runs/bench/train.json --batch 32 --rounds 10 --device cuda --bf16
 
 One training step = forward, next-token cross-entropy, backward, gradient clipping and a fused AdamW update (as
 in ``pretrain.py``), on random token windows (throughput does not depend on the data). Models are measured side
