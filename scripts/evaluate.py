@@ -159,8 +159,10 @@ def evaluate_model(model_dir: Path, args, device: torch.device, log=print) -> di
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data_dir = _data_dir_for(model_dir, args.data)
-    if not hdata.is_prepared(data_dir):
-        raise hdata.DataError(f"{data_dir} is not a prepared data folder; run scripts/prepare_data.py or pass --data")
+    try:
+        hdata.verify_prepared(data_dir)
+    except hdata.DataError as err:
+        raise hdata.DataError(f"{err} (or pass --data)") from None
     _check_same_tokenizer(tokenizer, data_dir)
     meta = json.loads((data_dir / "meta.json").read_text())
     split = hdata.TokenShards(data_dir, args.split)

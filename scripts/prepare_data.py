@@ -13,8 +13,10 @@ Examples::
     # local files (.txt / .md split into paragraphs, .jsonl / .parquet with a text column)
     python scripts/prepare_data.py --files corpus/*.jsonl --output-dir data/mine
 
-Re-running the same command skips the shards already written (resumes after a crash). The folder's
-``meta.json`` records which data and tokenizer were used.
+Re-running the same command reuses a finished folder once its manifest and checksums verify, and otherwise
+resumes (after a crash) keeping the shards that are intact. With other inputs or settings the folder is rebuilt,
+or, with --no-overwrite, left alone with an error. The folder's ``meta.json`` records which data and tokenizer
+were used; ``manifest.json``, written last, the size and sha256 of every file (check it with --verify).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_resolvent.data import OPENWEBTEXT, STDLIB, DataError, prepare_dataset
+from hf_resolvent.data import OPENWEBTEXT, STDLIB, DataError, prepare_dataset, verify_prepared
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,18 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it whole")
     p.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
     p.add_argument("--offline", action="store_true", help="never try the network (also: HF_HUB_OFFLINE=1)")
+    p.add_argument("--no-overwrite", action="store_true",
+                   help="stop with an error instead of rebuilding when --output-dir holds data prepared from other "
+                        "inputs or settings, by an earlier version, or with damaged files")
+    p.add_argument("--verify", action="store_true",
+                   help="only check --output-dir against its manifest (sizes and sha256 of every file); exit 2 "
+                        "naming the first damaged file")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.verify:
+            meta = verify_prepared(args.output_dir, full=True)
+            print(f"{args.output_dir}: verified ({meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens)")
+            return 0
         prepare_dataset(
             args.output_dir, source=args.source, files=args.files, tokenizer=args.tokenizer,
             vocab_size=args.vocab_size, val_fraction=args.val_fraction, seed=args.seed,
             docs_per_shard=args.docs_per_shard, num_proc=args.num_proc, streaming=args.streaming,
             max_docs=args.max_docs, text_column=args.text_column, text_sample_by=args.text_sample_by,
-            allow_download=not args.offline,
+            allow_download=not args.offline, overwrite=not args.no_overwrite,
         )
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -219,9 +219,7 @@ def ensure_data(accelerator, cfg: dict) -> Path:
             hdata.prepare_dataset(data_dir, source=hdata.STDLIB)
         accelerator.wait_for_everyone()
     data_dir = Path(data_dir)
-    if not hdata.is_prepared(data_dir):
-        raise hdata.DataError(f"{data_dir} is not a prepared data folder (no meta.json): run "
-                              f"python scripts/prepare_data.py --output-dir {data_dir} [--source ...]")
+    hdata.verify_prepared(data_dir)  # says what is missing, unfinished or damaged, and the fix
     return data_dir
 
 
@@ -347,6 +345,7 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     train_tokens = hdata.TokenShards(data_dir, "train")
     val_tokens = hdata.TokenShards(data_dir, "val")
     seq_len = int(cfg["data"]["seq_len"])
+    hdata.eval_windows(val_tokens, seq_len, 1)  # a validation split too short for one window fails now, not later
     micro, accum = T.batch_layout(cfg, accelerator.num_processes)
     tcfg = cfg["train"]
     max_steps = int(tcfg["max_steps"])

@@ -134,8 +134,15 @@ def test_prepare_resumes_and_skips_finished_shards(tmp_path, monkeypatch):
     assert calls == [1]
     assert meta2 == meta
     assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == before
-    with pytest.raises(D.DataError, match="other settings"):
-        _prepare(out, docs_per_shard=10, seed=5)
+    assert D.is_prepared(out)
+    # other settings: refused with overwrite=False (nothing changed), rebuilt by default
+    with pytest.raises(D.DataError, match=r"other settings \(seed: 1337 -> 5\).*--no-overwrite"):
+        _prepare(out, docs_per_shard=10, seed=5, overwrite=False)
+    assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == before
+    messages = []
+    meta5 = _prepare(out, docs_per_shard=10, seed=5, log=messages.append)
+    assert any("other settings" in m and "rebuilding" in m for m in messages)
+    assert meta5["seed"] == 5 and D.verify_prepared(out, full=True) == meta5
 
 
 def test_prepare_local_text_jsonl_and_parquet(tmp_path):
@@ -163,13 +170,25 @@ def test_prepare_local_text_jsonl_and_parquet(tmp_path):
         D.prepare_dataset(tmp_path / "bad2", files=[str(tmp_path / "missing.txt")], log=lambda *a: None)
 
 
+def _seal(folder, files):
+    """A manifest for a hand-made folder holding meta.json and ``files`` (what prepare_dataset writes last)."""
+    import hashlib
+
+    records = {rel: {"bytes": (folder / rel).stat().st_size,
+                     "sha256": hashlib.sha256((folder / rel).read_bytes()).hexdigest()}
+               for rel in ["meta.json", *files]}
+    (folder / D.MANIFEST).write_text(json.dumps({"format": D.DATA_FORMAT, "settings": {}, "files": records}))
+
+
 def test_token_shards_and_step_sampler(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
     parts = [np.arange(0, 50, dtype=np.uint16), np.arange(50, 60, dtype=np.uint16), np.arange(60, 130, dtype=np.uint16)]
     for i, p in enumerate(parts):
         p.tofile(shards / f"train_{i:05d}.bin")
-    (tmp_path / "meta.json").write_text(json.dumps({"shards": {"train": [f"shards/train_{i:05d}.bin" for i in range(3)]}}))
+    names = [f"shards/train_{i:05d}.bin" for i in range(3)]
+    (tmp_path / "meta.json").write_text(json.dumps({"shards": {"train": names}}))
+    _seal(tmp_path, names)
     ts = D.TokenShards(tmp_path, "train")
     assert len(ts) == 130
     assert ts.read(45, 30).tolist() == list(range(45, 75))  # spans three shards

@@ -7,12 +7,20 @@ Layout written by :func:`prepare_dataset` (the flat ``uint16`` layout popularise
       tokenizer/                the tokenizer the shards were written with (``AutoTokenizer.from_pretrained``)
       shards/train_00000.bin    uint16 token ids, documents separated by the end-of-text token
       shards/val_00000.bin      the validation documents of the same block of documents
-      shards/00000.json         written last: marks shard 0 finished (a re-run skips it)
+      shards/00000.json         marks shard 0 finished: its documents, sizes and sha256 (a re-run keeps it)
+      settings.json             what the shards depend on (inputs and their checksums, tokenizer, split)
+      manifest.json             written last: settings, and size and sha256 of meta.json, tokenizer and shards
+
+Only a folder with a consistent ``manifest.json`` counts as prepared (:func:`is_prepared`, :class:`TokenShards`):
+an interrupted preparation, a damaged shard or a folder written by a version without manifests is refused with a
+message saying which file is wrong. Readers compare file sizes at open (cheap); :func:`verify_prepared` with
+``full=True`` and a re-run of :func:`prepare_dataset` also compare sha256 checksums.
 
 Shard ``i`` holds documents ``i * docs_per_shard ... (i + 1) * docs_per_shard - 1`` of the source, so a re-run
-(after a crash, or with more ``--max-docs``) resumes at the first unfinished shard. A document goes to the
-validation split when a seeded hash of its index is below ``val_fraction`` (0.05% for OpenWebText, like the
-papers and nanoGPT): the split does not depend on shard size, process count or streaming.
+(after a crash, or with more ``--max-docs``) resumes at the first unfinished shard; a re-run with other inputs or
+settings rebuilds the folder (or stops, with ``overwrite=False``). A document goes to the validation split when a
+seeded hash of its index is below ``val_fraction`` (0.05% for OpenWebText, like the papers and nanoGPT): the split
+does not depend on shard size, process count or streaming.
 
 The offline default corpus (:func:`stdlib_corpus`) is the English text that ships with every CPython: the
 interactive help topics of ``pydoc_data`` (the language reference) and the docstrings of the standard library
@@ -23,9 +31,13 @@ trained on the corpus with ``tokenizers`` (:func:`train_bpe_tokenizer`).
 from __future__ import annotations
 
 import ast
+import codecs
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -53,6 +65,12 @@ _STDLIB_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtled
 
 class DataError(RuntimeError):
     """A data-preparation problem the user can fix (the message says how)."""
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message (library messages can span screens)."""
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0][:300]
 
 
 # ----------------------------------------------------------------------------------------------- corpora
@@ -174,6 +192,30 @@ class TokenizerChoice:
     description: str
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _looks_like_path(name: str) -> bool:
+    """True when ``name`` is meant as a local file or folder rather than a Hub id.
+
+    Hub ids are ``name`` or ``namespace/name`` (one slash, no ``..``), so a relative or absolute path prefix, a
+    second separator, a Windows separator or a ``.json`` suffix can only mean a path.
+    """
+    return (name.startswith(("./", "../", ".\\", "..\\", "~")) or os.path.isabs(name) or name.endswith(".json")
+            or (os.sep in name and os.sep != "/") or _HUB_ID.fullmatch(name) is None or ".." in name)
+
+
+def check_tokenizer_path(name: str | None) -> None:
+    """Raise :class:`DataError` when ``name`` is a local path (see :func:`_looks_like_path`) that does not exist.
+
+    Such a name is a typo, not a network problem: falling back to a trained tokenizer would hide it.
+    """
+    if name and name != "bpe" and _looks_like_path(name) and not Path(name).expanduser().exists():
+        raise DataError(f"tokenizer path {name!r} does not exist ({Path(name).expanduser().absolute()}); check the "
+                        f"path (a tokenizer folder is what save_pretrained writes), or pass a Hub name such as gpt2, "
+                        f"or 'bpe' to train one on the corpus")
+
+
 def load_or_train_tokenizer(
     name: str | None,
     texts: Sequence[str] | None,
@@ -186,22 +228,32 @@ def load_or_train_tokenizer(
     Order: a local folder or the local Hugging Face cache (no network); then the Hub, only when
     :func:`hub_reachable` (a 3 s probe, so that an offline machine does not wait for the Hub client's retries);
     then, when ``texts`` is given, :func:`train_bpe_tokenizer`. ``name="bpe"`` trains without trying GPT-2.
+    A local path that does not exist, or exists but holds no tokenizer, raises :class:`DataError` (no fallback).
     """
     from transformers import AutoTokenizer
 
+    check_tokenizer_path(name)
     if name and name != "bpe":
+        local = Path(name).expanduser()
         try:
-            tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
-            return TokenizerChoice(tok, name, f"{name} (from {'local folder' if Path(name).is_dir() else 'local cache'})")
+            tok = AutoTokenizer.from_pretrained(local if local.exists() else name, local_files_only=True)
+            return TokenizerChoice(tok, name, f"{name} (from {'local folder' if local.is_dir() else 'local cache'})")
         except (OSError, ValueError) as err:
+            if local.exists():
+                raise DataError(f"{name!r} exists but could not be loaded as a tokenizer ({type(err).__name__}: "
+                                f"{_first_line(err)}); pass a folder written by save_pretrained (tokenizer.json, "
+                                f"tokenizer_config.json)") from err
             first_error = err
-        if allow_download and not Path(name).exists() and hub_reachable():
+        tried_hub = allow_download and hub_reachable()
+        if tried_hub:
             try:
                 tok = AutoTokenizer.from_pretrained(name)
                 return TokenizerChoice(tok, name, f"{name} (downloaded from the Hugging Face Hub)")
             except (OSError, ValueError) as err:
                 first_error = err
-        reason = f"could not load tokenizer {name!r} (no network and not in the local cache: {type(first_error).__name__})"
+        where = ("not in the local cache, and the Hub could not provide it" if tried_hub
+                 else "no network and not in the local cache")
+        reason = f"could not load tokenizer {name!r} ({where}: {type(first_error).__name__})"
         if texts is None:
             raise DataError(f"{reason}; pass --tokenizer PATH to a saved tokenizer folder, or connect to the Hub.")
         log(f"[data] {reason}.")
@@ -258,8 +310,12 @@ def _tokenize_batch(batch: dict, tokenizer, eot_id: int) -> dict:
 
 
 def _write_shard(out: Path, shard: int, texts_ds, offset: int, tokenizer, eot_id: int, seed: int,
-                 val_fraction: float, forced_val: int, num_proc: int, log) -> dict:
-    """Tokenise one block of documents (a ``datasets.Dataset`` with a ``text`` column) and write its shard."""
+                 val_fraction: float, forced_val: int, num_proc: int, log, end_of_data: bool | None = None) -> dict:
+    """Tokenise one block of documents (a ``datasets.Dataset`` with a ``text`` column) and write its shard.
+
+    The marker written last records the block, and the size and sha256 of both files, so that a re-run keeps the
+    shard only when it is intact and holds the documents that run needs.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -279,15 +335,355 @@ def _write_shard(out: Path, shard: int, texts_ds, offset: int, tokenizer, eot_id
     if 0 <= forced_val - offset < n:
         val_mask[forced_val - offset] = True
     ids_col = table.column("ids").combine_chunks()
-    counts = {}
+    counts, files = {}, {}
     for split, mask in (("train", ~val_mask), ("val", val_mask)):
         chosen = pc.filter(ids_col, pa.array(mask))
         flat = pc.list_flatten(chosen).to_numpy(zero_copy_only=False).astype(TOKEN_DTYPE, copy=False)
-        _atomic_write_bytes(out / "shards" / f"{split}_{shard:05d}.bin", np.ascontiguousarray(flat))
+        flat = np.ascontiguousarray(flat)
+        rel = f"shards/{split}_{shard:05d}.bin"
+        _atomic_write_bytes(out / rel, flat)
+        files[rel] = {"bytes": int(flat.nbytes), "sha256": hashlib.sha256(flat).hexdigest()}
         counts[split] = {"tokens": int(flat.size), "docs": int(mask.sum())}
-    info = {"shard": shard, "first_doc": offset, "num_docs": n, **counts}
+    info = {"shard": shard, "first_doc": offset, "num_docs": n,
+            "forced_val": forced_val if 0 <= forced_val - offset < n else -1, **counts, "files": files}
+    if end_of_data is not None:
+        info["end_of_data"] = end_of_data
     atomic_write_json(out / "shards" / f"{shard:05d}.json", info)
     return info
+
+
+# -------------------------------------------------------------------------------------- manifest and checks
+
+MANIFEST = "manifest.json"
+# Written in settings.json and manifest.json. The first layout (meta.json only) had neither, so its shards
+# cannot be checked: such folders are rebuilt, not trusted.
+DATA_FORMAT = "hf_resolvent-token-shards/2"
+# Everything prepare_dataset writes in its folder (a rebuild removes these, and nothing else); manifest first,
+# so that an interrupted rebuild never leaves a manifest next to half-removed files.
+_OWN = (MANIFEST, "meta.json", "settings.json", "tokenizer_info.json", "tokenizer", "shards")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_record(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def _file_problem(root: Path, rel: str, record: dict, full: bool) -> str | None:
+    """Why ``root / rel`` is not the file ``record`` describes (None when it is; sizes only unless ``full``)."""
+    path = root / rel
+    if not path.is_file():
+        return f"{rel} is missing"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"{rel} is damaged: {size:,} bytes where {record['bytes']:,} were written (truncated or replaced)"
+    if full and file_sha256(path) != record["sha256"]:
+        return f"{rel} is damaged: its sha256 differs from the one recorded when it was written"
+    return None
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in ``path``, or None when it is missing or unreadable (callers treat both as 'not there')."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _rebuild_hint(data_dir: Path) -> str:
+    return (f"re-run scripts/prepare_data.py --output-dir {data_dir} with the options that prepared it (it rewrites "
+            f"what is damaged)")
+
+
+def verify_prepared(data_dir: str | os.PathLike, full: bool = False) -> dict:
+    """Check a prepared folder against its ``manifest.json``; returns its meta.
+
+    Compares the size of every file (and the sha256 of the small ``meta.json``); ``full=True`` compares every
+    sha256 (reads all shards). Raises :class:`DataError` naming the first missing or damaged file, or saying
+    why there is no manifest (preparation unfinished, or a folder from a version that wrote none).
+    """
+    d = Path(data_dir)
+    manifest = _read_json(d / MANIFEST)
+    if not (d / MANIFEST).exists():
+        settings = _read_json(d / "settings.json")
+        if isinstance(settings, dict) and settings.get("format") == DATA_FORMAT:
+            raise DataError(f"{d}: its preparation did not finish (no {MANIFEST}); re-run the scripts/prepare_data.py "
+                            f"command that started it to finish it")
+        if (d / "meta.json").exists():
+            raise DataError(f"{d} was prepared by an earlier version of hf_resolvent (meta.json but no {MANIFEST}, so "
+                            f"its shards cannot be checked); re-run scripts/prepare_data.py --output-dir {d} with the "
+                            f"same options to rebuild it")
+        raise DataError(f"{d} is not a prepared data folder (no {MANIFEST}); run scripts/prepare_data.py "
+                        f"--output-dir {d}")
+    if not (isinstance(manifest, dict) and manifest.get("format") == DATA_FORMAT
+            and isinstance(manifest.get("files"), dict) and "meta.json" in manifest["files"]):
+        raise DataError(f"{d / MANIFEST} is damaged or was written by another version; {_rebuild_hint(d)}")
+    for rel, record in manifest["files"].items():
+        if problem := _file_problem(d, rel, record, full=full or rel == "meta.json"):
+            raise DataError(f"{d}: {problem}; {_rebuild_hint(d)}")
+    return json.loads((d / "meta.json").read_text())
+
+
+def _settings(source: str, files: Sequence[str] | None, tokenizer: str | None, vocab_size: int, seed: int,
+              val_fraction: float, docs_per_shard: int, text_column: str, text_sample_by: str) -> dict:
+    """Everything the shards depend on: a re-run whose settings differ rebuilds the folder.
+
+    ``max_docs`` is not in here: with more documents the finished shards stay valid (the manifest records it).
+    """
+    if source == STDLIB:
+        inputs: Any = {"python": ".".join(map(str, sys.version_info[:3]))}  # the corpus depends only on this
+    elif files:
+        inputs = [{"path": str(f), **_file_record(Path(f))} for f in files]
+    else:
+        inputs = {"dataset": source}
+    tok: dict[str, Any] = {"name": tokenizer, "vocab_size": vocab_size}
+    if tokenizer and tokenizer != "bpe" and Path(tokenizer).expanduser().is_dir():  # a local folder: its contents
+        folder = Path(tokenizer).expanduser()
+        tok["files"] = {n: file_sha256(folder / n) for n in _TOKENIZER_FILES if (folder / n).is_file()}
+    return {"format": DATA_FORMAT, "source": source, "inputs": inputs, "tokenizer": tok, "seed": seed,
+            "val_fraction": val_fraction, "docs_per_shard": docs_per_shard, "text_column": text_column,
+            "text_sample_by": text_sample_by}
+
+
+def _settings_diff(old: dict, new: dict) -> str:
+    parts = []
+    for key in new:
+        if old.get(key) != new[key]:
+            if key == "inputs" and isinstance(new[key], list):
+                parts.append("inputs: other files, or their contents changed")
+            else:
+                parts.append(f"{key}: {old.get(key)!r} -> {new[key]!r}")
+    return "; ".join(parts)
+
+
+def _tokenizer_problem(out: Path) -> str | None:
+    """Why the tokenizer saved in ``out`` cannot be reused (None when it is intact)."""
+    info = _read_json(out / "tokenizer_info.json")
+    if not isinstance(info, dict) or not isinstance(info.get("files"), dict) or not info["files"]:
+        return "its tokenizer is missing or has no record of its files"
+    for rel, record in info["files"].items():
+        if problem := _file_problem(out, rel, record, full=True):
+            return f"its tokenizer is damaged ({problem})"
+    return None
+
+
+def _existing_state(out: Path, settings: dict, max_docs: int | None) -> tuple[str, Any]:
+    """What a preparation into ``out`` finds there: ``("empty", None)``; ``("done", meta)`` when the manifest
+    matches the request and every checksum; ``("resume", None)`` when an unfinished, extended or damaged
+    preparation of the same settings can be completed (each shard is checked later); ``("stale", reason)``."""
+    if not any((out / name).exists() for name in _OWN):
+        return "empty", None
+    old = _read_json(out / "settings.json")
+    if not isinstance(old, dict) or old.get("format") != DATA_FORMAT:
+        if (out / "meta.json").exists() or old is not None:
+            return "stale", "was prepared by an earlier version of hf_resolvent (no manifest to check it against)"
+        return "stale", "holds an unfinished preparation without a record of its settings"
+    if old != settings:
+        return "stale", f"was prepared with other settings ({_settings_diff(old, settings)})"
+    if (out / "tokenizer").exists() or any((out / "shards").glob("*.json")):
+        if problem := _tokenizer_problem(out):
+            return "stale", problem
+    manifest = _read_json(out / MANIFEST)
+    if isinstance(manifest, dict) and manifest.get("settings") == settings and manifest.get("max_docs") == max_docs:
+        try:
+            return "done", verify_prepared(out, full=True)
+        except DataError:
+            pass  # the shard checks find the damaged files; the rest is kept
+    return "resume", None
+
+
+def _finished_shard(out: Path, shard: int, first_doc: int, num_docs: int, forced_val: int,
+                    may_end_early: bool = False) -> tuple[dict | None, str | None]:
+    """``(marker, None)`` when shard ``shard`` is finished, intact (sha256) and holds the documents this run
+    needs; ``(None, why)`` when it exists but must be rewritten; ``(None, None)`` when it was never finished.
+
+    ``may_end_early``: a streamed source may have ended inside the block (the marker says so).
+    """
+    marker_path = out / "shards" / f"{shard:05d}.json"
+    if not marker_path.exists():
+        return None, None
+    info = _read_json(marker_path)
+    if not isinstance(info, dict) or not isinstance(info.get("files"), dict):
+        return None, "its marker is unreadable"
+    count_ok = info.get("num_docs") == num_docs or (
+        may_end_early and info.get("end_of_data") and info.get("num_docs", num_docs) < num_docs)
+    if info.get("first_doc") != first_doc or not count_ok or info.get("forced_val", -1) != forced_val:
+        lo = info.get("first_doc", 0)
+        return None, (f"it holds documents {lo} to {lo + info.get('num_docs', 0) - 1}, this run needs {first_doc} "
+                      f"to {first_doc + num_docs - 1}")
+    for rel, record in info["files"].items():
+        if problem := _file_problem(out, rel, record, full=True):
+            return None, problem
+    return info, None
+
+
+def _clear(out: Path) -> None:
+    """Remove what an earlier preparation wrote in ``out`` (only the names in ``_OWN``)."""
+    for name in _OWN:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+# ------------------------------------------------------------------------------------------- local input files
+
+_FILE_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
+                  ".parquet": "parquet"}
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def _files_builder(files: Sequence[str]) -> str:
+    """The ``datasets`` builder for ``files`` (one kind of file per preparation)."""
+    builders = {_FILE_BUILDERS.get(Path(f).suffix.lower()) for f in files}
+    if None in builders or len(builders) > 1:
+        exts = sorted({Path(f).suffix.lower() or "(none)" for f in files})
+        raise DataError(f"--files must all be .txt/.md, all .jsonl/.json or all .parquet; got {exts}")
+    return builders.pop()
+
+
+def _check_input_file(path: Path, builder: str) -> None:
+    """Cheap checks that catch the usual wrong inputs (missing, empty, binary, not parquet) before ``datasets``
+    turns them into a traceback; reads at most the first 64 KiB (and the last bytes of a parquet file)."""
+    if not path.exists():
+        raise DataError(f"--files: {path} not found")
+    if not path.is_file():
+        raise DataError(f"--files: {path} is not a file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+        if builder == "parquet":
+            f.seek(max(0, size - 4))
+            tail = f.read(4)
+    if builder == "parquet":
+        if size == 0:
+            raise DataError(f"--files: {path} is empty (0 bytes); remove it from --files or write it again")
+        if size < 12 or head[:4] != b"PAR1" or tail != b"PAR1":
+            raise DataError(f"--files: {path} is not a parquet file (no PAR1 magic bytes at its start and end: "
+                            f"truncated, or another format named .parquet); write it again or remove it from --files")
+        return
+    if not head.strip() and size <= len(head):
+        raise DataError(f"--files: {path} is empty (no text); remove it from --files or write it again")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        binary = b"\0" in head
+    except UnicodeDecodeError:
+        binary = True
+    if binary:
+        raise DataError(f"--files: {path} is not UTF-8 text (a binary file?); --files takes UTF-8 .txt/.md and "
+                        f".jsonl/.json files, or .parquet")
+
+
+def _json_problem(path: Path, column: str) -> str | None:
+    """The first problem of a .jsonl/.json file as a message naming the line (None when it looks fine).
+
+    Only run after ``datasets`` failed or loaded something unusable: it parses every line in Python.
+    """
+
+    def row_problem(where: str, row) -> str | None:
+        if not isinstance(row, dict):
+            return f"{path} {where} is {_JSON_TYPES.get(type(row), type(row).__name__)}, not an object"
+        if column not in row:
+            fields = sorted(row)[:10]
+            return (f"{path} {where} has no {column!r} field (its fields: {fields}); give every document a "
+                    f"{column!r} field, or pass --text-column NAME if the text is under another field")
+        if not isinstance(row[column], str):
+            return (f"{path} {where}: field {column!r} is {_JSON_TYPES.get(type(row[column]), 'not text')}, "
+                    f"not a string")
+        return None
+
+    with open(path, "rb") as f:
+        if f.read(1 << 12).lstrip()[:1] == b"[":  # a .json file holding one array of documents
+            f.seek(0)
+            try:
+                rows = json.load(f)
+            except ValueError as err:
+                return f"{path} is not valid JSON ({err})"
+            if not isinstance(rows, list):  # pragma: no cover - '[' always starts an array
+                return f"{path} is not a JSON array"
+            return next((p for i, row in enumerate(rows) if (p := row_problem(f"item {i}", row))), None)
+        f.seek(0)
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # blank lines are skipped by the reader too
+            try:
+                row = json.loads(line)
+            except UnicodeDecodeError:
+                return f"{path} line {lineno} is not UTF-8 text"
+            except json.JSONDecodeError as err:
+                what = err.msg.removesuffix(" at")  # json's messages read "Unterminated string starting at"
+                return (f"{path} line {lineno} is not valid JSON ({what} at column {err.colno}); each line must "
+                        f"hold one JSON object (JSON Lines)")
+            if problem := row_problem(f"line {lineno}", row):
+                return problem
+    return None
+
+
+def _parquet_problem(path: Path, column: str, rows: bool = True) -> str | None:
+    """The first problem of a parquet file: unreadable, no text column, not strings, or (``rows``) a null text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        schema = pf.schema_arrow
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        return f"{path} is not a readable parquet file ({_first_line(err)})"
+    if column not in schema.names:
+        return (f"{path} has no {column!r} column (its columns: {schema.names}); pass --text-column NAME if the "
+                f"text is in another column")
+    kind = schema.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        return f"{path}: column {column!r} holds {kind}, not strings"
+    if rows:
+        offset = 0
+        for group in range(pf.num_row_groups):
+            values = pf.read_row_group(group, columns=[column]).column(0)
+            if values.null_count:
+                first = next(i for i, v in enumerate(values.is_null().to_pylist()) if v)
+                return f"{path} row {offset + first}: {column!r} is null (a document without text)"
+            offset += len(values)
+    return None
+
+
+def _files_error(files: Sequence[str], builder: str, column: str, err: BaseException | None = None) -> DataError:
+    """A :class:`DataError` naming the first bad input file (and line or row) for a failure of ``datasets``."""
+    for f in files:
+        if builder == "json":
+            problem = _json_problem(Path(f), column)
+        elif builder == "parquet":
+            problem = _parquet_problem(Path(f), column)
+        else:
+            problem = None
+        if problem:
+            return DataError(problem)
+    if err is None:
+        return DataError(f"the --files have unusable {column!r} values; check them, or pass --text-column NAME")
+    cause = err.__cause__ or err.__context__ or err
+    return DataError(f"could not read --files {list(files)} ({type(cause).__name__}: {_first_line(cause)})")
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """Silence the ``datasets`` logger: its error lines would repeat, less clearly, the error raised here."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _load_source(source: str, files: Sequence[str] | None, text_column: str, streaming: bool,
@@ -301,19 +697,17 @@ def _load_source(source: str, files: Sequence[str] | None, text_column: str, str
     import datasets
 
     if files:
-        exts = {Path(f).suffix.lower() for f in files}
-        if exts <= {".txt", ".text", ".md"}:
-            builder, kwargs = "text", {"sample_by": text_sample_by}
-        elif exts <= {".jsonl", ".json"}:
-            builder, kwargs = "json", {}
-        elif exts <= {".parquet"}:
-            builder, kwargs = "parquet", {}
-        else:
-            raise DataError(f"--files must all be .txt/.md, .jsonl/.json or .parquet; got {sorted(exts)}")
-        missing = [f for f in files if not Path(f).exists()]
-        if missing:
-            raise DataError(f"--files not found: {missing}")
-        ds = datasets.load_dataset(builder, data_files=list(files), split="train", streaming=streaming, **kwargs)
+        builder = _files_builder(files)
+        kwargs = {"sample_by": text_sample_by} if builder == "text" else {}
+        for f in files:  # the cheap checks ran in prepare_dataset; a parquet schema is cheap too (the footer)
+            if builder == "parquet" and (problem := _parquet_problem(Path(f), text_column, rows=False)):
+                raise DataError(problem)
+        try:
+            with _quiet_datasets():
+                ds = datasets.load_dataset(builder, data_files=list(files), split="train", streaming=streaming,
+                                           **kwargs)
+        except Exception as err:  # noqa: BLE001 - datasets wraps the reader's errors in several types
+            raise _files_error(files, builder, text_column, err) from err
         desc = f"local {builder} files: {', '.join(str(f) for f in files)}"
     else:
         try:
@@ -325,12 +719,21 @@ def _load_source(source: str, files: Sequence[str] | None, text_column: str, str
                 f"the offline default (--source stdlib) or local files (--files a.txt b.jsonl c.parquet)."
             ) from err
         desc = f"Hugging Face dataset {source} (split train{', streaming' if streaming else ''})"
-    if text_column != "text":
-        if text_column not in (ds.column_names or []):
-            raise DataError(f"--text-column {text_column!r} not in the dataset columns {ds.column_names}")
-        ds = ds.rename_column(text_column, "text")
-    elif ds.column_names is not None and "text" not in ds.column_names:
-        raise DataError(f"the dataset has no 'text' column (columns: {ds.column_names}); pass --text-column NAME")
+    columns = ds.column_names
+    if columns is not None and text_column not in columns:
+        if files:
+            raise _files_error(files, builder, text_column)
+        raise DataError(f"the dataset has no {text_column!r} column (columns: {columns}); pass --text-column NAME")
+    if not streaming:
+        feature = ds.features[text_column]
+        nulls = ds.data.table.column(text_column).null_count
+        if getattr(feature, "dtype", None) not in ("string", "large_string") or nulls:
+            if files:
+                raise _files_error(files, builder, text_column)
+            raise DataError(f"the {text_column!r} column of {source!r} must hold text in every row; it is "
+                            f"{feature} with {nulls} missing values")
+    if text_column != "text":  # keep only that column: a 'text' column beside it would block the rename
+        ds = ds.select_columns([text_column]).rename_column(text_column, "text")
     if not streaming and max_docs is not None:
         ds = ds.select(range(min(max_docs, len(ds))))
     return ("stream" if streaming else "dataset"), ds, desc
@@ -351,6 +754,7 @@ def prepare_dataset(
     text_column: str = "text",
     text_sample_by: str = "paragraph",
     allow_download: bool = True,
+    overwrite: bool = True,
     log=print,
 ) -> dict:
     """Tokenise a corpus into uint16 shards under ``output_dir`` (layout in the module docstring); returns meta.
@@ -364,9 +768,13 @@ def prepare_dataset(
             0.05% otherwise). The document with the smallest hash goes to validation when none would.
         docs_per_shard: documents per shard (a unit of resumption).
         streaming: iterate the source without downloading it whole (``datasets`` streaming).
+        overwrite: what to do with a folder holding other data (other inputs or settings, an earlier version's
+            layout, a damaged tokenizer or shard): rebuild it (default) or raise :class:`DataError` (False).
+
+    A folder whose manifest matches this request and all its checksums is reused as it is; an unfinished one
+    (same settings) is completed, keeping the shards that are intact.
     """
     out = Path(output_dir)
-    (out / "shards").mkdir(parents=True, exist_ok=True)
     num_proc = num_proc or max(1, min(os.cpu_count() or 1, 8))
     if files:
         source = "files"
@@ -376,25 +784,76 @@ def prepare_dataset(
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if docs_per_shard < 1:
         raise DataError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
-    settings = {"source": source, "files": [str(f) for f in files] if files else None, "seed": seed,
-                "val_fraction": val_fraction, "docs_per_shard": docs_per_shard, "text_column": text_column}
-    settings_path = out / "settings.json"
-    if settings_path.exists():
-        old = json.loads(settings_path.read_text())
-        if old != settings:
-            changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-            raise DataError(f"{out} holds shards prepared with other settings {changed}; use another --output-dir "
-                            f"or delete it.")
+    if max_docs is not None and max_docs < 1:
+        raise DataError(f"max_docs must be >= 1, got {max_docs}")
+    check_tokenizer_path(tokenizer)
+    if files:
+        builder = _files_builder(files)
+        for f in files:
+            _check_input_file(Path(f), builder)
+    settings = _settings(source, files, tokenizer, vocab_size, seed, val_fraction, docs_per_shard, text_column,
+                         text_sample_by)
+    state, found = _existing_state(out, settings, max_docs)
+    if state == "done":
+        log(f"[data] {out} already holds this preparation (manifest and checksums verified); reusing it")
+        return found
+    if state == "stale" and not overwrite:
+        raise DataError(f"{out} {found}. Not rebuilding it (--no-overwrite): delete it or choose another "
+                        f"--output-dir, or run without --no-overwrite to rebuild it")
     kind, data, data_desc = _load_source(source, files, text_column, streaming, max_docs, text_sample_by, num_proc)
     log(f"[data] data: {data_desc}")
+    if state == "stale":
+        log(f"[data] {out} {found}: rebuilding it")
+        _clear(out)
+
+    # Which finished shards stay: checked (sha256) before anything is changed, so that --no-overwrite can stop.
+    keep: dict[int, dict] = {}
+    rewrite: list[str] = []
+    n_docs = forced_val = 0
+    if kind in ("list", "dataset"):
+        n_docs = len(data)
+        if n_docs == 0:
+            raise DataError(f"the corpus is empty ({data_desc})")
+        val = is_validation(np.arange(n_docs), seed, val_fraction)
+        forced_val = -1
+        if not val.any() and val_fraction > 0:
+            forced_val = int(np.argmin(split_hash(np.arange(n_docs), seed)))
+        for shard in range((n_docs + docs_per_shard - 1) // docs_per_shard):
+            lo, hi = shard * docs_per_shard, min(n_docs, (shard + 1) * docs_per_shard)
+            info, why = _finished_shard(out, shard, lo, hi - lo, forced_val if lo <= forced_val < hi else -1)
+            if info is not None:
+                keep[shard] = info
+            elif why:
+                rewrite.append(f"shard {shard} ({why})")
+    else:
+        done = 0
+        while max_docs is None or done < max_docs:
+            want = docs_per_shard if max_docs is None else min(docs_per_shard, max_docs - done)
+            info, why = _finished_shard(out, len(keep), done, want, -1, may_end_early=True)
+            if info is None:
+                if why:
+                    rewrite.append(f"shard {len(keep)} ({why})")
+                break
+            keep[len(keep)] = info
+            done += info["num_docs"]
+            if info.get("end_of_data"):
+                break
+    if rewrite and not overwrite:
+        raise DataError(f"{out}: {'; '.join(rewrite)} would have to be rewritten. Not rewriting (--no-overwrite): "
+                        f"delete the folder or choose another --output-dir, or run without --no-overwrite")
+    for item in rewrite:
+        log(f"[data] rewriting {item}")
+    for name in (MANIFEST, "meta.json"):  # until the new manifest is written, the folder is not prepared
+        (out / name).unlink(missing_ok=True)
+    (out / "shards").mkdir(parents=True, exist_ok=True)
 
     tok_dir = out / "tokenizer"
-    if (tok_dir / "tokenizer_config.json").exists():
+    if (tok_dir / "tokenizer_config.json").exists():  # checked intact by _existing_state
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tok_dir)
-        old_meta = json.loads((out / "tokenizer_info.json").read_text())
-        choice = TokenizerChoice(tok, old_meta["name"], old_meta["description"])
+        tok_info = json.loads((out / "tokenizer_info.json").read_text())
+        choice = TokenizerChoice(tok, tok_info["name"], tok_info["description"])
         log(f"[data] reusing the tokenizer saved in {tok_dir}")
     else:
         sample_texts = None
@@ -408,7 +867,9 @@ def prepare_dataset(
         choice.tokenizer.save_pretrained(tmp)
         shutil.rmtree(tok_dir, ignore_errors=True)
         os.replace(tmp, tok_dir)
-        atomic_write_json(out / "tokenizer_info.json", {"name": choice.name, "description": choice.description})
+        tok_info = {"name": choice.name, "description": choice.description,
+                    "files": {f"tokenizer/{p.name}": _file_record(p) for p in sorted(tok_dir.iterdir()) if p.is_file()}}
+        atomic_write_json(out / "tokenizer_info.json", tok_info)
     tok = choice.tokenizer
     eot_id = tok.convert_tokens_to_ids(EOT) if EOT in tok.get_vocab() else tok.eos_token_id
     if eot_id is None:
@@ -416,7 +877,7 @@ def prepare_dataset(
     if len(tok) > np.iinfo(TOKEN_DTYPE).max + 1:
         raise DataError(f"tokenizer vocab {len(tok)} does not fit uint16 shards")
     log(f"[data] tokenizer: {choice.description}; end-of-text id {eot_id}")
-    atomic_write_json(settings_path, settings)
+    atomic_write_json(out / "settings.json", settings)
 
     if num_proc > 1:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -431,56 +892,20 @@ def prepare_dataset(
             ds = datasets.Dataset.from_list([{"text": d["text"]} for d in data])
         else:
             ds = data
-        n_docs = len(ds)
-        if n_docs == 0:
-            raise DataError("the corpus is empty")
-        val = is_validation(np.arange(n_docs), seed, val_fraction)
-        forced_val = -1
-        if not val.any() and val_fraction > 0:
-            forced_val = int(np.argmin(split_hash(np.arange(n_docs), seed)))
         n_shards = (n_docs + docs_per_shard - 1) // docs_per_shard
         for shard in tqdm(range(n_shards), desc="shards", unit="shard", disable=n_shards == 1):
-            marker = out / "shards" / f"{shard:05d}.json"
-            if marker.exists():
-                shard_infos.append(json.loads(marker.read_text()))
+            if shard in keep:
+                shard_infos.append(keep[shard])
                 continue
             lo, hi = shard * docs_per_shard, min(n_docs, (shard + 1) * docs_per_shard)
             shard_infos.append(_write_shard(out, shard, ds.select(range(lo, hi)), lo, tok, eot_id, seed,
                                             val_fraction, forced_val, num_proc, log))
     else:
-        done = 0
-        shard = 0
-        while (out / "shards" / f"{shard:05d}.json").exists():
-            info = json.loads((out / "shards" / f"{shard:05d}.json").read_text())
-            shard_infos.append(info)
-            done += info["num_docs"]
-            shard += 1
-            if info["num_docs"] < docs_per_shard:
-                break
-        else:
-            it = iter(data.skip(done)) if done else iter(data)
-            total_cap = max_docs
-            bar = tqdm(desc="documents", unit="doc", initial=done)
-            while True:
-                want = docs_per_shard if total_cap is None else min(docs_per_shard, total_cap - done)
-                if want <= 0:
-                    break
-                block = []
-                for row in it:
-                    block.append(row["text"])
-                    if len(block) >= want:
-                        break
-                if not block:
-                    break
-                info = _write_shard(out, shard, datasets.Dataset.from_dict({"text": block}), done, tok, eot_id,
-                                    seed, val_fraction, -1, num_proc, log)
-                shard_infos.append(info)
-                done += len(block)
-                bar.update(len(block))
-                shard += 1
-                if len(block) < want:
-                    break
-            bar.close()
+        shard_infos = [keep[i] for i in range(len(keep))]
+        done = sum(info["num_docs"] for info in shard_infos)
+        if not (shard_infos and shard_infos[-1].get("end_of_data")):
+            shard_infos += _stream_shards(out, data, len(shard_infos), done, max_docs, docs_per_shard, tok,
+                                          eot_id, seed, val_fraction, num_proc, log, files, text_column)
     meta = {
         "format": "uint16 token shards (nanoGPT layout), documents separated by end-of-text",
         "data": data_desc,
@@ -507,17 +932,75 @@ def prepare_dataset(
         },
         "python": sys.version.split()[0],
     }
+    if meta["num_docs"] == 0:
+        raise DataError(f"the corpus is empty ({data_desc})")
     if meta["val_tokens"] == 0:
         log("[data] warning: the validation split is empty; pass a larger --val-fraction")
     atomic_write_json(out / "meta.json", meta)
+    manifest_files = {"meta.json": _file_record(out / "meta.json"), **tok_info["files"]}
+    for info in shard_infos:
+        manifest_files.update(info["files"])
+    # Last: the manifest is what makes the folder count as prepared.
+    atomic_write_json(out / MANIFEST, {"format": DATA_FORMAT, "settings": settings, "max_docs": max_docs,
+                                       "files": manifest_files})
     log(f"[data] wrote {meta['train_tokens']:,} train tokens ({meta['train_docs']} docs) and "
         f"{meta['val_tokens']:,} val tokens ({meta['val_docs']} docs) in {len(shard_infos)} shard(s) to {out}")
     return meta
 
 
+def _stream_shards(out: Path, data, first_shard: int, done: int, max_docs: int | None, docs_per_shard: int, tok,
+                   eot_id: int, seed: int, val_fraction: float, num_proc: int, log, files: Sequence[str] | None,
+                   text_column: str) -> list[dict]:
+    """Write the shards of a streamed source from shard ``first_shard``, document ``done`` on (the earlier ones
+    are finished)."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    infos: list[dict] = []
+    shard = first_shard
+    it = iter(data.skip(done)) if done else iter(data)
+    bar = tqdm(desc="documents", unit="doc", initial=done)
+    try:
+        while max_docs is None or done < max_docs:
+            want = docs_per_shard if max_docs is None else min(docs_per_shard, max_docs - done)
+            block = []
+            for row in it:
+                text = row.get("text")
+                if not isinstance(text, str):
+                    if files:
+                        raise _files_error(files, _files_builder(files), text_column)
+                    raise DataError(f"document {done + len(block)} has no text in column {text_column!r}")
+                block.append(text)
+                if len(block) >= want:
+                    break
+            if not block:
+                break
+            infos.append(_write_shard(out, shard, datasets.Dataset.from_dict({"text": block}), done, tok, eot_id,
+                                      seed, val_fraction, -1, num_proc, log, end_of_data=len(block) < want))
+            done += len(block)
+            bar.update(len(block))
+            shard += 1
+            if len(block) < want:
+                break
+    except DataError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a bad local file surfaces while streaming it
+        if not files:
+            raise
+        raise _files_error(files, _files_builder(files), text_column, err) from err
+    finally:
+        bar.close()
+    return infos
+
+
 def is_prepared(data_dir: str | os.PathLike) -> bool:
-    """True when ``data_dir`` holds a finished preparation (``meta.json``)."""
-    return (Path(data_dir) / "meta.json").exists()
+    """True when ``data_dir`` holds a finished preparation consistent with its manifest (sizes; see
+    :func:`verify_prepared`, which also says what is wrong)."""
+    try:
+        verify_prepared(data_dir)
+    except DataError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -532,10 +1015,8 @@ class TokenShards:
 
     def __init__(self, data_dir: str | os.PathLike, split: str = "train"):
         data_dir = Path(data_dir)
-        meta_path = data_dir / "meta.json"
-        if not meta_path.exists():
-            raise DataError(f"{data_dir} is not a prepared data folder (no meta.json); run scripts/prepare_data.py")
-        self.meta = json.loads(meta_path.read_text())
+        # sizes of all files against the manifest (cheap): a truncated shard is named here, not met mid-training
+        self.meta = verify_prepared(data_dir)
         if split not in self.meta["shards"]:
             raise DataError(f"split must be one of {list(self.meta['shards'])}, got {split!r}")
         self.arrays = []
@@ -595,8 +1076,19 @@ class StepSampler:
 
 
 def eval_windows(tokens: TokenShards, seq_len: int, max_windows: int | None = None) -> list[int]:
-    """Starts of consecutive non-overlapping windows of ``seq_len + 1`` tokens over a split (fixed eval set)."""
+    """Starts of consecutive non-overlapping windows of ``seq_len + 1`` tokens over a split (fixed eval set).
+
+    Raises :class:`DataError` when the split is shorter than one window: an empty evaluation would report a
+    NaN loss as if it were a result.
+    """
+    if seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {seq_len}")
     n = (len(tokens) - 1) // seq_len
+    if n < 1:
+        split = getattr(tokens, "split", "evaluation")
+        raise DataError(f"the {split} split has {len(tokens):,} tokens, fewer than one evaluation window of "
+                        f"{seq_len + 1} (seq_len {seq_len} + 1); lower seq_len or prepare more validation data "
+                        f"(a larger --val-fraction, or more documents)")
     if max_windows is not None and n > max_windows:
         # spread the windows evenly over the split
         idx = np.linspace(0, n - 1, max_windows).round().astype(np.int64)
