@@ -432,6 +432,35 @@ def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.T
     return cache_start
 
 
+def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int,
+                  bos_token_id: int | None) -> None:
+    """Refuse what the embedding lookup or the mixers would fail on deep inside torch: a wrong rank, no sequences,
+    no positions, token ids outside [0, vocab_size). ``input_ids`` (B, n) or ``inputs_embeds`` (B, n, width);
+    ``bos_token_id`` (or None) is suggested as the prompt of an empty one.
+
+    Every forward and every generate() step passes here; the id range costs one min/max reduction (and one
+    host sync, like the position check).
+    """
+    name, tokens, rank = ("input_ids", input_ids, 2) if inputs_embeds is None else ("inputs_embeds", inputs_embeds, 3)
+    shape = tuple(tokens.shape)
+    if tokens.dim() != rank:
+        dims = "batch, length" if rank == 2 else "batch, length, width"
+        raise ValueError(f"{name} must be ({dims}), got shape {shape}")
+    if shape[0] == 0:
+        raise ValueError(f"{name} holds no sequences (shape {shape}, a batch of 0); pass at least one sequence")
+    if shape[1] == 0:  # no shape in the message: generate() may have repeated the rows (beams) by now
+        start = "" if bos_token_id is None else f" (to generate from nothing, start with the BOS token {bos_token_id})"
+        raise ValueError(f"{name} holds no tokens (length 0): an empty prompt; give at least one token{start}")
+    if inputs_embeds is None:
+        low, high = torch.stack(torch.aminmax(input_ids)).tolist()
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"input_ids holds the token id {low if low < 0 else high}, outside the vocabulary (vocab_size = "
+                f"{vocab_size}: ids 0 to {vocab_size - 1}); use the model's own tokenizer, or call "
+                "model.resize_token_embeddings(len(tokenizer)) after adding tokens"
+            )
+
+
 class ResolventModel(ResolventPreTrainedModel):
     """The bare model: embeddings (token, and learned positions if configured), blocks, final LayerNorm.
 
@@ -484,9 +513,11 @@ class ResolventModel(ResolventPreTrainedModel):
             return_dict = getattr(self.config, "return_dict", True)
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
+        vocab_size = getattr(self.wte, "num_embeddings", self.config.vocab_size)  # the table actually looked up
+        bos = self.config.bos_token_id
+        # a prompt of the BOS token alone reads as all padding when the pad token is the same id
+        _check_inputs(input_ids, inputs_embeds, vocab_size, None if bos == self.config.pad_token_id else bos)
         if inputs_embeds is None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
             inputs_embeds = self.wte(input_ids)
         batch, n = inputs_embeds.shape[:2]
         device = inputs_embeds.device

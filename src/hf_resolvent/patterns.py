@@ -73,6 +73,21 @@ _ALLOWED_BINOPS = {
     ast.FloorDiv: operator.floordiv,
     ast.Pow: operator.pow,
 }
+# Bounds that keep every f: expression cheap whatever a config file holds: Python ints are exact but
+# unbounded, so '9**9**9' would otherwise run for hours. Values of f are sequence distances, and no
+# sequence is longer than 2**63, so 2**256 leaves ample room for intermediate results; with operands
+# below it, each operation costs microseconds. The text bound also bounds the tree's size and depth.
+_MAX_EXPRESSION_CHARS = 200
+_MAX_VALUE_BITS = 256
+
+
+class _ExpressionError(ValueError):
+    """A bad value of an f: expression, raised while evaluating it; its message is final (names the spec)."""
+
+
+def _shown(text: str) -> str:
+    """The expression as error messages quote it: long ones cut to their start."""
+    return repr(text) if len(text) <= 60 else f"{text[:50]!r}... ({len(text)} characters)"
 
 
 def _compile_expression(text: str) -> Callable[[int], int]:
@@ -80,11 +95,24 @@ def _compile_expression(text: str) -> Callable[[int], int]:
 
     The expression is parsed, not ``eval``-ed: names other than ``k`` and anything but + - * // **
     and integer literals are refused, so a config file cannot run code through its pattern field.
+    Its cost is bounded too: at most 200 characters, and every literal and intermediate value below
+    2**256 in magnitude (a power is refused before it is computed), else a ValueError names it.
     """
+    where = f"pattern expression {_shown('f:' + text)}"
+    if len(text) > _MAX_EXPRESSION_CHARS:
+        raise ValueError(f"{where} is too long: at most {_MAX_EXPRESSION_CHARS} characters (for example 'f:k**3+1')")
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as err:
-        raise ValueError(f"pattern expression {text!r} is not valid Python arithmetic: {err.msg}") from None
+        raise ValueError(f"{where} is not valid Python arithmetic: {err.msg}") from None
+    except (MemoryError, RecursionError):  # the parser's own nesting limits
+        raise ValueError(f"{where} is nested too deeply; write it with fewer parentheses and signs") from None
+
+    def too_large(what: str) -> str:
+        return (
+            f"{where}: {what} reaches 2**{_MAX_VALUE_BITS}; f gives offsets between positions, so its values "
+            "must stay within sequence lengths (for example 'f:k**3+1' or 'exp2')"
+        )
 
     def check(node: ast.AST) -> None:
         if isinstance(node, ast.Expression):
@@ -95,22 +123,39 @@ def _compile_expression(text: str) -> Callable[[int], int]:
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             check(node.operand)
         elif isinstance(node, ast.Constant) and type(node.value) is int:
-            pass
+            if node.value.bit_length() > _MAX_VALUE_BITS:
+                raise ValueError(too_large("an integer literal"))
         elif isinstance(node, ast.Name) and node.id == "k":
             pass
         else:
             raise ValueError(
-                f"pattern expression {text!r} may only use the variable k, integer literals and "
-                "+ - * // ** (for example 'f:k**3+1')"
+                f"{where} may only use the variable k, integer literals and + - * // ** (for example 'f:k**3+1')"
             )
 
     check(tree)
+
+    def power(base: int, exponent: int, k: int) -> int:
+        if exponent < 0:
+            raise _ExpressionError(
+                f"{where}: a negative exponent at k = {k} gives a fraction; pattern functions must return integers"
+            )
+        # |base| >= 2 gives at least (bit_length - 1) * exponent bits: refuse before computing.
+        if abs(base) >= 2 and (abs(base).bit_length() - 1) * exponent > _MAX_VALUE_BITS:
+            raise _ExpressionError(too_large(f"a power at k = {k}"))
+        return base**exponent
 
     def evaluate(node: ast.AST, k: int) -> int:
         if isinstance(node, ast.Expression):
             return evaluate(node.body, k)
         if isinstance(node, ast.BinOp):
-            return _ALLOWED_BINOPS[type(node.op)](evaluate(node.left, k), evaluate(node.right, k))
+            left, right = evaluate(node.left, k), evaluate(node.right, k)
+            if isinstance(node.op, ast.Pow):
+                value = power(left, right, k)
+            else:
+                value = _ALLOWED_BINOPS[type(node.op)](left, right)
+            if value.bit_length() > _MAX_VALUE_BITS:
+                raise _ExpressionError(too_large(f"a value at k = {k}"))
+            return value
         if isinstance(node, ast.UnaryOp):
             return -evaluate(node.operand, k)
         if isinstance(node, ast.Constant):
@@ -284,19 +329,21 @@ def _offsets_cached(f: Callable[[int], int], n: int) -> tuple[int, ...]:
 
 def _f_value(f: Callable[[int], int], k: int, previous: int | None) -> int:
     """f(k) checked: an integer, f(0) >= 1, and above ``previous`` = f(k - 1)."""
+    # named as get_pattern names the pattern: 'f:k**3+1' for an expression, 'f:my_function' for a callable
+    who = f"pattern function {_shown('f:' + getattr(f, '__name__', 'f'))}"
     try:
         v = f(k)
+    except _ExpressionError as err:  # already says what and where; raised as the plain ValueError it is
+        raise ValueError(str(err)) from None
     except Exception as err:  # a user function failing is a config problem, say which
-        raise ValueError(f"pattern function f raised {type(err).__name__} at k = {k}: {err}") from err
+        raise ValueError(f"{who} raised {type(err).__name__} at k = {k}: {err}") from err
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"pattern function f must return integers, got f({k}) = {v!r}")
+        raise ValueError(f"{who} must return integers, got f({k}) = {v!r}")
     v = int(v)
     if k == 0 and v < 1:
-        raise ValueError(f"pattern function f must satisfy f(0) >= 1, got f(0) = {v}")
+        raise ValueError(f"{who} must satisfy f(0) >= 1, got f(0) = {v}")
     if previous is not None and v <= previous:
-        raise ValueError(
-            f"pattern function f must be strictly increasing, got f({k - 1}) = {previous} and f({k}) = {v}"
-        )
+        raise ValueError(f"{who} must be strictly increasing, got f({k - 1}) = {previous} and f({k}) = {v}")
     return v
 
 
