@@ -374,11 +374,11 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _file_record(path: Path) -> dict:
+def file_record(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def _file_problem(root: Path, rel: str, record: dict, full: bool) -> str | None:
+def file_problem(root: Path, rel: str, record: dict, full: bool) -> str | None:
     """Why ``root / rel`` is not the file ``record`` describes (None when it is; sizes only unless ``full``)."""
     path = root / rel
     if not path.is_file():
@@ -428,7 +428,7 @@ def verify_prepared(data_dir: str | os.PathLike, full: bool = False) -> dict:
             and isinstance(manifest.get("files"), dict) and "meta.json" in manifest["files"]):
         raise DataError(f"{d / MANIFEST} is damaged or was written by another version; {_rebuild_hint(d)}")
     for rel, record in manifest["files"].items():
-        if problem := _file_problem(d, rel, record, full=full or rel == "meta.json"):
+        if problem := file_problem(d, rel, record, full=full or rel == "meta.json"):
             raise DataError(f"{d}: {problem}; {_rebuild_hint(d)}")
     return json.loads((d / "meta.json").read_text())
 
@@ -442,7 +442,7 @@ def _settings(source: str, files: Sequence[str] | None, tokenizer: str | None, v
     if source == STDLIB:
         inputs: Any = {"python": ".".join(map(str, sys.version_info[:3]))}  # the corpus depends only on this
     elif files:
-        inputs = [{"path": str(f), **_file_record(Path(f))} for f in files]
+        inputs = [{"path": str(f), **file_record(Path(f))} for f in files]
     else:
         inputs = {"dataset": source}
     tok: dict[str, Any] = {"name": tokenizer, "vocab_size": vocab_size}
@@ -471,7 +471,7 @@ def _tokenizer_problem(out: Path) -> str | None:
     if not isinstance(info, dict) or not isinstance(info.get("files"), dict) or not info["files"]:
         return "its tokenizer is missing or has no record of its files"
     for rel, record in info["files"].items():
-        if problem := _file_problem(out, rel, record, full=True):
+        if problem := file_problem(out, rel, record, full=True):
             return f"its tokenizer is damaged ({problem})"
     return None
 
@@ -521,7 +521,7 @@ def _finished_shard(out: Path, shard: int, first_doc: int, num_docs: int, forced
         return None, (f"it holds documents {lo} to {lo + info.get('num_docs', 0) - 1}, this run needs {first_doc} "
                       f"to {first_doc + num_docs - 1}")
     for rel, record in info["files"].items():
-        if problem := _file_problem(out, rel, record, full=True):
+        if problem := file_problem(out, rel, record, full=True):
             return None, problem
     return info, None
 
@@ -868,7 +868,7 @@ def prepare_dataset(
         shutil.rmtree(tok_dir, ignore_errors=True)
         os.replace(tmp, tok_dir)
         tok_info = {"name": choice.name, "description": choice.description,
-                    "files": {f"tokenizer/{p.name}": _file_record(p) for p in sorted(tok_dir.iterdir()) if p.is_file()}}
+                    "files": {f"tokenizer/{p.name}": file_record(p) for p in sorted(tok_dir.iterdir()) if p.is_file()}}
         atomic_write_json(out / "tokenizer_info.json", tok_info)
     tok = choice.tokenizer
     eot_id = tok.convert_tokens_to_ids(EOT) if EOT in tok.get_vocab() else tok.eos_token_id
@@ -937,7 +937,7 @@ def prepare_dataset(
     if meta["val_tokens"] == 0:
         log("[data] warning: the validation split is empty; pass a larger --val-fraction")
     atomic_write_json(out / "meta.json", meta)
-    manifest_files = {"meta.json": _file_record(out / "meta.json"), **tok_info["files"]}
+    manifest_files = {"meta.json": file_record(out / "meta.json"), **tok_info["files"]}
     for info in shard_infos:
         manifest_files.update(info["files"])
     # Last: the manifest is what makes the folder count as prepared.

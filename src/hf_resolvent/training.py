@@ -361,20 +361,12 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(folder: Path) -> None:
     """Record the size and SHA-256 of every file of ``folder`` in ``manifest.json``, written last."""
-    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    from .data import file_record
+
+    files = {str(p.relative_to(folder)): file_record(p) for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name != MANIFEST}
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps({"files": files}, indent=1))
     os.replace(tmp, folder / MANIFEST)
@@ -382,21 +374,15 @@ def write_manifest(folder: Path) -> None:
 
 def manifest_problem(folder: Path) -> str | None:
     """What is wrong with ``folder`` against its manifest (a missing, truncated or altered file), or None."""
+    from .data import file_problem
+
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
     except FileNotFoundError:
         return f"no {MANIFEST} (an interrupted save, or a checkpoint of an older version)"
     except (ValueError, KeyError, TypeError):
         return f"{MANIFEST} is unreadable"
-    for name, want in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != want["bytes"]:
-            return f"{name} has {path.stat().st_size:,} bytes, the manifest says {want['bytes']:,} (truncated?)"
-        if _sha256(path) != want["sha256"]:
-            return f"{name} does not match its checksum (altered or damaged)"
-    return None
+    return next((p for name, record in files.items() if (p := file_problem(folder, name, record, full=True))), None)
 
 
 def resumable_checkpoint(output_dir: str | os.PathLike, report=print) -> Path | None:

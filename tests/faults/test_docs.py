@@ -1,5 +1,5 @@
 """What a new user copies runs as written: the README's Python blocks, the model card's usage block (in a process
-without hf_resolvent and without a terminal, where an interactive prompt would fail), and the README's benchmark
+without hf_resolvent, at a terminal where an interactive prompt would wait), and the README's benchmark
 commands write to an untracked folder, never over the committed reference results in bench/."""
 
 from __future__ import annotations
@@ -24,9 +24,16 @@ def _blocks(text: str, language: str) -> list[str]:
 
 
 def _python(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``code`` with a terminal as its standard input, as a user would: a prompt waits there (until
+    transformers' own time-out fails the call) instead of reading end-of-file."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    terminal, stdin = os.openpty()
+    try:
+        return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout, stdin=stdin)
+    finally:
+        os.close(stdin)
+        os.close(terminal)
 
 
 @pytest.mark.parametrize("index", range(len(_blocks(README, "python"))))
@@ -47,13 +54,14 @@ _NO_HF_RESOLVENT = textwrap.dedent("""
 """)
 
 
-def test_the_model_cards_usage_block_runs_without_hf_resolvent_or_a_terminal(tiny_data, tmp_path):
+def test_the_model_cards_usage_block_runs_without_hf_resolvent_or_a_prompt(tiny_data, tmp_path):
     out = tmp_path / "model"
     load_script("pretrain").train(tiny_run_args(tiny_data, out, "--max-steps", "2"))
     card = (out / "README.md").read_text().replace("REPO_ID", str(out))  # push_to_hub fills in the real id
     (block,) = _blocks(card, "python")
     result = _python(_NO_HF_RESOLVENT + block, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Do you wish to run the custom code" not in result.stdout + result.stderr  # transformers' prompt
     assert result.stdout.strip()  # the generated text
 
 

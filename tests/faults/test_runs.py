@@ -133,7 +133,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tiny_data, straig
     _flip_a_byte(out / "checkpoints" / "step_0000006" / "model.safetensors")
     code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "7", "--resume"), capsys)
     assert code == 0, err
-    assert "step_0000006 (model.safetensors does not match its checksum" in err and "resuming from step_0000003" in err
+    assert "step_0000006 (model.safetensors is damaged: its sha256 differs" in err and "resuming from step_0000003" in err
     a, b = load_file(str(straight[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)  # steps 4-7 trained again: the same weights
 
@@ -147,7 +147,7 @@ def test_no_intact_checkpoint_is_a_clear_error(tiny_data, tmp_path, capsys):
     (ckpts / "step_0000003" / "manifest.json").unlink()  # an interrupted save
     code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "7", "--resume"), capsys)
     assert code == 2
-    assert "no intact checkpoint" in err and "step_0000006 (model.safetensors has 100 bytes" in err, err
+    assert "no intact checkpoint" in err and "step_0000006 (model.safetensors is damaged: 100 bytes" in err, err
     assert "step_0000003 (no manifest.json" in err and "Traceback" not in err
 
 
