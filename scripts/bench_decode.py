@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+from transformers import DynamicCache
 
 import hf_resolvent as hr
+from hf_resolvent.experiments import training as T
 from hf_resolvent.ops.state import state_from_sequence
 
 MIXERS = ("attention", "local_attention:256", "dense", "banded:64", "diagonal", "exp2", "exp2:ce", "square",
@@ -70,13 +71,14 @@ def contexts(lo: int, hi: int) -> list[int]:
 
 
 def build_models(args, n_positions: int) -> dict[str, torch.nn.Module]:
-    common = dict(vocab_size=args.vocab, n_positions=n_positions, n_embd=args.width, n_layer=args.layers,
-                  n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0)
-    torch.manual_seed(0)
-    models = {GPT2: GPT2LMHeadModel(GPT2Config(attn_pdrop=0.0, **common)).eval()}
-    for mixer in args.mixers:
+    """GPT-2 and every mixer at one shape, each from the experiments' model factory with seed 0."""
+    shape = dict(n_positions=n_positions, n_embd=args.width, n_layer=args.layers, n_head=args.heads,
+                 n_inner=4 * args.width)
+    models = {}
+    for name in (GPT2, *args.mixers):
         torch.manual_seed(0)
-        models[mixer] = hr.ResolventForCausalLM(hr.ResolventConfig(mixer=mixer, **common)).eval()
+        cfg = {"type": "gpt2" if name == GPT2 else "resolvent", "preset": "tiny", "mixer": name, "overrides": shape}
+        models[name] = T.build_model(cfg, args.vocab, n_positions).eval()
     return models
 
 

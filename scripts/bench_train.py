@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hf_resolvent import training as T
+from hf_resolvent.experiments import training as T
 
 
 def build_parser() -> argparse.ArgumentParser:

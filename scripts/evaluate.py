@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_resolvent import data as hdata
-from hf_resolvent import training as T
+from hf_resolvent.experiments import training as T
 
 DEFAULT_PROMPTS = {
     hdata.STDLIB: ["The", "Return a new", "This module provides"],

@@ -6,7 +6,7 @@
     accelerate launch --num_processes 8 scripts/pretrain.py --config 44m-dense --data data/openwebtext \\
         --output-dir runs/44m-dense
 
-Configs live in scripts/configs/ (``tiny``, ``44m-<mixer>``, ``355m-<mixer>``, ``*-gpt2``); ``--set
+Configs live in hf_resolvent/experiments/configs/ (``tiny``, ``44m-<mixer>``, ``355m-<mixer>``, ``*-gpt2``); ``--set
 section.key=value`` overrides any field. Without ``--data`` (and ``data.dir`` in the config) the offline default
 corpus is prepared into ``data/stdlib`` first (Python's standard-library text; see scripts/prepare_data.py).
 
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from hf_resolvent import data as hdata
 from hf_resolvent import locks
-from hf_resolvent import training as T
+from hf_resolvent.experiments import training as T
 
 DEFAULT_DATA_ROOT = "data"
 # fields that may change between an interrupted run and its resumption (they do not change the weights)
@@ -50,7 +50,7 @@ RESUMABLE_CHANGES = {("eval", "every"), ("checkpoint", "every"), ("checkpoint", 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tiny", help="config name in scripts/configs/ or a .yaml/.json path")
+    p.add_argument("--config", default="tiny", help="config name in hf_resolvent/experiments/configs/ or a .yaml/.json path")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--data", default=None, help="prepared data folder (scripts/prepare_data.py)")
     p.add_argument("--mixer", default=None, help="override model.mixer (a pattern spec such as dense or exp2:ce)")

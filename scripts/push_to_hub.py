@@ -7,7 +7,7 @@
 The upload is built in a staging folder first: the model folder's files without training state (checkpoints/,
 logs/), the model code that ``trust_remote_code=True`` loads (the ``auto_map`` modules; re-written with the
 installed hf_resolvent if the folder lacks them) and the model card ``README.md`` with the repository id filled in
-(rendered from model_cards/template.md when the folder has none). ``--dry-run [DIR]`` stops there and leaves
+(rendered from hf_resolvent/experiments/model_card.md when the folder has none). ``--dry-run [DIR]`` stops there and leaves
 exactly what would be uploaded in DIR (default ``FOLDER.hub-upload``) with a manifest; without ``--dry-run`` the
 staged folder is uploaded with ``huggingface_hub`` (needs a token: ``hf auth login`` or ``HF_TOKEN``, and network).
 """
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from hf_resolvent import data as hdata
-from hf_resolvent import training as T
+from hf_resolvent.experiments import training as T
 
 EXCLUDE_DIRS = {"checkpoints", "logs", "eval", "__pycache__", ".git"}
 EXCLUDE_FILES = re.compile(r"(^\.|\.tmp|\.lock$|^random_states_.*\.pkl$|^optimizer\.bin$)")

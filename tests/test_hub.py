@@ -13,7 +13,7 @@ from conftest import load_script
 
 from hf_resolvent import ResolventConfig, ResolventForCausalLM
 from hf_resolvent import data as D
-from hf_resolvent import training as T
+from hf_resolvent.experiments import training as T
 
 push = load_script("push_to_hub")
 

@@ -16,7 +16,7 @@ from conftest import load_script, tiny_run_args
 from safetensors.torch import load_file
 
 from hf_resolvent import data as D
-from hf_resolvent import training as T
+from hf_resolvent.experiments import training as T
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,7 +162,7 @@ def test_optimizer_decays_matrices_only_and_fuses_on_cpu():
 
 _FAULTS_OF_LARGE_BLOCKS = """
 import resource, sys, torch
-from hf_resolvent import training as T
+from hf_resolvent.experiments import training as T
 if sys.argv[1] == "keep":
     assert T.keep_freed_memory()
 for _ in range(3):  # 100 MB blocks allocated and freed: the heap settles
@@ -250,3 +250,15 @@ def test_evaluate_script_writes_table_figure_and_samples(straight, tmp_path, cap
     assert json.loads((out_a / "eval_results.json").read_text())["perplexity"] == table[0]["perplexity"]
     assert evaluate_script.main([str(tmp_path), "--out", str(out)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old, new", [("training", "load_config"), ("synthetic", "make_batch")])
+def test_moved_experiment_modules_forward_with_a_deprecation_warning(old, new):
+    import importlib
+
+    from hf_resolvent import experiments  # noqa: F401
+
+    module = importlib.import_module(f"hf_resolvent.{old}")
+    with pytest.warns(DeprecationWarning, match=f"hf_resolvent.experiments.{old}"):
+        forwarded = getattr(module, new)
+    assert forwarded is getattr(importlib.import_module(f"hf_resolvent.experiments.{old}"), new)

@@ -17,7 +17,7 @@ from conftest import load_script, tiny_run_args
 from safetensors.torch import load_file, save_file
 
 from hf_resolvent import data as D
-from hf_resolvent import training as T
+from hf_resolvent.experiments import training as T
 
 pretrain = load_script("pretrain")
 evaluate = load_script("evaluate")
