@@ -7,7 +7,7 @@ For every length n and pattern, times the forward and the forward + backward of
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=True)`` on the same
   shapes (one row per n, pattern ``"attention"``), the yardstick of the ratios.
 
-Shapes follow DESIGN.md: batch 1, 8 heads, head width 64, float32. Timings are medians of
+Shapes follow docs/DESIGN.md: batch 1, 8 heads, head width 64, float32. Timings are medians of
 ``--repeats`` runs after one warm-up, taken round-robin over the implementations of one (n, pattern)
 so that load from other processes disturbs all of them alike; compare ratios, not absolute times.
 

@@ -1,5 +1,5 @@
 """Tests of hf_resolvent.patterns: the allowed sets, the cache-efficient closed form against its recursive
-definition, the slot rule, the test vectors of DESIGN.md section 2, the analysis functions and errors.
+definition, the slot rule, the test vectors of docs/DESIGN.md section 2, the analysis functions and errors.
 
 Positions are 1-indexed as in the papers unless a name says otherwise; ``source_index``/``masks`` rows are
 0-indexed (row t is position i = t + 1, source s is position j = s + 1).
@@ -27,7 +27,7 @@ from hf_resolvent.patterns import (
 )
 
 # --------------------------------------------------------------------------------------------------
-# Independent definitions (written from DESIGN.md section 2 / paper Def. 4.10, not from the library)
+# Independent definitions (written from docs/DESIGN.md section 2 / paper Def. 4.10, not from the library)
 
 
 def f_values(f, n):
@@ -40,7 +40,7 @@ def f_values(f, n):
 
 
 def recursive_sets(f, n):
-    """S_i for i = 0..n by the recursive definition (Def. 4.10 as fixed in DESIGN.md):
+    """S_i for i = 0..n by the recursive definition (Def. 4.10 as fixed in docs/DESIGN.md):
     the positions allowed at step i are S_{i-1} U {i-1}, and
     S_i = { min{ j in S_{i-1} U {i-1} : j >= i - f(k) } : f(k) < i }."""
     fs = f_values(f, n)
@@ -187,7 +187,7 @@ def test_translation_invariant_sets(f, n):
 
 
 # --------------------------------------------------------------------------------------------------
-# Test vectors of DESIGN.md section 2
+# Test vectors of docs/DESIGN.md section 2
 
 
 def test_exp2_vectors():

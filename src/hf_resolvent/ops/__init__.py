@@ -1,4 +1,4 @@
-"""The resolvent mixer as functions: Y = (I - B)^-1 A X for a pattern (DESIGN.md sections 1 and 3).
+"""The resolvent mixer as functions: Y = (I - B)^-1 A X for a pattern (docs/DESIGN.md sections 1 and 3).
 
 Three forms compute the same function and are tested against each other:
 

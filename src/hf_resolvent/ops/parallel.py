@@ -1,7 +1,7 @@
 """Parallel form of the resolvent mixer (training, prefill): block forward substitution.
 
 Y = (I - B)^-1 A X is computed as Z = A X (an attention over P^A), then Y = Z + B Y solved by block
-forward substitution (DESIGN.md section 3.2), both with explicit backwards (autograd Functions):
+forward substitution (docs/DESIGN.md section 3.2), both with explicit backwards (autograd Functions):
 
 - dense patterns: Z by causal attention (:mod:`.flash`); the solve is a row tree of CPU flash-attention calls
   over the solved Y, merged by log-sum-exps, with C x C triangular solves at the leaves (:mod:`.dense`);

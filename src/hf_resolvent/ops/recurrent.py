@@ -2,7 +2,7 @@
 
     y_t = (1 - g_t) softmax(qa_t . ka[P^A_t]) x[P^A_t] + g_t softmax(qb_t . kb[P^B_t]) y[P^B_t]
 
-The state keeps, per layer, only the positions that future tokens may still read (DESIGN.md
+The state keeps, per layer, only the positions that future tokens may still read (docs/DESIGN.md
 section 4): all of them (attention, dense, plain f-patterns), the last w (local attention keeps w - 1,
 banded w), or the distinct positions of the cache-efficient set S_{i+1}, tracked with the slot rule.
 
@@ -113,7 +113,7 @@ def _append(state: MixerState, new: dict[str, torch.Tensor], r: torch.Tensor, ke
 
 
 def _advance_register(pattern: Pattern, state: MixerState, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
-    """Slot rule (DESIGN.md section 2), then keep the distinct positions of the new slots.
+    """Slot rule (docs/DESIGN.md section 2), then keep the distinct positions of the new slots.
 
     In 0-indexed positions, after token r the slots for token r + 1 are p'_0 = r and, for k >= 1,
     p'_k = p_k if r + 1 - f(k) <= p_k else p_{k-1}, valid once f(k) <= r + 1.

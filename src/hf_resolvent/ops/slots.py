@@ -8,7 +8,7 @@ attention) reads, for row t (0-indexed) and slot k, the source row
 with a_k = 1 for all but the cache-efficient patterns (then src_k(t) = t - f_k, a shift). The source
 of slot k is constant over runs of a_k consecutive rows and moves by a_k from one run to the next, so
 a block of rows [t0, t0 + R a) reads the strided rows ``v[s0 : s0 + R a : a]``: all slot operations
-below are slices, strided views and broadcasts, never an (n, K, d) gather (DESIGN.md section 3:
+below are slices, strided views and broadcasts, never an (n, K, d) gather (docs/DESIGN.md section 3:
 gathering was 5x slower than shifted slices at n = 8192).
 
 Tensors are slot-major: scores and weights are (B, H, K, n) so that one slot's row range is

@@ -1,7 +1,7 @@
 """Sparse triangular solve Y = Z + B Y of the parallel form, as an autograd Function with explicit backward.
 
 B = diag(g) B~ is strictly lower triangular, so Y = (I - B)^-1 Z is found by block forward
-substitution over chunks of C rows (DESIGN.md section 3.2), and the backward needs only the transposed
+substitution over chunks of C rows (docs/DESIGN.md section 3.2), and the backward needs only the transposed
 system: dZ = (I - B)^-T dY by backward block substitution, then dB_ij = dZ_i . y_j on the pattern.
 Nothing of size n x n is kept: memory is O(n d) plus the B weights of sparse patterns (O(n K)) and,
 while solving, their near-slot band blocks (O(n W), W <= 8 C).
@@ -42,7 +42,7 @@ def solve_unit_lower_(m: torch.Tensor, rows: torch.Tensor, transpose: bool = Fal
     Row-major m and rows are column-major m^T and rows^T to LAPACK, so the problem is posed as the
     right-side solve y^T m^T = rows^T (y^T m = rows^T when transposed), written over rows^T: no copies into
     column-major order, 2.8x faster than ``solve_triangular(m, rhs)`` at C = 64. The stored unit diagonal
-    with ``unitriangular=False`` is itself 3x faster than ``unitriangular=True`` (DESIGN.md section 3).
+    with ``unitriangular=False`` is itself 3x faster than ``unitriangular=True`` (docs/DESIGN.md section 3).
     """
     if transpose:
         torch.linalg.solve_triangular(m, rows.mT, upper=False, left=False, out=rows.mT)

@@ -1,7 +1,7 @@
 """Build a decode state directly from a prefilled sequence (no replay of n recurrent steps).
 
 After the parallel form has run over a prompt, the decode cache of a layer needs the rows that future tokens
-may still read (DESIGN.md section 4). :func:`state_from_sequence` keeps exactly those rows of the full-sequence
+may still read (docs/DESIGN.md section 4). :func:`state_from_sequence` keeps exactly those rows of the full-sequence
 tensors and returns the :class:`~hf_resolvent.ops.recurrent.MixerState` that ``n`` calls of ``recurrent_step``
 would have produced (same rows, positions, slot register and ``seen``), following ``recurrent.py``:
 
