@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.utils import CONFIG_NAME
 
 from .patterns import get_pattern
 
@@ -227,6 +228,19 @@ class ResolventConfig(PretrainedConfig):
             )
         _check_gate_init(self.gate_init, "gate_init")
         self.layer_mixers  # noqa: B018 - parses and validates every layer's spec
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``PretrainedConfig.get_config_dict``, refusing a folder without config.json: transformers would build a
+        default config (768 wide, ``mixer="exp2:ce"``) and load the weights into it."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if not config_dict:
+            raise OSError(
+                f"{pretrained_model_name_or_path} has no {CONFIG_NAME} (or an empty one): a model folder needs the "
+                f"{CONFIG_NAME} that save_pretrained writes beside the weights (sizes, mixer per layer). Restore it, "
+                "or pass the model's config explicitly: from_pretrained(path, config=ResolventConfig(...))"
+            )
+        return config_dict, kwargs
 
     @property
     def layer_mixers(self) -> list[dict[str, Any]]:

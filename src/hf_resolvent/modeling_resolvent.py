@@ -18,20 +18,24 @@ Padding: a 2-D ``attention_mask`` with left padding becomes the ops' ``start`` (
 and positions count from the first real token, so a left-padded batch gives the same outputs as each sequence
 alone); right padding needs nothing in a full forward (the mixer is causal); holes are refused.
 
-This file is copied into saved model folders (remote code): it imports only ``torch``, ``transformers`` and
-flat sibling modules.
+This file is copied into saved model folders (remote code): it imports only ``torch``, ``transformers`` (and
+``safetensors``, which transformers requires) and flat sibling modules.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import math
+import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -39,6 +43,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .cache_resolvent import ResolventCache
 from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
@@ -345,6 +350,99 @@ def write_ops_bundle(folder: str | Path) -> list[Path]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Checkpoints: the weights files record the mixers they were saved for
+
+# Key in the safetensors header metadata (``__metadata__``, str -> str) of every weights file save_pretrained
+# writes: a JSON list with one mixer spec per layer. config.json can be edited and from_pretrained(..., mixer=...)
+# overrides it, while parameters of the same shapes load into any pattern without complaint: this record is
+# what tells that the weights were trained for another mixer.
+MIXERS_METADATA_KEY = "hf_resolvent.mixers"
+
+
+def _mixer_specs(config: ResolventConfig) -> list[str]:
+    """One spec string per layer, as a mixer field writes it: ``"exp2:ce"``, ``"dense+tied"``. The gate_init is left
+    out: it only sets the starting values, which the weights replace."""
+    return [spec["pattern"] + ("+tied" if spec["tied"] else "") for spec in config.layer_mixers]
+
+
+def _variant_name(name: str, variant: str | None) -> str:
+    """``model.safetensors`` -> ``model.<variant>.safetensors``, as save_pretrained names variants."""
+    if not variant:
+        return name
+    stem, ext = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{ext}"
+
+
+def _saved_weight_files(folder: Path, variant: str | None) -> list[Path]:
+    """The safetensors files of a saved folder: the single file and/or the shards its index lists."""
+    files = []
+    single = folder / _variant_name(SAFE_WEIGHTS_NAME, variant)
+    if single.is_file():
+        files.append(single)
+    index = folder / _variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+    if index.is_file():
+        files += [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return files
+
+
+def _add_safetensors_metadata(path: Path, metadata: dict[str, str]) -> None:
+    """Add entries to the header metadata of a safetensors file (save_pretrained takes no metadata but a
+    quantizer's): the tensors are written again, with the old metadata and the new entries."""
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(path, framework="pt") as f:
+        old = f.metadata() or {}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(load_file(path), tmp, metadata={**old, **metadata})
+    os.replace(tmp, path)
+
+
+def _check_weight_files(config: ResolventConfig, files: list[str] | None) -> None:
+    """Before from_pretrained reads any weight: every safetensors file must open (else an OSError naming it), and
+    the mixers recorded at save time must be those of ``config`` (else a warning naming both)."""
+    saved = None
+    for file in files or []:
+        if not str(file).endswith(".safetensors"):
+            continue
+        if not os.path.isfile(file):  # a shard listed in the index but not there
+            raise FileNotFoundError(
+                f"the weights file {file} is missing: the model folder is incomplete; copy or download it again"
+            )
+        try:
+            with safe_open(file, framework="pt") as f:
+                metadata = f.metadata() or {}
+        except (SafetensorError, OSError) as err:
+            raise OSError(
+                f"cannot read the weights file {file}: {err}. The file is truncated or damaged (an interrupted save, "
+                "copy or download): save or download the model again"
+            ) from None
+        if saved is None and MIXERS_METADATA_KEY in metadata:
+            saved = (file, metadata[MIXERS_METADATA_KEY])
+    if saved is None:  # saved before this record existed, or by other code: nothing to compare
+        return
+    file, record = saved
+    try:
+        trained = json.loads(record)
+    except ValueError:
+        trained = record
+    loading = _mixer_specs(config)
+    if trained != loading:
+        warnings.warn(
+            f"the weights in {file} were trained with mixer={_shown_specs(trained)}, but the config loading them "
+            f"says mixer={_shown_specs(loading)}: the outputs will not be those of the trained model. Load with the "
+            "saved mixer (restore config.json, or drop the mixer override of from_pretrained), or fine-tune if the "
+            "switch is intended",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _shown_specs(specs: Any) -> str:
+    """A mixer record as a mixer field would say it: one spec when every layer has it, else the list."""
+    return repr(specs[0]) if isinstance(specs, list) and specs and len(set(map(str, specs))) == 1 else repr(specs)
+
+
+# --------------------------------------------------------------------------------------------------
 # Models
 
 
@@ -375,16 +473,28 @@ class ResolventPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained`` (safetensors), plus the model code when the class is registered for
         an auto class (``import hf_resolvent`` does that): ``auto_map`` for AutoConfig, AutoModel and
-        AutoModelForCausalLM, the modeling files, and flat copies of the mixer functions."""
+        AutoModelForCausalLM, the modeling files, and flat copies of the mixer functions. Every weights file records
+        the mixer of each layer in its metadata; from_pretrained warns when the config loading it says otherwise."""
         remote = self.is_remote_code()
         if remote:
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             auto_map.update(AUTO_MAP)
             self.config.auto_map = auto_map
         result = super().save_pretrained(save_directory, *args, **kwargs)
-        if remote and kwargs.get("is_main_process", True):
-            write_ops_bundle(save_directory)
+        if kwargs.get("is_main_process", True):  # the process that wrote the files
+            if remote:
+                write_ops_bundle(save_directory)
+            record = {MIXERS_METADATA_KEY: json.dumps(_mixer_specs(self.config))}
+            for path in _saved_weight_files(Path(save_directory), kwargs.get("variant")):
+                _add_safetensors_metadata(path, record)
         return result
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        """from_pretrained hook that receives the resolved weights files (local or downloaded): check them first."""
+        _check_weight_files(model.config, checkpoint_files)
+        return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
+                                                      **kwargs)
 
 
 def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.Tensor | None):
