@@ -1,7 +1,7 @@
 """Decode cache of resolvent models: a ``transformers`` :class:`~transformers.Cache` with one mixer state per layer.
 
-Each layer keeps only what its pattern lets future tokens read (DESIGN.md section 4): every position for
-attention, dense and plain f-patterns, the last w for local attention and banded patterns, and the distinct
+Each layer keeps only what its pattern lets future tokens read (docs/DESIGN.md section 4): every position for
+attention, dense and plain f-patterns, the last w - 1 for local attention, the last w for banded patterns, and the distinct
 positions of the slot register for cache-efficient patterns (12 rows after 2048 tokens for ``exp2:ce``).
 A row holds the keys of both channels (after RoPE), the input x and the output y; the tied variant keeps its
 B keys and z only; attention kinds keep their keys and values.

@@ -1,7 +1,7 @@
 """Configuration of resolvent language models: a GPT-2 backbone whose attention is a resolvent mixer.
 
 Each layer's token mixer is Y = (I - B)^-1 A X with a sparsity pattern of :mod:`hf_resolvent.patterns`
-(DESIGN.md sections 1 and 2). The ``mixer`` field names it, for all layers at once or one per layer.
+(docs/DESIGN.md sections 1 and 2). The ``mixer`` field names it, for all layers at once or one per layer.
 
 This file is copied into saved model folders (remote code): it may import only flat sibling modules.
 """
@@ -26,7 +26,7 @@ MIXER_IMPLS = ("auto", "parallel", "triton")
 CLOSED_GATE_VALUE = math.exp(-16.0)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The papers' sizes (DESIGN.md section 5).
+    # The papers' sizes (docs/DESIGN.md section 5).
     "44m": {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_inner": 2048, "n_positions": 512},
     "355m": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_inner": 4096, "n_positions": 2048},
     # Small enough to fine-tune for a few hundred steps on a laptop CPU in minutes.

@@ -1,6 +1,6 @@
 """Resolvent language models for ``transformers``: GPT-2 blocks whose attention is a resolvent token mixer.
 
-Each block computes, per head, Y = (I - B)^-1 A X (DESIGN.md section 1) with
+Each block computes, per head, Y = (I - B)^-1 A X (docs/DESIGN.md section 1) with
 
 - values x = W_x u, two query/key pairs (q^A, k^A) and (q^B, k^B) with RoPE on all four (or GPT-2's learned
   position table), masked softmaxes A~ over P^A_i and B~ over P^B_i (the layer's pattern);
@@ -185,7 +185,7 @@ class ResolventMixer(nn.Module):
         return self.resid_dropout(self.out_proj(out))
 
     def _state_rows(self, t, y, d, start) -> dict[str, torch.Tensor]:
-        """The per-position tensors a decode state stores (DESIGN.md section 4), each (B, H, n, .)."""
+        """The per-position tensors a decode state stores (docs/DESIGN.md section 4), each (B, H, n, .)."""
         if not self.recurrent:
             return {"keys_a": t["ka"], "values": t["x"]}
         if self.tied:

@@ -1,7 +1,7 @@
 """Sparsity patterns of the resolvent mixer: which alpha_ij and beta_ij may be non-zero.
 
 A pattern fixes, for every position, the set P^B_i of earlier outputs that the recurrent channel B
-reads and the set P^A_i of inputs that the direct channel A reads (DESIGN.md section 2).
+reads and the set P^A_i of inputs that the direct channel A reads (docs/DESIGN.md section 2).
 
 Conventions
 -----------
