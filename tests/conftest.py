@@ -27,9 +27,12 @@ settings.load_profile("hf_resolvent")
 torch.set_num_threads(int(os.environ.get("HF_RESOLVENT_TEST_THREADS", "1")))
 
 
+REPO = Path(__file__).resolve().parents[1]  # the repository's root
+
+
 def load_script(name: str):
     """The module of ``scripts/<name>.py`` (the scripts are not a package), loaded afresh."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    path = REPO / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -89,6 +92,19 @@ def torch_path():
 
     with cpu_kernels.disabled():
         yield
+
+
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# Tiny shapes: intra-op thread hand-offs would dominate on a loaded machine (gradcheck runs thousands of tiny
+# forwards). Both set one thread whatever HF_RESOLVENT_TEST_THREADS says, and restore the count afterwards.
+one_thread = pytest.fixture(_one_thread, name="one_thread")
+one_thread_module = pytest.fixture(_one_thread, scope="module", name="one_thread_module")
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import load_script, tiny_run_args
+from conftest import REPO, load_script, tiny_run_args
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 README = (ROOT / "README.md").read_text()
 
 

@@ -23,12 +23,7 @@ import hf_resolvent as hr
 VOCAB = 61
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes: thread hand-offs would dominate
 
 
 @pytest.fixture(scope="module")

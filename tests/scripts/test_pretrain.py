@@ -12,14 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script, tiny_run_args
+from conftest import REPO, load_script, tiny_run_args
 from safetensors.torch import load_file
 
 from hf_resolvent import data as D
 from hf_resolvent.experiments import training as T
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 pretrain = load_script("pretrain")
 
@@ -190,7 +187,7 @@ def test_two_processes_under_accelerate_launch_agree(data_dir, straight, tmp_pat
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--num_processes", "2", "--cpu",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           str(ROOT / "scripts" / "pretrain.py"), *_args(data_dir, out, "--max-steps", "7")]
+           str(REPO / "scripts" / "pretrain.py"), *_args(data_dir, out, "--max-steps", "7")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "train_results.json").read_text())

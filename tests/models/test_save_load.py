@@ -14,13 +14,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import hf_resolvent as hr
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes: thread hand-offs would dominate
 
 
 def tiny_model(mixer, seed=0, **kw) -> hr.ResolventForCausalLM:

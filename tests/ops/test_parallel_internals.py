@@ -29,13 +29,6 @@ from hf_resolvent.ops.solve import SparseSolve, solve_unit_lower_
 from hf_resolvent.patterns import get_pattern
 
 F64 = torch.float64
-@pytest.fixture
-def one_thread():
-    """gradcheck runs thousands of tiny forwards: thread hand-offs would dominate on a loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 SPARSE = ["banded:3", "diagonal", "exp2", "exp2:ce", "square", "square:ce", "f:3*k+1:ce", "local_attention:4"]

@@ -28,13 +28,7 @@ KINDS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread is ~10x faster on a shared 2-core machine (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes: thread hand-offs would dominate
 
 
 def tiny_model(mixer="exp2:ce", seed=0, **kw) -> hr.ResolventForCausalLM:

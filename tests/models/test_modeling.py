@@ -11,14 +11,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GPT2Config
 import hf_resolvent as hr
 from hf_resolvent.configuration_resolvent import CLOSED_GATE_VALUE
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread is ~10x faster on a shared 2-core machine (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes: thread hand-offs would dominate
 
 
 def tiny_config(mixer="exp2:ce", **kw) -> hr.ResolventConfig:
