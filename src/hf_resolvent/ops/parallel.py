@@ -38,46 +38,6 @@ SPARSE_CHUNK = 32
 DEFAULT_CHUNK = DENSE_CHUNK
 
 
-def sparse_index(pattern: Pattern, n: int, start: torch.Tensor | None, device) -> torch.Tensor:
-    """(B or 1, n, M) LongTensor of 0-indexed sources per row, -1 where empty.
-
-    With ``start`` the pattern's row r of sequence b sits at t = r + start[b], and so do its sources.
-    """
-    rel = pattern.source_index(n).to(device)
-    if start is None:
-        return rel[None]
-    t = torch.arange(n, device=device)
-    r = t[None, :] - start[:, None].to(device)  # (B, n) pattern row of each position
-    rows = rel[r.clamp(min=0)]  # (B, n, M)
-    shifted = rows + start[:, None, None].to(device)
-    return torch.where((r[..., None] >= 0) & (rows >= 0), shifted, -1)
-
-
-def gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows of t (B, H, n, d) at idx (B or 1, m, M) -> (B, H, m, M, d); -1 entries give row 0."""
-    batch, heads, _, d = t.shape
-    _, m, slots = idx.shape
-    flat = idx.clamp(min=0).reshape(idx.shape[0], 1, m * slots, 1).expand(batch, heads, m * slots, d)
-    return torch.gather(t, 2, flat).view(batch, heads, m, slots, d)
-
-
-def direct_mix(qa, ka, x, pattern: Pattern, start=None, scale=None) -> torch.Tensor:
-    """A~ X (B, H, n, e): softmax attention of qa over ka restricted to P^A (which holds the row itself).
-
-    Dense kinds use causal attention (:func:`.flash.causal_attention`); sparse kinds score P^A = {t} U P^B_t
-    by shifted / strided slices.
-    Padded rows (``start``) come out as garbage-free but meaningless rows: callers zero them.
-    """
-    pattern = get_pattern(pattern)
-    n = x.shape[-2]
-    scale = qa.shape[-1] ** -0.5 if scale is None else scale
-    roll = _Roll.make(start, n)
-    if roll is not None:
-        qa, ka, x = roll.forward(qa), roll.forward(ka), roll.forward(x)
-    out = _direct(qa, ka, x, pattern, scale)
-    return out if roll is None else roll.back(out)
-
-
 class _Roll:
     """Left padding turned into right padding: sequence b is rotated left by start[b].
 
@@ -130,15 +90,6 @@ def _solve(qb, kb, g_eff, z, pattern: Pattern, scale: float, chunk) -> torch.Ten
     with serial_for(z):
         w = slot_probs(qb, kb, layout, scale) * g_eff[:, :, None, :]
         return SparseSolve.apply(w, z, layout, chunk or SPARSE_CHUNK)
-
-
-def has_recurrent_row(pattern: Pattern, n: int, start, device) -> torch.Tensor:
-    """(B or 1, 1, n) float mask: 1 where P^B of the row is non-empty (else the gate is forced to 0)."""
-    if pattern.kind == "dense":
-        t = torch.arange(n, device=device)
-        first = torch.zeros(1, device=device, dtype=torch.long) if start is None else start.to(device)
-        return (t[None, :] > first[:, None]).float()[:, None]
-    return (sparse_index(pattern, n, start, device) >= 0).any(-1).float()[:, None]
 
 
 def _promote(*ts):
