@@ -23,7 +23,6 @@ plot next to the JSON (same stem) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -204,13 +203,10 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = run(args)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
+    png = T.write_result(args.out, result, plot)
     print(table(result))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {args.out} and {png}")
     return 0
 
 

@@ -19,7 +19,6 @@ Shape (paper Table 2): 6 layers, d 512, ff 2048, 8 heads of 64, context 512, voc
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -154,12 +153,9 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
+    png = T.write_result(args.out, result, plot)
     print(markdown(result))
-    print(f"[bench_train] wrote {out} and {out.with_suffix('.png')}")
+    print(f"[bench_train] wrote {args.out} and {png}")
     return 0
 
 

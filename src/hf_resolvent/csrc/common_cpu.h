@@ -6,7 +6,8 @@
 namespace hf_resolvent {
 
 // Dot product in 16 independent lanes: without -ffast-math GCC keeps `omp simd reduction(+)` (and a plain loop)
-// a scalar, latency-bound chain; the lane array vectorizes (measured 8% of the dense backward).
+// a scalar, latency-bound chain, a visible share of the dense backward; the lane array vectorizes
+// (figures: bench/NOTES.md).
 template <typename T>
 inline T dot(const T* __restrict x, const T* __restrict y, int64_t len) {
   constexpr int L = 16;

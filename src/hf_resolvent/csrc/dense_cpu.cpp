@@ -14,8 +14,8 @@
 // run on one thread (MKL goes serial inside an OpenMP region), which on few cores beats splitting
 // one head's small gemms over threads. Build with -fopenmp: ATen's OpenMP parallel_for is an inline
 // `omp parallel`, which without it runs every head on the calling thread (and MKL then threads each small
-// gemm, mostly spinning: measured slower on 2 threads than on 1). Rows go in chunks of C: a chunk's scores
-// against all earlier keys are one gemm, the contribution of the solved rows before it a second gemm, and
+// gemm, mostly spinning, so that 2 threads lost to 1; see bench/NOTES.md). Rows go in chunks of C: a chunk's
+// scores against all earlier keys are one gemm, the contribution of the solved rows before it a second gemm, and
 // only the C x C unit lower-triangular in-chunk system is solved by substitution loops. Nothing of
 // size n x n is stored: per thread, two C x n scratch buffers. This is hf_resolvent/ops/dense.py's DenseSolve
 // (its PyTorch twin and reference) without the row tree: the gemms see whole chunks of rows.
@@ -103,7 +103,7 @@ inline double fast_exp(double x) { return std::exp(x); }  // float64 is for chec
 
 // Max of s[0:len), in a 64-byte GCC/Clang vector (lowered to whatever the target has): without
 // -ffast-math GCC vectorizes neither `omp simd reduction(max)` nor a lane array of float maxes, and the
-// scalar chain measured 7% of the forward.
+// scalar chain was a visible share of the forward (figures: bench/NOTES.md).
 template <typename T>
 T row_max(const T* s, int len) {
   constexpr int L = 64 / sizeof(T);

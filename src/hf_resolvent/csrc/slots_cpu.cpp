@@ -105,7 +105,7 @@ at::Tensor slot_probs(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     const scalar_t sc = static_cast<scalar_t>(scale);
     at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
       // A row's scores live in `row` until written: the output's slot stride is n elements, and with many
-      // slots several passes over those strided entries thrash the cache (measured 4x slower at n = 2048).
+      // slots several passes over those strided entries thrash the cache (figures: bench/NOTES.md).
       std::vector<scalar_t> row(slots);
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* qr = qp + r * n * d;

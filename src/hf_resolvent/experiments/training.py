@@ -285,8 +285,8 @@ def build_optimizer(model, lr: float, betas=(0.9, 0.98), weight_decay: float = 0
     """AdamW with weight decay on matrices (embeddings included) and none on biases, norms and gate vectors.
 
     ``fused`` (default: when every parameter is on a FUSED_ADAMW_DEVICES device; pass it when the model moves
-    after this call) selects PyTorch's fused implementation: on CPU it measured 32 ms against 140 ms for the
-    per-tensor loop over a 48M-parameter model (2 cores), about 7% of a 44M training step. Both compute the same
+    after this call) selects PyTorch's fused implementation, on CPU too: there the per-tensor loop it replaces
+    is a noticeable share of a small model's training step (figures: bench/NOTES.md). Both compute the same
     update up to float rounding.
     """
     import torch
@@ -305,11 +305,12 @@ def build_optimizer(model, lr: float, betas=(0.9, 0.98), weight_decay: float = 0
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory for reuse instead of returning it to the system (CPU training).
 
-    Every step of the 44M shape allocates and frees about 750 MB in blocks of 100 MB (logits, their gradient,
-    the tied embedding's gradients); glibc serves blocks that large with fresh ``mmap`` pages, so the kernel
-    faulted in and zeroed 190k pages per step: 400 ms of system time per 1.5 s step, measured on 2 cores.
-    With mmap off and trimming at 2 GB the freed blocks are reused (13k faults, 70 ms). PyTorch's CPU tuning
-    guide gets the same from jemalloc or tcmalloc. Returns False where there is no glibc (nothing changed).
+    Every step of the 44M shape allocates and frees blocks of about 100 MB (logits, their gradient, the tied
+    embedding's gradients); glibc serves blocks that large with fresh ``mmap`` pages, so the kernel faults in
+    and zeroes all of them again every step, a large share of the step spent as system time. With mmap off and
+    trimming at 2 GB the freed blocks are reused and most of those faults go away (figures: bench/NOTES.md).
+    PyTorch's CPU tuning guide gets the same from jemalloc or tcmalloc. Returns False where there is no glibc
+    (nothing changed).
     """
     import ctypes
 
@@ -461,6 +462,17 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, path)
+
+
+def write_result(out: str | os.PathLike, result: dict, plot) -> Path:
+    """Write a script's ``result`` as JSON at ``out`` and its figure, ``plot(result, png)``, beside it (same stem,
+    ``.png``); returns the PNG's path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    png = out.with_suffix(".png")
+    plot(result, png)
+    return png
 
 
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> None:

@@ -1,7 +1,8 @@
 """The dense pattern (P^B_i = all earlier positions) in the parallel form, with an explicit backward.
 
 Y = Z + B Y with B = diag(g) softmax_{j<i}(scale qb_i . kb_j); Z = (1 - g) A~ X comes from causal attention
-(:mod:`.flash`; solving it in the same row tree with the heads stacked was measured slower).
+(:mod:`.flash`; it is computed apart because solving it in the same row tree with the heads stacked took
+longer, see bench/NOTES.md).
 
 Rows are split recursively (a binary tree on chunk boundaries). For a node [a, c) split at s0, the
 contribution of keys [a, s0) to rows [s0, c) is one call of the CPU flash attention kernel
@@ -31,8 +32,9 @@ from .threads import by_head_groups, head_groups
 
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
 
-# The backward splits the heads over worker threads from this many rows on (measured on 2 cores, fwd+bwd:
-# 0.86x the time at n = 2048, even at 1024, 1.24x at 512 where the hand-offs outweigh the gain).
+# The backward splits the heads over worker threads from this many rows on: at 2048 rows the groups keep
+# the cores busy through the tree's many small ops, at 1024 they neither help nor hurt, and at 512 the
+# hand-offs outweigh the gain (figures: bench/NOTES.md).
 GROUPED_MIN_ROWS = 2048
 
 
@@ -165,7 +167,8 @@ class DenseSolve(torch.autograd.Function):
         n, (d, e) = grad.shape[2], ctx.dims
         grad = _pad(grad, y.shape[2], y.shape[3])
         # Long backwards split the heads over worker threads (see .threads); the forward, whose leaves are
-        # fewer ops, runs every op on the intra-op threads. Both measured fastest that way on 2 cores.
+        # fewer ops, runs every op on the intra-op threads: of the threading choices tried on 2 cores, this pairing
+        # did best for each direction (figures: bench/NOTES.md).
         groups = head_groups(qp) if y.shape[2] >= GROUPED_MIN_ROWS else 1
         dq, dk, dz, dg = by_head_groups(lambda *t: _tree_backward(*t, ctx.scale, ctx.chunk),
                                         (qp, kp, y, o, lse, gp, grad), groups)

@@ -6,8 +6,9 @@ both are replaced by compiled kernels where those build (:mod:`.cpu_kernels`); t
 
 Why causal attention is split here: PyTorch's CPU flash kernel walks keys in blocks of 512 and skips
 only whole blocks above the diagonal, so up to n = 512 a causal call costs as much as a full one. Split
-into a row tree (causal leaves of LEAF rows, full blocks below them) it does about half the work: at
-n = 512 (B 1, H 8, d 64, 2 cores) forward + backward 22.8 -> 17.2 ms, and the dense mixer's 46.5 -> 36.7 ms.
+into a row tree (causal leaves of LEAF rows, full blocks below them) it does about half the work, which
+shortens causal attention and the dense mixer built on it for SPLIT_MIN_ROWS <= n <= SPLIT_MAX_ROWS
+(figures: bench/NOTES.md).
 
 Shapes: B batch, H heads, n positions, d key width, e value width.
 """
@@ -24,9 +25,9 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 FANOUT = 2  # children per node of the row tree
 # Causal attention is split into a row tree on CPU for SPLIT_MIN_ROWS <= n <= SPLIT_MAX_ROWS, with causal leaves
-# of LEAF rows. Measured on 2 cores (B 1, H 8, d 64, fwd+bwd, interleaved): n = 256 4.8 -> 5.4 ms (slower),
-# 384 10.2 -> 9.4, 512 22.8 -> 17.2, 640 22.6 -> 22.6, 768 29.8 -> 35.1, 1024 45.8 -> 49.2: past 512 keys the
-# kernel's own block skipping works. LEAF 128 beat 64 and 256 at n = 512.
+# of LEAF rows. Below 384 rows the tree's extra calls cost more than the masked work they skip; past 512 keys
+# the kernel's own block skipping works and the tree only adds calls. Of the leaf sizes tried at n = 512
+# (64, 128, 256), 128 did best. Figures: bench/NOTES.md.
 SPLIT_MIN_ROWS, SPLIT_MAX_ROWS, LEAF = 384, 512, 128
 
 
@@ -141,9 +142,9 @@ class _SplitCausalAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-# Rows per gemm block of the compiled causal attention. Measured (B 1, H 8, d 64, fwd+bwd, interleaved): n = 512
-# 32: 9.6, 64: 9.8, 128: 10.5 ms (PyTorch's flash kernel 16.6, its row tree above 13.9); n = 2048 32: 125,
-# 64: 122, 128: 126 ms (flash 154).
+# Rows per gemm block of the compiled causal attention: of 32, 64 and 128, 64 did best at n = 2048 and nearly
+# as well as 32 at n = 512, and every size tried beat PyTorch's flash kernel and its row tree above
+# (figures: bench/NOTES.md).
 COMPILED_CHUNK = 64
 
 

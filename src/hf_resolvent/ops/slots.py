@@ -8,8 +8,8 @@ attention) reads, for row t (0-indexed) and slot k, the source row
 with a_k = 1 for all but the cache-efficient patterns (then src_k(t) = t - f_k, a shift). The source
 of slot k is constant over runs of a_k consecutive rows and moves by a_k from one run to the next, so
 a block of rows [t0, t0 + R a) reads the strided rows ``v[s0 : s0 + R a : a]``: all slot operations
-below are slices, strided views and broadcasts, never an (n, K, d) gather (docs/DESIGN.md section 3:
-gathering was 5x slower than shifted slices at n = 8192).
+below are slices, strided views and broadcasts, never an (n, K, d) gather (docs/DESIGN.md section 3: on
+long sequences a gather costs far more than shifted slices; figures in bench/NOTES.md).
 
 Tensors are slot-major: scores and weights are (B, H, K, n) so that one slot's row range is
 contiguous. Rows t < f_k, and slots that :meth:`~hf_resolvent.patterns.Pattern.source_index` marks
@@ -195,8 +195,9 @@ def piece_combine(w: torch.Tensor, v: torch.Tensor, out: torch.Tensor, p: Piece,
         dst.view(b, h, p.runs, p.length, -1).addcmul_(wt.view(b, h, p.runs, p.length, 1), src[:, :, :, None, :])
 
 
-# Runs shorter than this are summed by a multiply and a sum; longer ones by a batched matmul (measured on one
-# thread, 8 heads x 64 wide: 169 runs of 3 rows 103 vs 416 us, 41 runs of 12 rows 60 vs 42 us).
+# Runs shorter than this are summed by a multiply and a sum; longer ones by a batched matmul: for runs of a few
+# rows the per-run matmuls cost more than the elementwise product they replace, for runs of a dozen rows they
+# are the cheaper way (figures: bench/NOTES.md).
 MATMUL_MIN_RUN = 8
 
 

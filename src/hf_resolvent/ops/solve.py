@@ -41,8 +41,9 @@ def solve_unit_lower_(m: torch.Tensor, rows: torch.Tensor, transpose: bool = Fal
 
     Row-major m and rows are column-major m^T and rows^T to LAPACK, so the problem is posed as the
     right-side solve y^T m^T = rows^T (y^T m = rows^T when transposed), written over rows^T: no copies into
-    column-major order, 2.8x faster than ``solve_triangular(m, rhs)`` at C = 64. The stored unit diagonal
-    with ``unitriangular=False`` is itself 3x faster than ``unitriangular=True`` (docs/DESIGN.md section 3).
+    column-major order, which is what makes it cheaper than ``solve_triangular(m, rhs)``. The unit diagonal
+    is stored and passed with ``unitriangular=False`` because that path, too, is cheaper than
+    ``unitriangular=True`` (docs/DESIGN.md section 3; figures in bench/NOTES.md).
     """
     if transpose:
         torch.linalg.solve_triangular(m, rows.mT, upper=False, left=False, out=rows.mT)
@@ -141,9 +142,8 @@ def _far_pieces(layout: SlotLayout, chunk: int) -> tuple[tuple[tuple[int, Piece]
 
 
 # One C x C block of band matmul costs about as much as this many slice pieces. With it the rule picks W = 4C
-# for square:ce and W = C for the other patterns, as measured (mixer fwd+bwd, C = 32, interleaved): square:ce at
-# n = 512 38.5 ms (W = C) -> 36.6 (4C), at 2048 202 -> 182 ms; square at 2048 121 (C) vs 124 ms (4C); exp2:ce at
-# 2048 79 (C) vs 82 ms (2C).
+# for square:ce and W = C for the other patterns, the same bands that timing the mixer with each W chose
+# (figures: bench/NOTES.md).
 BAND_BLOCK_COST = 2
 
 

@@ -3,16 +3,15 @@
 The sparse paths and the leaves of the dense tree are thousands of small ops. Run with PyTorch's
 intra-op threads, every op is a parallel region that waits for its slowest thread: too small to gain
 much on an idle 2-core machine, and on a shared one (other processes on the same cores) each region
-can stall for a scheduler time slice. Measured on the 2-core CPU this project targets, with other jobs
-running: the exp2 mixer at n = 2048 took 24x the time of causal SDPA with intra-op threads and 0.4x on
-one thread. :func:`serial` runs such sections on one thread.
+can stall for a scheduler time slice: on the 2-core CPU this project targets, with other jobs running, the
+exp2 mixer was many times slower with intra-op threads than on one thread (figures: bench/NOTES.md).
+:func:`serial` runs such sections on one thread.
 
 The dense tree's backward at n >= 2048 goes one step further (:func:`by_head_groups`): its (batch x head) rows
 are split into one group per intra-op thread, each solved in a worker thread with one intra-op thread, so its many
-small ops keep every core busy. (Measured on the 2-core machine at n = 2048, interleaved with causal SDPA:
-forward + backward 2.25x SDPA with the groups, 2.40x with all ops on the intra-op threads, 2.67x with
-one-thread sections; the dense forward, with fewer ops per leaf, was fastest with all ops on the intra-op
-threads: 2.40x against 2.53x grouped.)
+small ops keep every core busy. Of the arrangements tried on the 2-core machine, head groups did best for the
+dense backward, and all ops on the intra-op threads for the dense forward, which has fewer ops per leaf
+(figures: bench/NOTES.md).
 
 :func:`serial` changes the calling thread's intra-op thread count for the duration of the block and
 restores it; calling the mixer from several Python threads at once is not supported.
