@@ -95,7 +95,7 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
 
     Tensors are allocated on CPU and never read (nothing runs). The current BlockConfig applies.
     """
-    from hf_resolvent.ops import MixerState
+    from hf_resolvent.ops import DecodeState
     from hf_resolvent.patterns import get_pattern
 
     pat = get_pattern(pattern)
@@ -116,7 +116,7 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
             qa = ka = None
         y, saved = _resolvent._forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, tied)
         _resolvent._backward(torch.zeros(BH, n, e), qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
-        state = MixerState()
+        state = DecodeState()
         one = lambda w: torch.zeros(batch, heads, w, dtype=dtype)
         gg = torch.zeros(batch, heads, dtype=dtype) if plan.has_b else None
         if tied:

@@ -1,9 +1,9 @@
-"""Decode step on Triton: one token per sequence against a layer's cache (``ops.MixerState``).
+"""Decode step on Triton: one token per sequence against a layer's cache (``ops.DecodeState``).
 
 Mirrors ``ops.recurrent_step`` / ``ops.recurrent_step_tied``: the kernel computes the token's output
-from the rows held in the state (which rows are read follows ``ops.recurrent._read_mask``, evaluated in
-the kernel from the held positions), then the state advances exactly as in the PyTorch form (append, or
-the slot register of cache-efficient patterns), so both paths keep identical caches.
+from the rows held in the state (which rows are read is the state's ``read_rule``, evaluated in the
+kernel from the held positions), then the state advances through the same ``DecodeState.advance`` as
+the PyTorch form, so both paths keep identical caches.
 
 Shapes: B batch, H heads, S rows held, d key width, e value width; one token is (B, H, d).
 """
@@ -12,25 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from hf_resolvent.ops.recurrent import MixerState, _relative_position, _update
-from hf_resolvent.patterns import Pattern, get_pattern
+from hf_resolvent.ops.state import DecodeState
+from hf_resolvent.patterns import get_pattern
 
 from ._loader import check_ready, jit_module
 from .resolvent import LOG2E, SUPPORTED_DTYPES, _new, _width, get_block_config
 
 
-def _read_rule(pattern: Pattern, r: torch.Tensor) -> tuple[int, int, list[int]]:
-    """(MODE, W_LO, offsets) of the decode kernel for ``pattern`` (see ``decode_step_kernel``)."""
-    if pattern.kind in ("attention", "dense") or (pattern.kind == "pattern" and pattern.cache_efficient):
-        return 0, 0, []
-    if pattern.kind == "local_attention":
-        return 1, pattern.window - 1, []  # p > r - w
-    if pattern.band is not None:
-        return 1, pattern.band, []  # p >= r - band
-    return 2, 0, list(pattern.offsets(int(r.max().item()) + 1))
-
-
-def _step(state: MixerState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool):
+def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool):
     pattern = get_pattern(pattern)
     check_ready(qa, ka, qb, kb, x)
     if x.dtype not in SUPPORTED_DTYPES:
@@ -42,10 +31,10 @@ def _step(state: MixerState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool
     batch, heads, e = x.shape
     dev = x.device
     has_a, has_b = not tied, pattern.has_recurrence
-    r = _relative_position(state, batch, dev)
-    positions = state.positions if state.positions is not None else r.new_full((batch, 0), -1)
+    r = state.next_position(batch, dev)
+    positions = state.row_positions(batch, dev)
     S = positions.shape[1]
-    mode, w_lo, offsets = _read_rule(pattern, r)
+    mode, w_lo, offsets = DecodeState.read_rule(pattern, r)  # the kernel's MODE, W_LO and OFFS
     ref = qb if tied else qa
     scale = ref.shape[-1] ** -0.5 if scale is None else float(scale)
     cfg = get_block_config()
@@ -76,15 +65,15 @@ def _step(state: MixerState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool
         new = {"keys_a": ka, "values": x}
         if has_b:
             new.update(keys_b=kb, outputs=z.to(x.dtype))
-    _update(pattern, state, new, r)
+    state.advance(pattern, new, r)
     return y
 
 
-def triton_decode_step(state: MixerState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
+def triton_decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
     """Mix one token per sequence on Triton and advance ``state`` (like ``ops.recurrent_step``).
 
     Args:
-        state: the layer's :class:`~hf_resolvent.ops.MixerState` (advanced in place).
+        state: the layer's :class:`~hf_resolvent.ops.DecodeState` (advanced in place).
         qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention kinds).
         x: (B, H, e) its value; g: (B, H) its gate (None for attention kinds).
         pattern: spec or Pattern; scale: default d ** -0.5.
@@ -95,7 +84,7 @@ def triton_decode_step(state: MixerState, qa, ka, qb, kb, x, g, pattern, scale=N
     return _step(state, qa, ka, qb, kb, x, g, None, pattern, scale, tied=False)
 
 
-def triton_decode_step_tied(state: MixerState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
+def triton_decode_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
     """Tied variant (like ``ops.recurrent_step_tied``): z = g B~ z[P^B] + (1 - g) x, y = z - d x.
 
     Args: qb, kb (B, H, d); x (B, H, e); g, d (B, H). Returns y (B, H, e); the state keeps z.

@@ -5,7 +5,7 @@ GPT-2's 50257 tokens, float32, batch 1): ``transformers``' ``GPT2LMHeadModel`` w
 one :class:`hf_resolvent.ResolventForCausalLM` per mixer with its :class:`hf_resolvent.ResolventCache`.
 
 For each context c the caches are filled to c tokens directly (random keys/values/outputs of the right shapes,
-through ``hf_resolvent.ops.state.state_from_sequence`` for resolvent layers, ``DynamicCache.update`` for
+through ``hf_resolvent.ops.DecodeState.from_prefill`` for resolvent layers, ``DynamicCache.update`` for
 GPT-2): decode time depends on the shapes only, and prefilling 16k tokens of every model would dominate the
 run. ``--check`` (on by default) verifies at the smallest context that a real prefill through the model holds
 the same number of bytes. Then one-token forwards are timed round-robin over the models (so that load from
@@ -34,7 +34,7 @@ from transformers import DynamicCache
 
 import hf_resolvent as hr
 from hf_resolvent.experiments import training as T
-from hf_resolvent.ops.state import state_from_sequence
+from hf_resolvent.ops import DecodeState
 
 MIXERS = ("attention", "local_attention:256", "dense", "banded:64", "diagonal", "exp2", "exp2:ce", "square",
           "square:ce", "exp2:ce+tied")
@@ -100,7 +100,7 @@ def filled_cache(name: str, model, context: int, gen: torch.Generator):
         else:
             names = ("keys_a", "values", "keys_b", "outputs")
         shape = (1, mixer.num_heads, context, mixer.head_dim)
-        layer.state = state_from_sequence(mixer.pattern, {n: torch.randn(shape, generator=gen) for n in names})
+        layer.state = DecodeState.from_prefill(mixer.pattern, {n: torch.randn(shape, generator=gen) for n in names})
     return cache
 
 

@@ -15,17 +15,17 @@ import torch
 from transformers.cache_utils import Cache
 
 from .patterns import Pattern, get_pattern
-from .resolvent_ops import MixerState
+from .resolvent_ops import DecodeState
 
 __all__ = ["ResolventCache", "ResolventCacheLayer"]
 
 
 class ResolventCacheLayer:
-    """One layer's decode state: a :class:`MixerState` (or None before the first forward) and its pattern.
+    """One layer's decode state: a :class:`DecodeState` (or None before the first forward) and its pattern.
 
-    Implements the per-layer methods that :class:`transformers.Cache` and ``generate()`` call: beam-search
+    Implements the per-layer methods that :class:`transformers.Cache` and ``generate()`` call (beam-search
     reordering, batch selection and repetition, reset, offloading, and cropping where the pattern keeps
-    every position.
+    every position) by delegating to the state, which owns the rules.
     """
 
     is_compileable = False
@@ -35,7 +35,7 @@ class ResolventCacheLayer:
     def __init__(self, pattern: Pattern | str, tied: bool = False):
         self.pattern = get_pattern(pattern)
         self.tied = tied
-        self.state: MixerState | None = None
+        self.state: DecodeState | None = None
         self.device = None
 
     def __repr__(self) -> str:
@@ -49,8 +49,7 @@ class ResolventCacheLayer:
     @property
     def keeps_every_position(self) -> bool:
         """True when the state holds all past rows (attention, dense, plain f-patterns): then it can be cropped."""
-        p = self.pattern
-        return p.kind in ("attention", "dense") or (p.kind == "pattern" and not p.cache_efficient)
+        return DecodeState.keeps_every_position(self.pattern)
 
     @property
     def is_croppable(self) -> bool:
@@ -58,9 +57,7 @@ class ResolventCacheLayer:
 
     @property
     def batch_size(self) -> int:
-        if self.state is None or self.state.positions is None:
-            return -1
-        return self.state.positions.shape[0]
+        return -1 if self.state is None else self.state.batch_size
 
     def get_seq_length(self) -> int:
         return 0 if self.state is None else self.state.seen
@@ -85,48 +82,28 @@ class ResolventCacheLayer:
         self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.state is not None and self.state.positions is not None:
-            batch = self.state.positions.shape[0]
-            index = torch.arange(batch, device=self.state.positions.device).repeat_interleave(repeats)
-            self.state.select_batch(index)
+        if self.state is not None:
+            self.state.repeat_batch(repeats)
 
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens (negative: drop that many), like ``DynamicLayer.crop``."""
-        seen = self.get_seq_length()
-        if max_length < 0:
-            max_length = seen - abs(max_length)
-        if max_length >= seen:
-            return
-        if not self.keeps_every_position:
-            raise ValueError(
-                f"ResolventCache cannot be cropped: pattern {self.pattern.name!r} drops past positions from its "
-                "decode state (that is what makes its cache small), so earlier states cannot be restored. "
-                "Re-run the prompt instead."
-            )
-        state = self.state
-        for name, t in state.tensors().items():
-            setattr(state, name, t[:, :, :max_length])
-        state.positions = state.positions[:, :max_length]
-        state.seen = max_length
-
-    def _move(self, device) -> None:
+        """Keep the first ``max_length`` tokens (negative: drop that many), like ``DynamicLayer.crop``; raises a
+        ValueError where the pattern does not keep every position (see :meth:`DecodeState.crop`)."""
         if self.state is None:
             return
-        for name, t in self.state.tensors().items():
-            setattr(self.state, name, t.to(device, non_blocking=True))
-        for name in ("positions", "slots", "start"):
-            t = getattr(self.state, name)
-            if t is not None:
-                setattr(self.state, name, t.to(device, non_blocking=True))
+        if max_length < 0:  # dropping more than was seen leaves nothing, as for DynamicLayer
+            max_length = max(0, self.state.seen - abs(max_length))
+        self.state.crop(self.pattern, max_length)
 
     def offload(self) -> None:
-        if self.state is not None and self.state.positions is not None:
-            self.device = self.state.positions.device
-        self._move("cpu")
+        if self.state is None:
+            return
+        if self.state.positions is not None:
+            self.device = self.state.positions.device  # where prefetch() brings it back
+        self.state.to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
-        if self.device is not None:
-            self._move(self.device)
+        if self.device is not None and self.state is not None:
+            self.state.to(self.device, non_blocking=True)
 
 
 class ResolventCache(Cache):
@@ -150,8 +127,8 @@ class ResolventCache(Cache):
         return f"ResolventCache(seen={self.get_seq_length()}, nbytes={self.nbytes()}, layers={len(self.layers)})"
 
     @property
-    def states(self) -> list[MixerState | None]:
-        """The :class:`MixerState` of every layer (None before the first forward)."""
+    def states(self) -> list[DecodeState | None]:
+        """The :class:`DecodeState` of every layer (None before the first forward)."""
         return [layer.state for layer in self.layers]
 
     @property

@@ -12,7 +12,7 @@ Each block computes, per head, Y = (I - B)^-1 A X (docs/DESIGN.md section 1) wit
 Full sequences (training, prefill) run the parallel form (``ops.resolvent_mix``: PyTorch on CPU, the Triton
 kernels for CUDA tensors when available); decoding runs ``ops.decode_step`` (the Triton decode kernel or
 ``ops.recurrent_step``, chosen the same way) on the per-layer states of a :class:`~hf_resolvent.ResolventCache`,
-built directly from the prefill (``ops.state.state_from_sequence``). ``config.mixer_impl`` forces either path.
+built directly from the prefill (``ops.DecodeState.from_prefill``). ``config.mixer_impl`` forces either path.
 
 Padding: a 2-D ``attention_mask`` with left padding becomes the ops' ``start`` (padded positions are never read
 and positions count from the first real token, so a left-padded batch gives the same outputs as each sequence
@@ -50,11 +50,11 @@ from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
 from .patterns import get_pattern
 from .resolvent_ops import (
     IS_BUNDLE,
+    DecodeState,
     decode_step,
     decode_step_tied,
     resolvent_mix,
     resolvent_mix_tied,
-    state_from_sequence,
 )
 
 __all__ = ["ResolventPreTrainedModel", "ResolventModel", "ResolventForCausalLM", "ResolventMixer", "ResolventBlock"]
@@ -160,7 +160,7 @@ class ResolventMixer(nn.Module):
         batch, n, width = hidden_states.shape
         proj = self.in_proj(hidden_states).view(batch, n, len(self.parts), self.num_heads, self.head_dim)
         # unbind, not proj[:, :, i]: its backward is one stack, where each index's backward zero-fills a
-        # proj-sized gradient that autograd then sums (3.8 ms more per layer at the 44M shape)
+        # proj-sized gradient that autograd then sums (figures: bench/NOTES.md)
         t = {name: part.transpose(1, 2) for name, part in zip(self.parts, proj.unbind(2))}  # (B, H, n, hd)
         if rope is not None:
             cos, sin = rope
@@ -178,7 +178,7 @@ class ResolventMixer(nn.Module):
                 y = resolvent_mix(t["qa"], t["ka"], t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl,
                                   start=start)
             if layer_cache is not None:
-                layer_cache.state = state_from_sequence(self.pattern, self._state_rows(t, y, d, start), start)
+                layer_cache.state = DecodeState.from_prefill(self.pattern, self._state_rows(t, y, d, start), start)
         else:
             y = self._decode(state, t, g, d, n, impl)
         out = y.transpose(1, 2).reshape(batch, n, width)
@@ -283,15 +283,15 @@ def decode_step_tied(state, qb, kb, x, g, d, pattern, impl="auto", scale=None):
     return recurrent_step_tied(state, qb, kb, x, g, d, pattern, scale)
 
 
-__all__ = ["IS_BUNDLE", "MixerState", "decode_step", "decode_step_tied", "resolvent_mix", "resolvent_mix_tied",
-           "state_from_sequence"]
+__all__ = ["IS_BUNDLE", "DecodeState", "MixerState", "decode_step", "decode_step_tied", "resolvent_mix",
+           "resolvent_mix_tied", "state_from_sequence"]
 '''
 
 # Kept out of the template's text: transformers scans this file for lines starting with relative imports.
 _BUNDLE_IMPORTS = (
     ("parallel", "parallel_mix, parallel_mix_tied"),
-    ("recurrent", "MixerState, recurrent_step, recurrent_step_tied"),
-    ("state", "state_from_sequence"),
+    ("recurrent", "recurrent_step, recurrent_step_tied"),
+    ("state", "DecodeState, MixerState, state_from_sequence"),
 )
 
 _RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+)([\w.]*)\s+import\s", flags=re.MULTILINE)

@@ -7,13 +7,14 @@ PyTorch paths (``resolvent_ops_*.py`` next to it), so that ``trust_remote_code=T
 relative imports into saved folders, and ``hf_resolvent.ops`` is a package, not a file.
 """
 
-from hf_resolvent.ops import MixerState, decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied
+from hf_resolvent.ops import DecodeState, MixerState, decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied
 from hf_resolvent.ops.state import state_from_sequence
 
 IS_BUNDLE = False
 
 __all__ = [
     "IS_BUNDLE",
+    "DecodeState",
     "MixerState",
     "decode_step",
     "decode_step_tied",

@@ -4,7 +4,7 @@ Three forms compute the same function and are tested against each other:
 
 - ``reference``: materialised A and B and one triangular solve (O(n^2) memory, tests only);
 - ``parallel``: block forward substitution in PyTorch (training and prefill, CPU and GPU);
-- ``recurrent``: one token at a time from a :class:`MixerState` (decode).
+- ``recurrent``: one token at a time from a :class:`DecodeState` (decode; ``MixerState`` is its earlier name).
 
 ``resolvent_mix(..., impl="triton")`` runs the Triton kernels of ``kernels/`` where available, and
 ``decode_step(..., impl="triton")`` their decode kernel; ``impl="auto"`` picks Triton for CUDA tensors.
@@ -16,13 +16,15 @@ import torch
 
 from ..patterns import get_pattern
 from .parallel import parallel_mix, parallel_mix_tied
-from .recurrent import MixerState, recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
+from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
 from .reference import mixer_matrices, reference_mix, reference_mix_tied
+from .state import DecodeState, MixerState
 
 IMPLS = ("reference", "parallel", "recurrent", "triton", "auto")
 
 __all__ = [
     "IMPLS",
+    "DecodeState",
     "MixerState",
     "decode_step",
     "decode_step_tied",
@@ -105,11 +107,11 @@ def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl: str = "auto", start=None,
     return parallel_mix_tied(qb, kb, x, g, d, pattern, start, scale)
 
 
-def decode_step(state: MixerState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None):
+def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None):
     """Mix one token per sequence against a layer's decode ``state`` and advance it (the model's decode path).
 
     Args:
-        state: the layer's :class:`MixerState` (advanced in place).
+        state: the layer's :class:`DecodeState` (advanced in place).
         qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention patterns).
         x: (B, H, e) its value; g: (B, H) its gate (None for attention patterns).
         pattern: spec or Pattern.
@@ -128,7 +130,7 @@ def decode_step(state: MixerState, qa, ka, qb, kb, x, g, pattern, impl: str = "a
     return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale)
 
 
-def decode_step_tied(state: MixerState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
+def decode_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
     """Tied variant of :func:`decode_step`: qb, kb (B, H, d), x (B, H, e), g and d (B, H) -> y (B, H, e)."""
     _check_impl(impl)
     if _use_triton(impl, x):

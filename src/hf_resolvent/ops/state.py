@@ -1,43 +1,338 @@
-"""Build a decode state directly from a prefilled sequence (no replay of n recurrent steps).
+"""The decode state of one mixer layer, and every rule that changes it (docs/DESIGN.md section 4).
 
-After the parallel form has run over a prompt, the decode cache of a layer needs the rows that future tokens
-may still read (docs/DESIGN.md section 4). :func:`state_from_sequence` keeps exactly those rows of the full-sequence
-tensors and returns the :class:`~hf_resolvent.ops.recurrent.MixerState` that ``n`` calls of ``recurrent_step``
-would have produced (same rows, positions, slot register and ``seen``), following ``recurrent.py``:
+A layer decodes from a :class:`DecodeState`: the rows that future tokens may still read. This module is the one
+home of
 
-- positions are the pattern's own positions r = t - start (-1 for left padding);
-- attention, dense and plain f-patterns keep every row; local attention the last w - 1; banded the last w
-  (diagonal: 1);
-- cache-efficient patterns keep the distinct positions of S_{r+2} (1-indexed, the set the next token reads),
-  newest first, padded with -1 to the widest row of the batch; the slot register holds the non-deduplicated
-  closed form p_k = a_k * ceil((i - f(k)) / a_k) (1-indexed i = r + 2, stored 0-indexed), -1 where f(k) > r + 1.
+- the keep rule: which positions a pattern's state holds after n tokens;
+- the read rule: which held rows the next token reads (evaluated by ``recurrent._read_mask`` in PyTorch and by the
+  Triton decode kernel);
+- advancing by one token: append and trim to a window, or advance the slot register of cache-efficient patterns;
+- building the state of a whole prefill directly, without replaying n steps;
+- crop (exact only for patterns that keep every position), batch selection and repetition (beam search), device
+  and dtype moves, and the bytes held.
 
-Shapes: B batch, H heads, n positions, S rows kept, K slots.
+The attention over the held rows is the mixer's business (``recurrent.py``, ``kernels/decode.py``): those call the
+methods here and never assign a field, so the invariants below hold wherever a state goes.
+
+Invariants: ``positions`` is the pattern's own 0-indexed position r = t - start of each row (t the sequence index,
+start the sequence's left padding), -1 for a padding row or the filler of a shorter sequence in a batch; a row at
+-1 is never read. Appending patterns hold their rows oldest first, so row i of a state that keeps every position
+is token i. Cache-efficient patterns hold the distinct positions of their slot register, newest first.
+
+Keep rule after n tokens (the pattern is passed to each method; the state does not store it):
+
+=============================================  ===================================================
+pattern                                        rows kept
+=============================================  ===================================================
+``attention``, ``dense``, plain f-patterns     all n
+``local_attention:w``                          the last w - 1 (the token itself is read from input)
+``banded:w`` (``diagonal``: w = 1)             the last w
+cache-efficient f-patterns (``:ce``)           the distinct positions of the slot register S_{n+1}
+=============================================  ===================================================
+
+Shapes: B batch, H heads, S rows held, K slots, d key width, e value width, n tokens of a prefill.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ..patterns import Pattern, get_pattern
-from .recurrent import MixerState
 
-__all__ = ["state_from_sequence", "rows_kept"]
-
-_NAMES = ("keys_a", "keys_b", "values", "outputs")
+__all__ = ["DecodeState", "MixerState", "state_from_sequence"]
 
 
-def rows_kept(pattern: Pattern) -> int | None:
-    """How many trailing rows an appending state keeps (None: all); not for cache-efficient patterns."""
-    if pattern.kind == "local_attention":
-        return pattern.window - 1
-    if pattern.band is not None:
+@dataclass
+class DecodeState:
+    """What one layer keeps between decode steps. Build it empty (``DecodeState(start=start)``) and advance it
+    token by token, or from a prefill with :meth:`from_prefill`; change it only through its methods.
+
+    Attributes:
+        keys_a, keys_b: (B, H, S, d) keys of the A and B channels (after RoPE), None when unused.
+        values: (B, H, S, e) inputs x (None for the tied variant, which needs only z).
+        outputs: (B, H, S, e) outputs y, or z = y + d x for the tied variant (0 on padding).
+        positions: (B, S) int64 pattern position of each row, -1 for padding or empty; None before the first token.
+        slots: (B, K) int64, cache-efficient patterns only: the slot register p_k (positions, -1 empty).
+        seen: tokens processed so far, padding included.
+        start: (B,) leading padding per sequence, or None.
+    """
+
+    keys_a: torch.Tensor | None = None
+    keys_b: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    outputs: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    seen: int = 0
+    start: torch.Tensor | None = None
+
+    TENSOR_NAMES: ClassVar[tuple[str, ...]] = ("keys_a", "keys_b", "values", "outputs")
+    # MODE values of the read rule, as the Triton decode kernel takes them.
+    READ_ALL: ClassVar[int] = 0
+    READ_WINDOW: ClassVar[int] = 1
+    READ_OFFSETS: ClassVar[int] = 2
+
+    # ----------------------------------------------------------------------------------------------
+    # Rules of a pattern (no state needed)
+
+    @staticmethod
+    def uses_register(pattern: Pattern | str) -> bool:
+        """True for cache-efficient f-patterns, whose state follows a slot register instead of a window."""
+        pattern = get_pattern(pattern)
+        return pattern.kind == "pattern" and pattern.cache_efficient
+
+    @staticmethod
+    def trailing_rows(pattern: Pattern | str) -> int | None:
+        """Rows a windowed pattern keeps, the most recent ones: w - 1 for ``local_attention:w`` (the token reads
+        itself from its input), w for ``banded:w``, 1 for ``diagonal``; None for every other pattern."""
+        pattern = get_pattern(pattern)
+        if pattern.kind == "local_attention":
+            return pattern.window - 1
         return pattern.band
-    return None
+
+    @staticmethod
+    def keeps_every_position(pattern: Pattern | str) -> bool:
+        """True when the state holds every past token (attention, dense, plain f-patterns): only then can it be
+        cropped, since the other patterns drop rows that no later token reads."""
+        return not DecodeState.uses_register(pattern) and DecodeState.trailing_rows(pattern) is None
+
+    @staticmethod
+    def read_rule(pattern: Pattern | str, r: torch.Tensor) -> tuple[int, int, list[int]]:
+        """Which held rows (valid positions p) the token at positions r (B,) reads, as ``(mode, lo, offsets)``.
+
+        - ``READ_ALL``: every valid row. Attention and dense read all the past; a cache-efficient state holds
+          exactly S_{r+1}, so it too reads everything it holds.
+        - ``READ_WINDOW``: rows with p >= r - lo, lo = :meth:`trailing_rows`: a window reads what it keeps.
+        - ``READ_OFFSETS``: rows with r - p in ``offsets`` (the pattern's f(k) <= r.max()): plain f-patterns keep
+          every row but read only a few.
+        """
+        pattern = get_pattern(pattern)
+        lo = DecodeState.trailing_rows(pattern)
+        if lo is not None:
+            return DecodeState.READ_WINDOW, lo, []
+        if pattern.kind == "pattern" and not pattern.cache_efficient:
+            return DecodeState.READ_OFFSETS, 0, list(pattern.offsets(int(r.max().item()) + 1))
+        return DecodeState.READ_ALL, 0, []
+
+    # ----------------------------------------------------------------------------------------------
+    # Reading
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The per-row tensors held, by name (keys_a, keys_b, values, outputs), each (B, H, S, .)."""
+        return {k: getattr(self, k) for k in self.TENSOR_NAMES if getattr(self, k) is not None}
+
+    def rows(self) -> int:
+        """Rows held (S): positions kept for future tokens, padding rows of a batch included."""
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        """B, or -1 before the first token (as ``transformers`` cache layers report it)."""
+        return -1 if self.positions is None else self.positions.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes held: keys, values, outputs, positions and slot register (``start`` is not counted)."""
+        held = list(self.tensors().values()) + [t for t in (self.positions, self.slots) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def next_position(self, batch: int, device) -> torch.Tensor:
+        """(B,) int64 pattern position r of the next token: ``seen - start``, negative inside the left padding."""
+        r = torch.full((batch,), self.seen, dtype=torch.long, device=device)
+        if self.start is not None:
+            r = r - self.start.to(device)
+        return r
+
+    def row_positions(self, batch: int, device) -> torch.Tensor:
+        """(B, S) ``positions``, or an empty (B, 0) before the first token."""
+        if self.positions is None:
+            return torch.full((batch, 0), -1, dtype=torch.long, device=device)
+        return self.positions
+
+    # ----------------------------------------------------------------------------------------------
+    # Advancing
+
+    def advance(self, pattern: Pattern | str, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
+        """Take in one token and drop the rows the pattern will not read again; ``seen`` grows by 1.
+
+        Args:
+            pattern: the layer's pattern (spec or Pattern), the same at every call.
+            new: the token's tensors by name (see :attr:`TENSOR_NAMES`), each (B, H, d) or (B, H, e); the same
+                names at every call.
+            r: (B,) its positions, from :meth:`next_position`; negative (left padding) is stored as -1.
+        """
+        pattern = get_pattern(pattern)
+        if self.uses_register(pattern):
+            self._advance_register(pattern, new, r)
+        else:
+            self._append(new, r, self.trailing_rows(pattern))
+        self.seen += 1
+
+    def _append(self, new: dict[str, torch.Tensor], r: torch.Tensor, keep: int | None) -> None:
+        """Add the token as the newest row, then keep the last ``keep`` rows (None: all)."""
+        pos_new = torch.where(r >= 0, r, -1)[:, None]
+        for name, t in new.items():
+            old = getattr(self, name)
+            cat = t[:, :, None] if old is None else torch.cat([old, t[:, :, None]], dim=2)
+            setattr(self, name, cat if keep is None else cat[:, :, -keep:])
+        pos = pos_new if self.positions is None else torch.cat([self.positions, pos_new], dim=1)
+        self.positions = pos if keep is None else pos[:, -keep:]
+
+    def _advance_register(self, pattern: Pattern, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
+        """Slot rule (docs/DESIGN.md section 2.1), then hold the distinct positions of the new register.
+
+        In 0-indexed positions, after token r the slots for token r + 1 are p'_0 = r and, for k >= 1,
+        p'_k = p_k if r + 1 - f(k) <= p_k else p_{k-1}, valid once f(k) <= r + 1.
+        """
+        device = r.device
+        batch = r.shape[0]
+        fs = torch.tensor(pattern.offsets(int(r.max().item()) + 2), dtype=torch.long, device=device)
+        K = fs.numel()
+        old = self.slots if self.slots is not None else torch.full((batch, 0), -1, dtype=torch.long, device=device)
+        if old.shape[1] < K:
+            old = torch.cat([old, old.new_full((batch, K - old.shape[1]), -1)], dim=1)
+        rr = r[:, None]
+        stay = (old >= 0) & (rr + 1 - fs[None] <= old)
+        shifted = torch.cat([rr, old[:, :-1]], dim=1)
+        slots = torch.where(stay, old, shifted)
+        slots = torch.where((fs[None] <= rr + 1) & (rr >= 0), slots, -1)
+        positions = _distinct_desc(slots)
+
+        # Each kept position is either the new token or a row already held: gather from both.
+        old_pos = self.positions if self.positions is not None else positions.new_full((batch, 0), -1)
+        held = torch.cat([old_pos, r[:, None]], dim=1)  # (B, S + 1); the new token is the last row
+        match = (positions[:, :, None] == held[:, None, :]) & (positions[:, :, None] >= 0)
+        src = match.to(torch.int8).argmax(-1)  # (B, W); padding rows take row 0, never read
+        for name, t in new.items():
+            old_t = getattr(self, name)
+            both = t[:, :, None] if old_t is None else torch.cat([old_t, t[:, :, None]], dim=2)
+            index = src[:, None, :, None].expand(-1, both.shape[1], -1, both.shape[-1])
+            setattr(self, name, both.gather(2, index))
+        self.slots = slots
+        self.positions = positions
+
+    # ----------------------------------------------------------------------------------------------
+    # Cache operations
+
+    def crop(self, pattern: Pattern | str, length: int) -> None:
+        """Forget every token after the first ``length`` (>= 0), as if only those had been seen.
+
+        Exact only for patterns that keep every position (row i is token i); the others have dropped rows the
+        shorter state would hold, so they raise a ValueError, unless nothing is to be dropped (length >= seen).
+        """
+        pattern = get_pattern(pattern)
+        if length < 0:
+            raise ValueError(f"crop length must be >= 0, got {length}")
+        if length >= self.seen:
+            return
+        if not self.keeps_every_position(pattern):
+            raise ValueError(
+                f"the decode state of pattern {pattern.name!r} cannot be cropped: the pattern drops past positions "
+                "(that is what keeps its cache small), so the earlier state cannot be restored. Re-run the prompt "
+                "instead."
+            )
+        for name, t in self.tensors().items():
+            setattr(self, name, t[:, :, :length])
+        self.positions = self.positions[:, :length]
+        self.seen = length
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep the sequences ``index`` (B',) in that order (repeats allowed): beam-search reordering, batch
+        selection. Every per-sequence tensor follows, ``start`` and the slot register included."""
+        for name in self.TENSOR_NAMES + ("positions", "slots", "start"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, index.to(t.device)))
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat each sequence ``repeats`` times in place (B -> B * repeats, like ``repeat_interleave``), e.g.
+        for ``num_return_sequences``. A state with neither rows nor ``start`` has no batch and is left as is."""
+        ref = self.positions if self.positions is not None else self.start
+        if ref is None:
+            return
+        self.select_batch(torch.arange(ref.shape[0], device=ref.device).repeat_interleave(repeats))
+
+    def to(self, device=None, dtype: torch.dtype | None = None, non_blocking: bool = False) -> DecodeState:
+        """Move the state to ``device`` and cast its rows (keys, values, outputs) to ``dtype``, in place; the
+        integer tensors (positions, slots, start) keep int64. Returns the state, like ``nn.Module.to``."""
+        for name, t in self.tensors().items():
+            setattr(self, name, t.to(device=device, dtype=dtype, non_blocking=non_blocking))
+        for name in ("positions", "slots", "start"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device=device, non_blocking=non_blocking))
+        return self
+
+    # ----------------------------------------------------------------------------------------------
+    # Prefill
+
+    @classmethod
+    def from_prefill(cls, pattern: Pattern | str, tensors: dict[str, torch.Tensor],
+                     start: torch.Tensor | None = None) -> DecodeState:
+        """The state after a whole sequence, cut from its per-position tensors (no replay of n steps).
+
+        Gives the positions, slot register and ``seen`` that n calls of :meth:`advance` leave, and the same
+        tensors on every row a later token can read: appending patterns keep their trailing rows; cache-efficient
+        patterns take the register from its closed form p_k = a_k * ceil((i - f(k)) / a_k) (1-indexed i = r + 2,
+        stored 0-indexed; -1 where f(k) > r + 1) and hold its distinct positions, newest first.
+
+        Args:
+            pattern: a spec or :class:`~hf_resolvent.patterns.Pattern`.
+            tensors: the rows to store, each (B, H, n, .): ``keys_a`` and ``values`` (A channel; attention kinds and
+                the untied resolvent), ``keys_b`` and ``outputs`` (B channel: y, or z = y + d x for the tied variant,
+                zero on padding). Keys after RoPE. Only the given names are stored.
+            start: optional (B,) leading padding per sequence, in [0, n).
+
+        Returns:
+            A state ready for token n; its rows are copies (they do not pin the full tensors).
+        """
+        pattern = get_pattern(pattern)
+        unknown = set(tensors) - set(cls.TENSOR_NAMES)
+        if unknown:
+            raise ValueError(f"tensors may only hold {cls.TENSOR_NAMES}, got {sorted(unknown)}")
+        if not tensors:
+            raise ValueError("tensors is empty: give at least the values or outputs of the sequence")
+        ref = next(iter(tensors.values()))
+        batch, _, n = ref.shape[:3]
+        for name, t in tensors.items():
+            if t.dim() != 4 or tuple(t.shape[:3]) != (batch, ref.shape[1], n):
+                raise ValueError(
+                    f"{name} must be (B, H, n, .) = ({batch}, {ref.shape[1]}, {n}, .), got {tuple(t.shape)}")
+        device = ref.device
+        if start is not None:
+            start = start.to(device=device, dtype=torch.long)
+            if start.shape != (batch,) or (start < 0).any() or (start >= n).any():
+                raise ValueError(f"start must be (batch,) = ({batch},) with values in [0, n) = [0, {n})")
+        offset = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start
+
+        if cls.uses_register(pattern):
+            slots = _register(pattern, n - 1 - offset)
+            positions = _distinct_desc(slots)
+            rows = torch.where(positions >= 0, positions + offset[:, None], 0)  # (B, W) sequence index t
+            kept = {name: t.gather(2, rows[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
+                    for name, t in tensors.items()}
+            return cls(**kept, positions=positions, slots=slots, seen=n, start=start)
+
+        keep = cls.trailing_rows(pattern)
+        first = n - (n if keep is None else min(n, keep))  # sequence index of the oldest row kept
+        kept = {name: t[:, :, first:].clone() for name, t in tensors.items()}
+        r = torch.arange(first, n, device=device)[None, :] - offset[:, None]
+        return cls(**kept, positions=torch.where(r >= 0, r, -1), seen=n, start=start)
+
+
+MixerState = DecodeState  # the earlier name, kept for the public API (hf_resolvent.ops.MixerState)
+
+
+def state_from_sequence(pattern: Pattern | str, tensors: dict[str, torch.Tensor],
+                        start: torch.Tensor | None = None) -> DecodeState:
+    """:meth:`DecodeState.from_prefill` under its earlier name."""
+    return DecodeState.from_prefill(pattern, tensors, start)
 
 
 def _register(pattern: Pattern, r_last: torch.Tensor) -> torch.Tensor:
-    """(B, K) slot register after the tokens up to pattern position r_last (B,), closed form."""
+    """(B, K) slot register after the tokens up to pattern position r_last (B,), in closed form."""
     device = r_last.device
     top = int(r_last.max().item())
     fs = torch.tensor(pattern.offsets(top + 2), dtype=torch.long, device=device)
@@ -49,7 +344,7 @@ def _register(pattern: Pattern, r_last: torch.Tensor) -> torch.Tensor:
 
 
 def _distinct_desc(slots: torch.Tensor) -> torch.Tensor:
-    """(B, K) slots -> (B, W) their distinct valid values, descending, padded with -1 (W = widest row)."""
+    """(B, K) slots -> (B, W) their distinct valid values, newest first, padded with -1 (W = widest row)."""
     batch = slots.shape[0]
     ordered = slots.sort(dim=1, descending=True).values
     first = torch.ones_like(ordered[:, :1], dtype=torch.bool)
@@ -57,57 +352,3 @@ def _distinct_desc(slots: torch.Tensor) -> torch.Tensor:
     width = int(distinct.sum(1).max().item()) if batch else 0
     order = torch.sort(distinct.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
     return torch.where(distinct.gather(1, order), ordered.gather(1, order), -1)
-
-
-def state_from_sequence(pattern, tensors: dict[str, torch.Tensor], start: torch.Tensor | None = None) -> MixerState:
-    """The decode state after a whole sequence, from its per-position tensors.
-
-    Args:
-        pattern: a spec or :class:`~hf_resolvent.patterns.Pattern`.
-        tensors: the rows a state stores, each (B, H, n, .): ``keys_a`` and ``values`` (A channel; attention
-            kinds and the untied resolvent), ``keys_b`` and ``outputs`` (B channel: y, or z = y + d x for the tied
-            variant, zero on padding). Keys after RoPE. Only the given names are stored.
-        start: optional (B,) leading padding per sequence.
-
-    Returns:
-        A :class:`MixerState` equal to the one ``n`` calls of ``recurrent_step`` (or ``recurrent_step_tied``)
-        leave, ready for the next token. The kept rows are copies (they do not pin the full tensors).
-    """
-    pattern = get_pattern(pattern)
-    unknown = set(tensors) - set(_NAMES)
-    if unknown:
-        raise ValueError(f"tensors may only hold {_NAMES}, got {sorted(unknown)}")
-    if not tensors:
-        raise ValueError("tensors is empty: give at least the values or outputs of the sequence")
-    ref = next(iter(tensors.values()))
-    batch, _, n = ref.shape[:3]
-    for name, t in tensors.items():
-        if t.dim() != 4 or tuple(t.shape[:3]) != (batch, ref.shape[1], n):
-            raise ValueError(f"{name} must be (B, H, n, .) = ({batch}, {ref.shape[1]}, {n}, .), got {tuple(t.shape)}")
-    device = ref.device
-    if start is not None:
-        start = start.to(device=device, dtype=torch.long)
-        if start.shape != (batch,) or (start < 0).any() or (start >= n).any():
-            raise ValueError(f"start must be (batch,) = ({batch},) with values in [0, n) = [0, {n})")
-    offset = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start
-    state = MixerState(start=start, seen=n)
-
-    if pattern.kind == "pattern" and pattern.cache_efficient:
-        slots = _register(pattern, n - 1 - offset)
-        positions = _distinct_desc(slots)
-        rows = torch.where(positions >= 0, positions + offset[:, None], 0)  # (B, W) sequence index t
-        for name, t in tensors.items():
-            index = rows[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
-            setattr(state, name, t.gather(2, index))
-        state.slots = slots
-        state.positions = positions
-        return state
-
-    keep = rows_kept(pattern)
-    kept = n if keep is None else min(n, keep)
-    t_index = torch.arange(n - kept, n, device=device)
-    for name, t in tensors.items():
-        setattr(state, name, t[:, :, n - kept:].clone())
-    r = t_index[None, :] - offset[:, None]
-    state.positions = torch.where(r >= 0, r, -1)
-    return state

@@ -1,0 +1,240 @@
+"""Tests of hf_resolvent.ops.DecodeState on its own: keep and read rules, advance, prefill, crop, batch selection
+and repetition, device and dtype moves, bytes held. No mixer runs here: the rows are labelled tensors, so a row
+in the wrong place shows.
+
+Shapes: B batch, H heads, S rows held, K slots, n tokens.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from hf_resolvent import ops
+from hf_resolvent.cache_resolvent import ResolventCacheLayer
+from hf_resolvent.ops import DecodeState
+from hf_resolvent.patterns import get_pattern
+
+KEEP_ALL = ["attention", "dense", "exp2", "square", "f:2*k+1"]
+FORGETTING = ["local_attention:3", "banded:2", "diagonal", "exp2:ce", "square:ce", "f:k**3+1:ce"]
+WIDTH = {"keys_a": 2, "keys_b": 2, "values": 3, "outputs": 3}
+
+
+def _rows(batch: int, n: int, seed: int = 0, heads: int = 2) -> dict[str, torch.Tensor]:
+    """Random per-position rows (B, H, n, w) of every name a state stores."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(batch, heads, n, w, generator=gen) for k, w in WIDTH.items()}
+
+
+def _stepped(pattern, rows, start=None, state=None) -> DecodeState:
+    """The state after advancing token by token through ``rows`` (each (B, H, n, w))."""
+    state = DecodeState(start=start) if state is None else state
+    ref = next(iter(rows.values()))
+    for t in range(state.seen, ref.shape[2]):
+        r = state.next_position(ref.shape[0], ref.device)
+        state.advance(pattern, {k: v[:, :, t] for k, v in rows.items()}, r)
+    return state
+
+
+def _assert_same(got: DecodeState, want: DecodeState) -> None:
+    """Same positions, register, seen and start; same tensors on every row a token can read (position >= 0)."""
+    assert got.seen == want.seen
+    assert torch.equal(got.positions, want.positions), (got.positions, want.positions)
+    assert (got.slots is None) == (want.slots is None)
+    if want.slots is not None:
+        assert torch.equal(got.slots, want.slots)
+    assert (got.start is None) == (want.start is None)
+    if want.start is not None:
+        assert torch.equal(got.start, want.start)
+    assert got.tensors().keys() == want.tensors().keys()
+    held = (want.positions >= 0)[:, None, :, None]
+    for name, t in want.tensors().items():
+        assert got.tensors()[name].shape == t.shape, name
+        assert torch.equal(torch.where(held, got.tensors()[name], 0.0), torch.where(held, t, 0.0)), name
+
+
+# --------------------------------------------------------------------------------------------------
+# Rules
+
+
+@pytest.mark.parametrize(("spec", "every", "register", "trailing"), [
+    ("attention", True, False, None),
+    ("dense", True, False, None),
+    ("exp2", True, False, None),
+    ("local_attention:5", False, False, 4),
+    ("banded:3", False, False, 3),
+    ("diagonal", False, False, 1),
+    ("exp2:ce", False, True, None),
+])
+def test_keep_rule(spec, every, register, trailing):
+    assert DecodeState.keeps_every_position(spec) is every
+    assert DecodeState.uses_register(spec) is register
+    assert DecodeState.trailing_rows(spec) == trailing
+
+
+def _read(pattern, p: torch.Tensor, r: torch.Tensor) -> list[int]:
+    """1-indexed positions among the rows at positions p (S,) that the token at r (1,) reads, by the read rule."""
+    mode, lo, offsets = DecodeState.read_rule(pattern, r)
+    read = p >= 0
+    if mode == DecodeState.READ_WINDOW:
+        read &= p >= r - lo
+    elif mode == DecodeState.READ_OFFSETS:
+        read &= torch.isin(r - p, torch.tensor(offsets))
+    return sorted(int(x) + 1 for x in p[read])
+
+
+@pytest.mark.parametrize("spec", KEEP_ALL + FORGETTING)
+def test_rows_read_are_held_and_follow_the_pattern(spec):
+    """Token i (1-indexed) reads, among the held rows, exactly P^B_i (resolvent kinds) or P^A_i without itself
+    (attention kinds); rows carry the token they were made from."""
+    pattern = get_pattern(spec)
+    state = DecodeState()
+    for t in range(40):
+        r = state.next_position(1, "cpu")
+        i = t + 1
+        want = pattern.attended(i) if pattern.has_recurrence else [j for j in pattern.direct(i) if j != i]
+        assert _read(pattern, state.row_positions(1, "cpu")[0], r) == want, f"token {i}"
+        if not DecodeState.uses_register(pattern):  # the read rule alone, as if every past row were held
+            assert _read(pattern, torch.arange(t), r) == want, f"token {i}, every row held"
+        label = torch.full((1, 1, 1), float(t))
+        state.advance(pattern, {"keys_a": label, "outputs": label}, r)
+        assert state.seen == i
+        held = state.positions[0] >= 0
+        assert torch.equal(state.keys_a[0, 0, held, 0], state.positions[0, held].float()), "a row holds another token"
+    assert state.rows() == pattern.cache_size(40)
+
+
+# --------------------------------------------------------------------------------------------------
+# Prefill
+
+
+@pytest.mark.parametrize("spec", KEEP_ALL + FORGETTING)
+def test_from_prefill_equals_step_by_step(spec):
+    for n in (1, 2, 7, 20):
+        for start in (None, torch.tensor([0, min(3, n - 1), n - 1])):
+            rows = _rows(3, n, seed=n)
+            built = DecodeState.from_prefill(spec, rows, start)
+            _assert_same(built, _stepped(spec, rows, start))
+            for t in built.tensors().values():  # copies, not views of the prefill's tensors
+                assert all(t.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() for v in rows.values())
+
+
+def test_from_prefill_refuses_bad_inputs():
+    rows = _rows(2, 5)
+    with pytest.raises(ValueError, match="may only hold"):
+        DecodeState.from_prefill("exp2:ce", {"keys": rows["keys_a"]})
+    with pytest.raises(ValueError, match="empty"):
+        DecodeState.from_prefill("exp2:ce", {})
+    with pytest.raises(ValueError, match=r"start must be"):
+        DecodeState.from_prefill("dense", rows, torch.tensor([0, 5]))
+    assert ops.MixerState is DecodeState  # the earlier name keeps working
+
+
+# --------------------------------------------------------------------------------------------------
+# Crop
+
+
+@pytest.mark.parametrize("spec", KEEP_ALL)
+def test_crop_equals_the_shorter_sequence_and_decodes_on(spec):
+    start = torch.tensor([0, 3])
+    rows = _rows(2, 12, seed=1)
+    state = _stepped(spec, rows, start)
+    state.crop(spec, 7)
+    _assert_same(state, DecodeState.from_prefill(spec, {k: v[:, :, :7] for k, v in rows.items()}, start))
+    # rollback then new tokens (assisted decoding): as if the rejected ones had never come
+    other = {k: torch.cat([v[:, :, :7], -v[:, :, 7:]], 2) for k, v in rows.items()}
+    _assert_same(_stepped(spec, other, state=state), DecodeState.from_prefill(spec, other, start))
+    state.crop(spec, 12)  # nothing to drop
+    assert state.seen == 12
+    with pytest.raises(ValueError, match=">= 0"):
+        state.crop(spec, -1)
+
+
+@pytest.mark.parametrize("spec", FORGETTING)
+def test_crop_refuses_a_forgetting_pattern(spec):
+    state = DecodeState.from_prefill(spec, _rows(2, 9))
+    before = state.positions.clone()
+    with pytest.raises(ValueError, match=re.escape(f"pattern {spec!r} cannot be cropped: the pattern drops past")):
+        state.crop(spec, 5)
+    assert state.seen == 9 and torch.equal(state.positions, before)  # untouched
+    state.crop(spec, 9)  # nothing dropped: allowed
+    assert state.seen == 9
+
+
+def test_cache_layer_crop_counts_from_the_end():
+    layer = ResolventCacheLayer("dense")
+    layer.state = DecodeState.from_prefill("dense", _rows(1, 6))
+    layer.crop(-2)
+    assert layer.get_seq_length() == 4 and layer.state.rows() == 4
+    layer.crop(-10)  # more than was seen: nothing left, as for DynamicLayer
+    assert layer.get_seq_length() == 0 and layer.state.rows() == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch selection and repetition
+
+
+@pytest.mark.parametrize("spec", ["dense", "local_attention:3", "banded:2", "exp2", "exp2:ce", "square:ce"])
+def test_select_and_repeat_batch(spec):
+    n, more = 11, 6
+    start = torch.tensor([0, 2, 5])
+    rows = _rows(3, n + more, seed=2)
+    first = {k: v[:, :, :n] for k, v in rows.items()}
+
+    index = torch.tensor([2, 0, 2, 1])
+    state = DecodeState.from_prefill(spec, first, start)
+    state.select_batch(index)
+    assert state.batch_size == 4
+    _assert_same(state, DecodeState.from_prefill(spec, {k: v[index] for k, v in first.items()}, start[index]))
+    # the register and start follow too: decoding on equals the selected batch from the start
+    _stepped(spec, {k: v[index] for k, v in rows.items()}, state=state)
+    _assert_same(state, DecodeState.from_prefill(spec, {k: v[index] for k, v in rows.items()}, start[index]))
+
+    state = DecodeState.from_prefill(spec, first, start)
+    state.repeat_batch(2)
+    twice = {k: v.repeat_interleave(2, 0) for k, v in rows.items()}
+    _stepped(spec, twice, state=state)
+    _assert_same(state, DecodeState.from_prefill(spec, twice, start.repeat_interleave(2)))
+
+
+def test_repeat_batch_before_the_first_token():
+    state = DecodeState(start=torch.tensor([1, 0]))
+    state.repeat_batch(3)
+    assert state.start.tolist() == [1, 1, 1, 0, 0, 0]
+    empty = DecodeState()
+    empty.repeat_batch(3)  # no batch yet: nothing to repeat
+    assert empty.batch_size == -1 and empty.start is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Device, dtype, size
+
+
+def test_to_dtype_and_device():
+    rows = _rows(2, 9, seed=3)
+    state = DecodeState.from_prefill("exp2:ce", rows, torch.tensor([0, 2]))
+    want = {k: v.clone() for k, v in state.tensors().items()}
+    assert state.to(dtype=torch.float64) is state
+    for name, t in state.tensors().items():
+        assert t.dtype == torch.float64 and torch.equal(t, want[name].double()), name
+    assert state.positions.dtype == state.slots.dtype == state.start.dtype == torch.int64
+    state.to("meta")
+    held = list(state.tensors().values()) + [state.positions, state.slots, state.start]
+    assert len(held) == 7 and all(t.device.type == "meta" for t in held)
+
+
+@pytest.mark.parametrize(("spec", "rows_held", "slots"), [("exp2:ce", None, True), ("dense", 32, False),
+                                                          ("banded:3", 3, False)])
+def test_nbytes(spec, rows_held, slots):
+    """Keys, values and outputs (float32, B = 1, H = 2) plus int64 positions and register; ``start`` is free."""
+    n = 32
+    pattern = get_pattern(spec)
+    state = DecodeState.from_prefill(spec, _rows(1, n), torch.tensor([0]))
+    rows_held = len(pattern.attended(n + 1)) if rows_held is None else rows_held
+    k = len(pattern.offsets(n + 1)) if slots else 0
+    assert state.rows() == rows_held
+    per_row = 2 * sum(WIDTH.values()) * 4 + 8
+    assert state.nbytes() == rows_held * per_row + k * 8
+    assert DecodeState().nbytes() == 0
