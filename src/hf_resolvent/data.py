@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from .files import atomic_write_bytes, atomic_write_json, file_problem, file_record, file_sha256
+
 EOT = "<|endoftext|>"
 STDLIB = "stdlib"
 OPENWEBTEXT = "Skylion007/openwebtext"
@@ -287,23 +289,6 @@ def is_validation(indices: np.ndarray, seed: int, fraction: float) -> np.ndarray
     return split_hash(indices, seed) < fraction
 
 
-def _atomic_write_bytes(path: Path, data: bytes | np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        if isinstance(data, np.ndarray):
-            data.tofile(f)
-        else:
-            f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename (never a half-written file)."""
-    _atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
-
-
 def _tokenize_batch(batch: dict, tokenizer, eot_id: int) -> dict:
     enc = tokenizer.backend_tokenizer.encode_batch(batch["text"], add_special_tokens=False)
     return {"ids": [e.ids + [eot_id] for e in enc]}
@@ -341,7 +326,7 @@ def _write_shard(out: Path, shard: int, texts_ds, offset: int, tokenizer, eot_id
         flat = pc.list_flatten(chosen).to_numpy(zero_copy_only=False).astype(TOKEN_DTYPE, copy=False)
         flat = np.ascontiguousarray(flat)
         rel = f"shards/{split}_{shard:05d}.bin"
-        _atomic_write_bytes(out / rel, flat)
+        atomic_write_bytes(out / rel, flat)
         files[rel] = {"bytes": int(flat.nbytes), "sha256": hashlib.sha256(flat).hexdigest()}
         counts[split] = {"tokens": int(flat.size), "docs": int(mask.sum())}
     info = {"shard": shard, "first_doc": offset, "num_docs": n,
@@ -363,32 +348,6 @@ DATA_FORMAT = "hf_resolvent-token-shards/2"
 _OWN = (MANIFEST, "meta.json", "settings.json", "tokenizer_info.json", "tokenizer", "shards")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model")
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes (read in 1 MiB blocks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def file_record(path: Path) -> dict:
-    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
-
-
-def file_problem(root: Path, rel: str, record: dict, full: bool) -> str | None:
-    """Why ``root / rel`` is not the file ``record`` describes (None when it is; sizes only unless ``full``)."""
-    path = root / rel
-    if not path.is_file():
-        return f"{rel} is missing"
-    size = path.stat().st_size
-    if size != record["bytes"]:
-        return f"{rel} is damaged: {size:,} bytes where {record['bytes']:,} were written (truncated or replaced)"
-    if full and file_sha256(path) != record["sha256"]:
-        return f"{rel} is damaged: its sha256 differs from the one recorded when it was written"
-    return None
 
 
 def _read_json(path: Path) -> Any:

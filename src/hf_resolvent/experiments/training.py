@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..files import atomic_write_json, file_problem, file_record
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data: the runs of the papers' comparison
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_card.md"
 
@@ -352,19 +354,13 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 def write_manifest(folder: Path) -> None:
     """Record the size and SHA-256 of every file of ``folder`` in ``manifest.json``, written last."""
-    from ..data import file_record
-
     files = {str(p.relative_to(folder)): file_record(p) for p in sorted(folder.rglob("*"))
              if p.is_file() and p.name != MANIFEST}
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=1))
-    os.replace(tmp, folder / MANIFEST)
+    atomic_write_json(folder / MANIFEST, {"files": files})
 
 
 def manifest_problem(folder: Path) -> str | None:
     """What is wrong with ``folder`` against its manifest (a missing, truncated or altered file), or None."""
-    from ..data import file_problem
-
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
     except FileNotFoundError:
