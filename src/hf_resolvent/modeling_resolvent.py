@@ -28,7 +28,7 @@ import importlib
 import json
 import math
 import os
-import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -245,18 +245,16 @@ class ResolventBlock(GradientCheckpointingLayer):
 
 
 # --------------------------------------------------------------------------------------------------
-# Remote code: saved folders get flat copies of the mixer functions
+# Remote code: saved folders get verbatim copies of the ops modules the mixer functions need
 
 
-# The ops modules the model calls directly; their relative imports inside hf_resolvent.ops are followed.
-_BUNDLE_ROOTS = ("parallel", "recurrent", "state")
+# The ops modules the model's mixer functions need (the PyTorch paths). They import each other, and patterns.py,
+# as flat siblings (``from .x import``), so a saved folder gets verbatim copies; tests/models/test_save_load.py
+# loads one in a process without hf_resolvent.
+_SHIPPED_OPS = ("common", "cpu_kernels", "dense", "flash", "parallel", "recurrent", "slots", "solve", "state",
+                "threads")
 
-
-def _flat_name(module: str) -> str:
-    return f"resolvent_ops_{module}"
-
-
-_BUNDLE_ENTRY = '''"""Flat copy of hf_resolvent's mixer functions (PyTorch paths), written by save_pretrained.
+_BUNDLE_ENTRY = '''"""The mixer functions the model code calls (PyTorch paths), written by save_pretrained.
 
 Generated file: it lets `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` run where
 hf_resolvent is not installed. Install hf-resolvent and load without remote code for the Triton kernels.
@@ -294,56 +292,20 @@ _BUNDLE_IMPORTS = (
     ("state", "DecodeState, MixerState, state_from_sequence"),
 )
 
-_RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+)([\w.]*)\s+import\s", flags=re.MULTILINE)
-
-
-def _flatten_imports(source: str, module: str) -> tuple[str, list[str]]:
-    """Rewrite the relative imports of ``hf_resolvent.ops.<module>`` for a flat folder.
-
-    ``from .x import`` (a sibling in ops) -> ``from .resolvent_ops_x import``; ``from ..patterns import`` ->
-    ``from .patterns import``; any other ``from ..y import`` -> ``from hf_resolvent.y import`` (absolute: only
-    usable where hf_resolvent is installed, so such imports must be optional in ops). Returns the new source and
-    the ops siblings it needs.
-    """
-    needed: list[str] = []
-
-    def replace(match: re.Match) -> str:
-        indent, dots, name = match.groups()
-        if len(dots) == 1 and name and "." not in name:
-            needed.append(name)
-            return f"{indent}from .{_flat_name(name)} import "
-        if len(dots) == 2 and name == "patterns":
-            return f"{indent}from .patterns import "
-        if len(dots) == 2 and name:
-            return f"{indent}from hf_resolvent.{name} import "
-        raise RuntimeError(f"hf_resolvent.ops.{module}: cannot flatten the import 'from {dots}{name} import'")
-
-    return _RELATIVE_IMPORT.sub(replace, source), needed
-
 
 def write_ops_bundle(folder: str | Path) -> list[Path]:
-    """Write the flat mixer modules (``resolvent_ops.py`` and ``resolvent_ops_*.py``) into a saved folder.
-
-    Starts from the ops modules the model calls and follows their imports within ``hf_resolvent.ops``. Nothing
-    to do when this code already runs from a saved folder: transformers copied the flat files along.
-    """
+    """Copy the ops modules of ``_SHIPPED_OPS`` into a saved folder as they are, and write its
+    ``resolvent_ops.py`` entry. Nothing to do when this code already runs from a saved folder: transformers
+    copied the files along."""
     if IS_BUNDLE:
         return []
     folder = Path(folder)
-    written, todo, done = [], list(_BUNDLE_ROOTS), set()
-    while todo:
-        module = todo.pop()
-        if module in done:
-            continue
-        done.add(module)
-        source = Path(importlib.import_module(f"hf_resolvent.ops.{module}").__file__).read_text(encoding="utf-8")
-        flat, needed = _flatten_imports(source, module)
-        todo.extend(needed)
-        path = folder / f"{_flat_name(module)}.py"
-        path.write_text(flat, encoding="utf-8")
-        written.append(path)
+    ops = Path(importlib.import_module("hf_resolvent.ops").__file__).parent
+    written = []
+    for module in _SHIPPED_OPS:
+        written.append(Path(shutil.copyfile(ops / f"{module}.py", folder / f"{module}.py")))
     entry = folder / "resolvent_ops.py"
-    imports = "\n".join(f"from .{_flat_name(module)} import {names}" for module, names in _BUNDLE_IMPORTS)
+    imports = "\n".join(f"from .{module} import {names}" for module, names in _BUNDLE_IMPORTS)
     entry.write_text(_BUNDLE_ENTRY.replace("{imports}", imports), encoding="utf-8")
     written.append(entry)
     return written
@@ -473,8 +435,9 @@ class ResolventPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained`` (safetensors), plus the model code when the class is registered for
         an auto class (``import hf_resolvent`` does that): ``auto_map`` for AutoConfig, AutoModel and
-        AutoModelForCausalLM, the modeling files, and flat copies of the mixer functions. Every weights file records
-        the mixer of each layer in its metadata; from_pretrained warns when the config loading it says otherwise."""
+        AutoModelForCausalLM, the modeling files, and copies of the ops modules the mixers need. Every weights file
+        records the mixer of each layer in its metadata; from_pretrained warns when the config loading it says
+        otherwise."""
         remote = self.is_remote_code()
         if remote:
             auto_map = dict(getattr(self.config, "auto_map", None) or {})

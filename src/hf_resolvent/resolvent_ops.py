@@ -1,8 +1,8 @@
 """The mixer functions that the model code calls, gathered in one flat module.
 
 In the installed library this re-exports :mod:`hf_resolvent.ops` (PyTorch paths, and the Triton kernels for
-CUDA tensors). ``save_pretrained`` replaces this file in a saved folder by a flat, self-contained copy of the
-PyTorch paths (``resolvent_ops_*.py`` next to it), so that ``trust_remote_code=True`` works where
+CUDA tensors). ``save_pretrained`` replaces this file in a saved folder by an entry that imports the PyTorch
+paths from verbatim copies of the ops modules next to it, so that ``trust_remote_code=True`` works where
 ``hf_resolvent`` is not installed. The imports below are absolute on purpose: transformers copies the files of
 relative imports into saved folders, and ``hf_resolvent.ops`` is a package, not a file.
 """

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,12 +62,14 @@ def test_saved_folder_carries_the_code(tmp_path):
     }
     names = {p.name for p in tmp_path.iterdir()}
     for needed in ("configuration_resolvent.py", "modeling_resolvent.py", "cache_resolvent.py", "patterns.py",
-                   "resolvent_ops.py", "resolvent_ops_parallel.py", "resolvent_ops_recurrent.py",
-                   "resolvent_ops_state.py"):
+                   "resolvent_ops.py", "parallel.py", "recurrent.py", "state.py", "slots.py", "solve.py"):
         assert needed in names
     entry = (tmp_path / "resolvent_ops.py").read_text()
     assert "IS_BUNDLE = True" in entry
+    ops = Path(hr.ops.__file__).parent
     for path in tmp_path.glob("*.py"):  # flat: no package-relative or hf_resolvent imports at module level
+        if (ops / path.name).is_file() and path.name != "patterns.py":  # an ops module, shipped as it is
+            assert path.read_text() == (ops / path.name).read_text(), path.name
         for line in path.read_text().splitlines():
             assert not line.startswith("from .."), (path.name, line)
             assert not line.startswith(("from hf_resolvent", "import hf_resolvent")), (path.name, line)

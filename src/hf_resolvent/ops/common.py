@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..patterns import Pattern
+from .patterns import Pattern
 
 
 def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None) -> None:

@@ -20,6 +20,7 @@ A failed build warns once and leaves the PyTorch path in place.
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import sys
@@ -76,7 +77,10 @@ def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        from ..locks import exclusive, say  # inside try: the flat remote-code copy never gets here
+        # By name, not a relative import: this file also ships as a flat file in saved model folders, where
+        # hf_resolvent may be absent (and there is no csrc, so this line is never reached).
+        locks = importlib.import_module("hf_resolvent.locks")
+        exclusive, say = locks.exclusive, locks.say
 
         suffix, flags = _flags()
         name, folder = f"hf_resolvent_cpu_{suffix}", build_dir()

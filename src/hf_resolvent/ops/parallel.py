@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from ..patterns import Pattern, get_pattern
 from .common import check_inputs, row_valid_mask
 from .dense import dense_solve
 from .flash import causal_attention
+from .patterns import Pattern, get_pattern
 from .slots import slot_attention, slot_layout, slot_probs
 from .solve import SparseSolve
 from .threads import serial_for

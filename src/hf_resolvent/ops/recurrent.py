@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..patterns import Pattern, get_pattern
 from .common import check_inputs
+from .patterns import Pattern, get_pattern
 from .state import DecodeState, MixerState  # MixerState: re-exported, code imported it from here
 
 __all__ = ["MixerState", "recurrent_mix", "recurrent_mix_tied", "recurrent_step", "recurrent_step_tied"]

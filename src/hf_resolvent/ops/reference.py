@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..patterns import Pattern, get_pattern
 from .common import check_inputs, row_valid_mask
+from .patterns import Pattern, get_pattern
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,8 @@ from functools import cached_property, lru_cache
 import numpy as np
 import torch
 
-from ..patterns import Pattern
 from .cpu_kernels import compiled_for, compiled_ops
+from .patterns import Pattern
 from .threads import serial_for
 
 # Rows per block of the slot loops: small enough that temporaries stay in cache and are recycled

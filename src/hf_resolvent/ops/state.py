@@ -40,7 +40,7 @@ from typing import ClassVar
 
 import torch
 
-from ..patterns import Pattern, get_pattern
+from .patterns import Pattern, get_pattern
 
 __all__ = ["DecodeState", "MixerState", "state_from_sequence"]
 
