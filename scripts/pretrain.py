@@ -196,7 +196,7 @@ def evaluate_loss(accelerator, model, val: hdata.TokenShards, seq_len: int, max_
         total += torch.tensor([loss.item() * n, n], dtype=torch.float64, device=accelerator.device)
     model.train(was_training)
     total = accelerator.reduce(total, reduction="sum")
-    val_loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    val_loss = (total[0] / total[1]).item()  # eval_windows refused a split without a window
     return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(total[1].item()),
             "val_windows": len(starts), "val_window": seq_len}
 

@@ -465,7 +465,7 @@ def write_result(out: str | os.PathLike, result: dict, plot) -> Path:
     ``.png``); returns the PNG's path."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_json(out, result)
     png = out.with_suffix(".png")
     plot(result, png)
     return png
