@@ -1,6 +1,6 @@
-"""Triton kernels of the resolvent mixer (installed as ``hf_resolvent.kernels``). See kernels/README.md.
+"""Triton kernels of the resolvent mixer (installed as ``hf_resolvent.backends.triton``). See kernels/README.md.
 
-Entry points used by :mod:`hf_resolvent.ops` (``resolvent_mix(..., impl="triton")``):
+Entry points used by :mod:`hf_resolvent.ops` when :mod:`hf_resolvent.ops.dispatch` chooses them:
 
 - :func:`triton_ready` -> bool: Triton can run here (a CUDA device, or ``TRITON_INTERPRET=1``);
 - :func:`triton_mix`, :func:`triton_mix_tied`: same contract as ``ops.parallel_mix`` /

@@ -1,6 +1,6 @@
 """Triton kernels of the resolvent mixer (the ``@triton.jit`` functions only; see kernels/README.md).
 
-This file is not imported as a normal module: :func:`hf_resolvent.kernels._loader.jit_module` loads it
+This file is not imported as a normal module: :func:`hf_resolvent.backends.triton._loader.jit_module` loads it
 once per Triton mode (compiled for the GPU, or through the interpreter when ``TRITON_INTERPRET=1``),
 because ``triton.jit`` picks the mode when a function is decorated.
 

@@ -72,7 +72,7 @@ def jit_module(interpret: bool | None = None) -> ModuleType:
     mode = interpreting() if interpret is None else bool(interpret)
     module = _MODULES.get(mode)
     if module is None:
-        name = f"hf_resolvent.kernels._jit_{'interpreted' if mode else 'compiled'}"
+        name = f"{__package__}._jit_{'interpreted' if mode else 'compiled'}"
         spec = importlib.util.spec_from_file_location(name, _JIT_PATH)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # triton resolves helper functions through the module's globals

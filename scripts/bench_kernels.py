@@ -51,7 +51,7 @@ def parse_args(argv=None):
 
 def compile_check(args) -> int:
     import torch
-    from hf_resolvent.kernels import aot
+    from hf_resolvent.backends.triton import aot
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     cases = [(p, dtypes[args.dtype], False) for p in args.patterns.split(",")]

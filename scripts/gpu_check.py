@@ -202,7 +202,8 @@ class Runner:
     def __init__(self, args, device):
         import torch
 
-        from hf_resolvent import kernels, ops
+        from hf_resolvent import ops
+        from hf_resolvent.backends import triton as kernels
         from hf_resolvent.patterns import get_pattern
 
         self.torch, self.kernels, self.ops, self.get_pattern = torch, kernels, ops, get_pattern
@@ -519,7 +520,7 @@ def main(argv=None) -> int:
               "checks on CPU through Triton's interpreter at tiny shapes.", file=sys.stderr)
         return 2
 
-    from hf_resolvent import kernels
+    from hf_resolvent.backends import triton as kernels
 
     cases = plan_cases(args)
     tiles = contextlib.nullcontext()

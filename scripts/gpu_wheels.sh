@@ -65,7 +65,7 @@ else
     if ! "${pip_install[@]}" --no-build-isolation -e .; then  # needs setuptools and wheel there (no network)
         echo "no editable install: a copy of the package under /tmp/site instead"
         mkdir -p /tmp/site && rm -rf /tmp/site/hf_resolvent
-        cp -r src/hf_resolvent /tmp/site/ && cp -r kernels /tmp/site/hf_resolvent/kernels
+        cp -r src/hf_resolvent /tmp/site/ && cp -r kernels /tmp/site/hf_resolvent/backends/triton
         site=1
     fi
     echo "# written by scripts/gpu_wheels.sh --install" > "$ENV_FILE"
@@ -83,7 +83,7 @@ import transformers
 import triton
 
 import hf_resolvent  # registers the model: needs transformers 5.23
-from hf_resolvent import kernels
+from hf_resolvent.backends import triton as kernels
 
 
 def version(name):

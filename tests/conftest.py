@@ -73,24 +73,25 @@ def make_mixer_inputs(
 
 @pytest.fixture(params=["compiled", "torch"])
 def cpu_path(request):
-    """Runs a test on both CPU paths of the parallel form: the compiled kernels (hf_resolvent.ops.cpu_kernels) and
+    """Runs a test on both CPU paths of the parallel form: the compiled kernels (hf_resolvent.backends.cpu) and
     the PyTorch code they replace. The compiled one must build here: a failed build fails the test."""
-    from hf_resolvent.ops import cpu_kernels
+    from hf_resolvent.backends import cpu
+    from hf_resolvent.ops import dispatch
 
     if request.param == "torch":
-        with cpu_kernels.disabled():
+        with dispatch.torch_only():
             yield request.param
         return
-    assert cpu_kernels.available(), "the compiled CPU kernels did not build (see the warning)"
+    assert cpu.available(), "the compiled CPU kernels did not build (see the warning)"
     yield request.param
 
 
 @pytest.fixture
 def torch_path():
     """Runs a test on the PyTorch code of the parallel form only (its chunked solve's plan, say)."""
-    from hf_resolvent.ops import cpu_kernels
+    from hf_resolvent.ops import dispatch
 
-    with cpu_kernels.disabled():
+    with dispatch.torch_only():
         yield
 
 

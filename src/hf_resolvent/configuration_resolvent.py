@@ -20,7 +20,8 @@ __all__ = ["ResolventConfig", "parse_mixer_spec", "GATE_INITS", "MIXER_IMPLS", "
 
 # Gate initialisations, see ResolventConfig. A float in (0, 1) is accepted too.
 GATE_INITS = ("mamba2", "closed")
-MIXER_IMPLS = ("auto", "parallel", "triton")
+# The choices of hf_resolvent.ops.dispatch.IMPLS (a test holds the two equal; this file ships without ops).
+MIXER_IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "reference", "recurrent")
 # "closed" starts with g = exp(-16) ~ 1.1e-7 for every token: the layer is its direct channel A (plus ~1e-7),
 # yet the gate keeps a non-zero gradient in log space (d log g / d A_log = -16), so fine-tuning can open it.
 CLOSED_GATE_VALUE = math.exp(-16.0)
@@ -114,10 +115,11 @@ class ResolventConfig(PretrainedConfig):
             ``"closed"`` (g = e^-16 ~ 1.1e-7 at start, input-independent: the layer starts as its direct channel,
             used by :meth:`ResolventForCausalLM.from_gpt2`) or a float v in (0, 1) (g = v at start).
         tie_word_embeddings: share the input embedding and the LM head.
-        mixer_impl: which code runs the mixers: ``"auto"`` (the Triton kernels for CUDA tensors when Triton can
-            run, the PyTorch forms otherwise), ``"parallel"`` (always PyTorch: the parallel form for sequences, the
-            recurrent step for decoding) or ``"triton"`` (always the kernels; on CPU only under
-            ``TRITON_INTERPRET=1``). A runtime choice: override it with ``from_pretrained(..., mixer_impl=...)``.
+        mixer_impl: which code runs the mixers, passed as ``impl`` to the ops (``hf_resolvent/ops/dispatch.py``):
+            ``"auto"`` (default: the environment variable ``HF_RESOLVENT_MIXER_IMPL`` if set, else the Triton
+            kernels for CUDA tensors, the compiled CPU kernels on CPU, PyTorch elsewhere), ``"torch"``, ``"cpu"``,
+            ``"triton"``, ``"parallel"`` (never Triton), ``"reference"`` or ``"recurrent"``. A runtime choice:
+            override it with ``from_pretrained(..., mixer_impl=...)``.
     """
 
     model_type = "resolvent"
@@ -223,8 +225,7 @@ class ResolventConfig(PretrainedConfig):
             )
         if self.mixer_impl not in MIXER_IMPLS:
             raise ValueError(
-                f"mixer_impl must be one of {MIXER_IMPLS} ('parallel' = the PyTorch forms, 'triton' = the kernels), "
-                f"got {self.mixer_impl!r}"
+                f"mixer_impl must be one of {MIXER_IMPLS} (see hf_resolvent/ops/dispatch.py), got {self.mixer_impl!r}"
             )
         _check_gate_init(self.gate_init, "gate_init")
         self.layer_mixers  # noqa: B018 - parses and validates every layer's spec

@@ -248,47 +248,31 @@ class ResolventBlock(GradientCheckpointingLayer):
 # Remote code: saved folders get verbatim copies of the ops modules the mixer functions need
 
 
-# The ops modules the model's mixer functions need (the PyTorch paths). They import each other, and patterns.py,
-# as flat siblings (``from .x import``), so a saved folder gets verbatim copies; tests/models/test_save_load.py
-# loads one in a process without hf_resolvent.
-_SHIPPED_OPS = ("common", "cpu_kernels", "dense", "flash", "parallel", "recurrent", "slots", "solve", "state",
-                "threads")
+# The ops modules the model's mixer functions need: mixer.py (resolvent_mix, decode_step), the dispatch, the three
+# forms and the PyTorch code of the parallel form. They import each other, and patterns.py, as flat siblings
+# (``from .x import``), so a saved folder gets verbatim copies; tests/models/test_save_load.py loads one in a
+# process without hf_resolvent. The backends (hf_resolvent.backends) are not shipped: there dispatch runs PyTorch.
+_SHIPPED_OPS = ("common", "dense", "dispatch", "flash", "mixer", "parallel", "recurrent", "reference", "slots",
+                "solve", "state", "threads")
 
+# The entry a saved folder gets in place of resolvent_ops.py. The relative imports are assembled in
+# write_ops_bundle: transformers scans this file for lines that start with one.
 _BUNDLE_ENTRY = '''"""The mixer functions the model code calls (PyTorch paths), written by save_pretrained.
 
 Generated file: it lets `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` run where
-hf_resolvent is not installed. Install hf-resolvent and load without remote code for the Triton kernels.
+hf_resolvent is not installed. Install hf-resolvent and load without remote code for the compiled kernels.
 """
 
 {imports}
 
 IS_BUNDLE = True
 
-
-def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl="auto", start=None, scale=None):
-    return parallel_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
-
-
-def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl="auto", start=None, scale=None):
-    return parallel_mix_tied(qb, kb, x, g, d, pattern, start, scale)
-
-
-def decode_step(state, qa, ka, qb, kb, x, g, pattern, impl="auto", scale=None):
-    return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale)
-
-
-def decode_step_tied(state, qb, kb, x, g, d, pattern, impl="auto", scale=None):
-    return recurrent_step_tied(state, qb, kb, x, g, d, pattern, scale)
-
-
 __all__ = ["IS_BUNDLE", "DecodeState", "MixerState", "decode_step", "decode_step_tied", "resolvent_mix",
            "resolvent_mix_tied", "state_from_sequence"]
 '''
 
-# Kept out of the template's text: transformers scans this file for lines starting with relative imports.
 _BUNDLE_IMPORTS = (
-    ("parallel", "parallel_mix, parallel_mix_tied"),
-    ("recurrent", "recurrent_step, recurrent_step_tied"),
+    ("mixer", "decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied"),
     ("state", "DecodeState, MixerState, state_from_sequence"),
 )
 

@@ -1,7 +1,7 @@
 """The mixer functions that the model code calls, gathered in one flat module.
 
-In the installed library this re-exports :mod:`hf_resolvent.ops` (PyTorch paths, and the Triton kernels for
-CUDA tensors). ``save_pretrained`` replaces this file in a saved folder by an entry that imports the PyTorch
+In the installed library this re-exports :mod:`hf_resolvent.ops` (the forms, and the backends that its dispatch
+chooses). ``save_pretrained`` replaces this file in a saved folder by an entry that imports the PyTorch
 paths from verbatim copies of the ops modules next to it, so that ``trust_remote_code=True`` works where
 ``hf_resolvent`` is not installed. The imports below are absolute on purpose: transformers copies the files of
 relative imports into saved folders, and ``hf_resolvent.ops`` is a package, not a file.

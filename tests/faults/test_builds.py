@@ -15,14 +15,14 @@ import time
 import pytest
 
 from hf_resolvent import locks
-from hf_resolvent.ops import cpu_kernels
+from hf_resolvent.backends import cpu as cpu_kernels
 
 # What a user runs first: a model's generate(), which reaches the mixer and so the lazy build.
 _GENERATE = textwrap.dedent("""
     import sys
     import torch
     from hf_resolvent import ResolventConfig, ResolventForCausalLM
-    from hf_resolvent.ops import cpu_kernels
+    from hf_resolvent.backends import cpu as cpu_kernels
 
     config = ResolventConfig(vocab_size=50, n_layer=1, n_embd=32, n_head=2, n_inner=64, n_positions=64,
                              mixer="exp2:ce")

@@ -113,7 +113,15 @@ _LOADER = textwrap.dedent(
     again = AutoModelForCausalLM.from_pretrained(folder + "_again", trust_remote_code=True).eval()
     with torch.no_grad():
         logits_again = again(ids).logits
-    torch.save({"logits": logits, "greedy": greedy, "again": logits_again, "config": type(config).__name__,
+    refused = {}
+    for impl in ("cpu", "triton"):  # the backends are not shipped: a named one is refused, never replaced
+        again.config.mixer_impl = impl
+        try:
+            again(ids)
+        except RuntimeError as err:
+            refused[impl] = str(err)
+    torch.save({"logits": logits, "greedy": greedy, "again": logits_again, "refused": refused,
+                "config": type(config).__name__,
                 "base": type(base).__name__, "modules": sorted(m for m in sys.modules if m.split(".")[0] == "hf_resolvent")},
                out_path)
     """
@@ -147,3 +155,5 @@ def test_trust_remote_code_in_a_fresh_process_without_hf_resolvent(tmp_path, tor
     assert torch.equal(out["logits"], ref_logits)
     assert torch.equal(out["again"], ref_logits)
     assert torch.equal(out["greedy"], ref_greedy)
+    assert set(out["refused"]) == {"cpu", "triton"}
+    assert all("has only the PyTorch path; install hf-resolvent" in why for why in out["refused"].values())

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (hf_resolvent/csrc, loaded by hf_resolvent.ops.cpu_kernels): their checks, their
+"""The compiled CPU kernels (hf_resolvent.backends.cpu and its csrc): their checks, their
 gradients, and the fallback to the PyTorch path when they cannot be built.
 
 Their agreement with the PyTorch path and the reference runs in test_mixer.py and test_parallel_internals.py
@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 
-from hf_resolvent.ops import cpu_kernels, flash, parallel_mix, reference_mix
+from hf_resolvent.backends import cpu
+from hf_resolvent.ops import dispatch, flash, parallel_mix, reference_mix
 from hf_resolvent.ops.dense import CompiledDenseSolve, DenseSolve
 from hf_resolvent.ops.slots import SlotCombine, slot_layout, slot_probs
 from hf_resolvent.ops.solve import SparseSolve
@@ -23,7 +24,7 @@ F64 = torch.float64
 
 @pytest.fixture(autouse=True)
 def compiled():
-    assert cpu_kernels.available(), "the compiled CPU kernels did not build (see the warning)"
+    assert cpu.available(), "the compiled CPU kernels did not build (see the warning)"
 
 
 @pytest.mark.parametrize("spec", ["square:ce", "exp2", "banded:3"])
@@ -33,7 +34,7 @@ def test_compiled_functions_gradcheck(spec):
     gen = torch.Generator().manual_seed(3)
     w = (torch.rand(1, 2, layout.num_slots, n, generator=gen, dtype=F64) / layout.num_slots).requires_grad_()
     z, q, k = (torch.randn(1, 2, n, 3, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))
-    assert cpu_kernels.compiled_for(w, z)
+    assert dispatch.compiled_for(w, z)
     assert torch.autograd.gradcheck(lambda w_, z_: SparseSolve.apply(w_, z_, layout, 8), (w, z))
     assert torch.autograd.gradcheck(lambda a, b: slot_probs(a, b, layout, 0.8), (q, k))
     assert torch.autograd.gradcheck(lambda a, b: SlotCombine.apply(a, b, layout), (w, z))
@@ -102,7 +103,7 @@ def test_compiled_path_is_taken_and_matches_the_reference(spec, kernels):
 
 
 def test_kernels_check_their_inputs():
-    ops = cpu_kernels.compiled_ops()
+    ops = cpu.operators()
     n = 6
     z = torch.randn(1, 1, n, 4)
     w = torch.rand(1, 1, 1, n)
@@ -130,14 +131,14 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
     def no_compiler(**kwargs):
         raise OSError("c++: command not found")
 
-    monkeypatch.setattr(cpu_kernels, "_state", {})  # as in a fresh process
+    monkeypatch.setattr(cpu, "_state", {})  # as in a fresh process
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     x = torch.randn(1, 2, 40, 4)
     with pytest.warns(RuntimeWarning, match="could not be built .*c\\+\\+: command not found.*PyTorch path"):
-        assert not cpu_kernels.compiled_for(x)
+        assert not dispatch.compiled_for(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second build, no second warning
-        assert not cpu_kernels.compiled_for(x)
+        assert not dispatch.compiled_for(x)
     gen = torch.Generator().manual_seed(1)
     qa, ka, qb, kb = (torch.randn(1, 2, 40, 4, generator=gen) for _ in range(4))
     g = torch.rand(1, 2, 40, generator=gen)
@@ -150,13 +151,13 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
 def test_environment_switch_skips_the_build(monkeypatch):
     import torch.utils.cpp_extension as cpp_extension
 
-    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu, "_state", {})
     monkeypatch.setenv("HF_RESOLVENT_CPU_KERNELS", "0")
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("the build must be skipped"))
-    assert not cpu_kernels.available()
+    assert not cpu.available()
 
 
 def test_other_dtypes_and_devices_take_the_pytorch_path():
-    assert not cpu_kernels.compiled_for(torch.zeros(2, dtype=torch.bfloat16))
-    assert not cpu_kernels.compiled_for(torch.zeros(2, device="meta"))
-    assert cpu_kernels.compiled_for(torch.zeros(2), torch.zeros(2, dtype=F64))
+    assert not dispatch.compiled_for(torch.zeros(2, dtype=torch.bfloat16))
+    assert not dispatch.compiled_for(torch.zeros(2, device="meta"))
+    assert dispatch.compiled_for(torch.zeros(2), torch.zeros(2, dtype=F64))

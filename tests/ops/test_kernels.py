@@ -1,7 +1,7 @@
 """Triton kernels against the PyTorch forms, on CPU through Triton's interpreter.
 
 The whole module runs with ``TRITON_INTERPRET=1`` set by an autouse fixture and removed afterwards:
-``hf_resolvent.kernels`` loads its ``@triton.jit`` functions once per Triton mode (see
+``hf_resolvent.backends.triton`` loads its ``@triton.jit`` functions once per Triton mode (see
 kernels/_loader.py), so the setting does not leak into other test modules (there, ``impl="triton"``
 on CPU still raises its error). Shapes are tiny (the interpreter is slow) and the tile sizes are set to
 16 so that every length spans several blocks and ends in a partial one. Every kernel output is
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_resolvent import kernels
+from hf_resolvent.backends import triton as kernels
 from hf_resolvent.ops import (
     MixerState,
     decode_step,
@@ -166,7 +166,7 @@ def test_resolvent_mix_dispatches_to_triton(monkeypatch):
     real = kernels.triton_mix
     monkeypatch.setattr(kernels, "triton_mix", lambda *a, **k: calls.append(1) or real(*a, **k))
     y = resolvent_mix(qa, ka, qb, kb, x, g, "exp2", impl="triton")
-    assert calls, "impl='triton' did not reach hf_resolvent.kernels.triton_mix"
+    assert calls, "impl='triton' did not reach hf_resolvent.backends.triton.triton_mix"
     torch.testing.assert_close(y, resolvent_mix(qa, ka, qb, kb, x, g, "exp2", impl="parallel"), rtol=1e-4, atol=1e-4)
 
 
@@ -193,7 +193,7 @@ def test_unsupported_dtype_is_refused():
 
 def test_nan_fill_catches_unwritten_outputs():
     # The NaN switch itself: fresh buffers are NaN, so a kernel that skipped rows would fail above.
-    from hf_resolvent.kernels.resolvent import _new
+    from hf_resolvent.backends.triton.resolvent import _new
 
     assert torch.isnan(_new((3, 4), torch.device("cpu"))).all()
 
@@ -269,7 +269,7 @@ def test_kernels_compile_for_a_gpu(pattern, dtype):
     this builds the recorded launches (at the test tile size, to keep it quick) with Triton's compiler
     and ptxas. ``scripts/bench_kernels.py --compile-check`` does the same at the default tile sizes.
     """
-    from hf_resolvent.kernels import aot
+    from hf_resolvent.backends.triton import aot
 
     launches = aot.record_launches(pattern, dtype=dtype, n=40, d=16, e=16, batch=1, heads=2)
     names = {launch.name for launch in launches}

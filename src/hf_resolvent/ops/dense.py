@@ -15,7 +15,7 @@ The backward mirrors the tree in reverse: transposed chunk solves give dZ = (I -
 node's flash backward, fed with the rows' *full* outputs and log-sum-exps, gives that block's share
 of dq, dk and of B^T dZ. Memory: O(n (d + e)) per head; no n x n tensor.
 
-On CPU the compiled kernel (:class:`CompiledDenseSolve`, hf_resolvent/csrc/dense_cpu.cpp) replaces the tree:
+On CPU the compiled kernel (:class:`CompiledDenseSolve`, hf_resolvent/backends/cpu/csrc/dense_cpu.cpp) replaces the tree:
 chunks of rows in order, each with one gemm of scores against all earlier keys; :func:`dense_solve` picks it.
 
 Shapes: B batch, H heads, n positions, d key width, e value width, C chunk, D = max(d, e).
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_kernels import compiled_for, compiled_ops
+from .dispatch import compiled_for, compiled_ops
 from .flash import attend_block, attend_block_backward, merge_block, walk
 from .solve import solve_unit_lower_
 from .threads import by_head_groups, head_groups
@@ -176,7 +176,7 @@ class DenseSolve(torch.autograd.Function):
 
 
 class CompiledDenseSolve(torch.autograd.Function):
-    """:class:`DenseSolve` by the compiled CPU kernel (hf_resolvent/csrc/dense_cpu.cpp): chunks of rows in order,
+    """:class:`DenseSolve` by the compiled CPU kernel (hf_resolvent/backends/cpu/csrc/dense_cpu.cpp): chunks of rows in order,
     each one gemm of scores against all earlier keys and one against the solved rows; no row tree. Same args.
     Saves q, k, g, y and the row log-sum-exps (the backward recomputes the probabilities from them)."""
 
@@ -197,7 +197,7 @@ class CompiledDenseSolve(torch.autograd.Function):
 
 def dense_solve(q, k, g, z, scale: float, chunk: int) -> torch.Tensor:
     """Y = Z + diag(g) softmax_{j<i}(scale q_i . k_j) Y: (B, H, n, e), by the compiled CPU kernel where it runs
-    (:mod:`.cpu_kernels`), else by :class:`DenseSolve`."""
+    (:mod:`hf_resolvent.backends.cpu`), else by :class:`DenseSolve`."""
     if compiled_for(q, k, g, z):
         return CompiledDenseSolve.apply(q, k, g, z, scale, chunk)
     return DenseSolve.apply(q, k, g, z, scale, chunk)

@@ -2,7 +2,7 @@
 
 Two users: the dense solve (:mod:`.dense`), whose rows attend to blocks of already solved outputs, and
 causal attention itself (:func:`causal_attention`, the direct term Z of dense and attention patterns). On CPU
-both are replaced by compiled kernels where those build (:mod:`.cpu_kernels`); this is their fallback.
+both are replaced by compiled kernels where those build (:mod:`hf_resolvent.backends.cpu`); this is their fallback.
 
 Why causal attention is split here: PyTorch's CPU flash kernel walks keys in blocks of 512 and skips
 only whole blocks above the diagonal, so up to n = 512 a causal call costs as much as a full one. Split
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import compiled_for, compiled_ops
+from .dispatch import compiled_for, compiled_ops
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -149,7 +149,7 @@ COMPILED_CHUNK = 64
 
 
 class _CompiledCausalAttention(torch.autograd.Function):
-    """Causal attention by the compiled CPU kernel (hf_resolvent/csrc/dense_cpu.cpp): per head, chunks of rows
+    """Causal attention by the compiled CPU kernel (hf_resolvent/backends/cpu/csrc/dense_cpu.cpp): per head, chunks of rows
     against exactly the keys they see, two gemms each. Saves q, k, v, o and the row log-sum-exps."""
 
     @staticmethod
@@ -169,7 +169,7 @@ class _CompiledCausalAttention(torch.autograd.Function):
 
 
 def causal_attention(q, k, v, scale: float) -> torch.Tensor:
-    """softmax_{j <= i}(scale q_i . k_j) v: (B, H, n, e). The compiled CPU kernel where it runs (:mod:`.cpu_kernels`);
+    """softmax_{j <= i}(scale q_i . k_j) v: (B, H, n, e). The compiled CPU kernel where it runs (:mod:`hf_resolvent.backends.cpu`);
     else a row tree of flash calls on CPU where that is faster (SPLIT_MIN_ROWS <= n <= SPLIT_MAX_ROWS; the kernel
     needs e = d), else one causal ``scaled_dot_product_attention`` call."""
     n = q.shape[-2]

@@ -10,7 +10,7 @@ forward substitution (docs/DESIGN.md section 3.2), both with explicit backwards 
   the solve goes chunk by chunk (:mod:`.solve`). O(n (C + K) d) work, O(n (d + K)) memory.
 
 On CPU, for float32 and float64, both solves and the slot operations run as compiled C++ kernels
-(:mod:`.cpu_kernels`, sources in ``hf_resolvent/csrc``) once they build; the PyTorch code is their fallback
+(:mod:`hf_resolvent.backends.cpu`, chosen by :mod:`.dispatch`) once they build; the PyTorch code is their fallback
 and the reference the tests hold them to.
 
 Left padding (``start``) is turned into right padding by rotating each sequence, so every kernel

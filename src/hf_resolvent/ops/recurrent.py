@@ -52,15 +52,18 @@ def _held(state: DecodeState, name: str, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _step_start(state: DecodeState, pattern, q, x, scale):
+    """What every step begins with: (pattern, the token's position r (B,), the held rows it reads (B, S), scale)."""
+    pattern = get_pattern(pattern)
+    r = state.next_position(x.shape[0], x.device)
+    read = _read_mask(pattern, state.row_positions(x.shape[0], x.device), r)
+    return pattern, r, read, q.shape[-1] ** -0.5 if scale is None else scale
+
+
 def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
     """Mix one token (each input (B, H, d) or (B, H) for g) and advance ``state``. Returns y (B, H, e)."""
-    pattern = get_pattern(pattern)
-    batch = x.shape[0]
-    r = state.next_position(batch, x.device)
-    positions = state.row_positions(batch, x.device)
-    scale = qa.shape[-1] ** -0.5 if scale is None else scale
-    read = _read_mask(pattern, positions, r)
-    self_row = torch.ones(batch, 1, dtype=torch.bool, device=x.device)
+    pattern, r, read, scale = _step_start(state, pattern, qa, x, scale)
+    self_row = torch.ones(x.shape[0], 1, dtype=torch.bool, device=x.device)
     keys_a = torch.cat([_held(state, "keys_a", ka), ka[:, :, None]], dim=2)
     vals = torch.cat([_held(state, "values", x), x[:, :, None]], dim=2)
     direct = _attend(qa, keys_a, vals, torch.cat([read, self_row], 1), scale)
@@ -79,12 +82,7 @@ def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None
 
 def recurrent_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
     """Tied variant, one token: z_t = g softmax(qb . kb[P^B]) z[P^B] + (1 - g) x_t, y_t = z_t - d_t x_t."""
-    pattern = get_pattern(pattern)
-    batch = x.shape[0]
-    r = state.next_position(batch, x.device)
-    positions = state.row_positions(batch, x.device)
-    scale = qb.shape[-1] ** -0.5 if scale is None else scale
-    read = _read_mask(pattern, positions, r)
+    pattern, r, read, scale = _step_start(state, pattern, qb, x, scale)
     g_eff = g * read.any(1, keepdim=True).to(g.dtype)
     recur = _attend(qb, _held(state, "keys_b", kb), _held(state, "outputs", x), read, scale)
     z = g_eff[..., None] * recur + (1 - g_eff)[..., None] * x

@@ -18,15 +18,16 @@ empty (duplicates of S_i), are masked by :attr:`SlotLayout.valid`.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
 
-from .cpu_kernels import compiled_for, compiled_ops
+from .dispatch import compiled_for, compiled_ops
 from .patterns import Pattern
-from .threads import serial_for
+from .threads import serial, serial_for
 
 # Rows per block of the slot loops: small enough that temporaries stay in cache and are recycled
 # by the allocator, large enough that the Python loop is short.
@@ -43,7 +44,7 @@ class SlotLayout:
         src: (K, n) numpy int64 array of 0-indexed sources, -1 where the slot is empty.
         valid: (K, n) bool tensor (CPU), ``src >= 0``.
 
-    The compiled CPU kernels (:mod:`.cpu_kernels`) read ``src`` directly (``src_tensor``); the PyTorch code
+    The compiled CPU kernels (:mod:`hf_resolvent.backends.cpu`) read ``src`` directly (``src_tensor``); the PyTorch code
     below covers the same rows with slices (:class:`Piece`).
     """
 
@@ -221,9 +222,10 @@ def piece_scatter(w: torch.Tensor, u: torch.Tensor, out: torch.Tensor, p: Piece,
         dst.add_(run_sums(wt.view(b, h, p.runs, p.length), rows.view(b, h, p.runs, p.length, -1)))
 
 
-def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
-    """Scores S (B, H, K, n): S[k, t] = q_t . k_{src_k(t)}; 0 where t < f_k."""
-    if compiled_for(q, k):
+def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout, compiled: bool | None = None) -> torch.Tensor:
+    """Scores S (B, H, K, n): S[k, t] = q_t . k_{src_k(t)}; 0 where t < f_k. ``compiled``: the choice of the forward
+    this call belongs to (a backward keeps its forward's path); None asks :func:`~.dispatch.compiled_for`."""
+    if compiled_for(q, k) if compiled is None else compiled:
         return compiled_ops().slot_dot(q.contiguous(), k.contiguous(), layout.src_tensor)
     b, h, n, d = q.shape
     out = q.new_zeros(b, h, layout.num_slots, n)
@@ -234,9 +236,10 @@ def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout) -> torch.Tens
     return out
 
 
-def slot_combine(w: torch.Tensor, v: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
-    """Weighted sum (B, H, n, e): out_t = sum_k w[k, t] v_{src_k(t)} (w is (B, H, K, n))."""
-    if compiled_for(w, v):
+def slot_combine(w: torch.Tensor, v: torch.Tensor, layout: SlotLayout, compiled: bool | None = None) -> torch.Tensor:
+    """Weighted sum (B, H, n, e): out_t = sum_k w[k, t] v_{src_k(t)} (w is (B, H, K, n)); ``compiled`` as in
+    :func:`slot_dot`."""
+    if compiled_for(w, v) if compiled is None else compiled:
         return compiled_ops().slot_combine(w.contiguous(), v.contiguous(), layout.src_tensor)
     out = v.new_zeros(v.shape)
     for p in block_pieces(layout):
@@ -244,9 +247,10 @@ def slot_combine(w: torch.Tensor, v: torch.Tensor, layout: SlotLayout) -> torch.
     return out
 
 
-def slot_scatter(w: torch.Tensor, u: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
-    """Transpose of :func:`slot_combine` (B, H, n, e): out_s = sum over (k, t) with src_k(t) = s of w[k, t] u_t."""
-    if compiled_for(w, u):
+def slot_scatter(w: torch.Tensor, u: torch.Tensor, layout: SlotLayout, compiled: bool | None = None) -> torch.Tensor:
+    """Transpose of :func:`slot_combine` (B, H, n, e): out_s = sum over (k, t) with src_k(t) = s of w[k, t] u_t;
+    ``compiled`` as in :func:`slot_dot`."""
+    if compiled_for(w, u) if compiled is None else compiled:
         return compiled_ops().slot_scatter(w.contiguous(), u.contiguous(), layout.src_tensor)
     out = u.new_zeros(u.shape)
     for p in block_pieces(layout):
@@ -260,17 +264,17 @@ class SlotDot(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, layout):
         ctx.save_for_backward(q, k)
-        ctx.layout = layout
+        ctx.layout, ctx.compiled = layout, compiled_for(q, k)
         with serial_for(q):
-            return slot_dot(q, k, layout)
+            return slot_dot(q, k, layout, ctx.compiled)
 
     @staticmethod
     def backward(ctx, grad):
         q, k = ctx.saved_tensors
         grad = grad.contiguous()
-        with serial_for(q):
-            dq = slot_combine(grad, k, ctx.layout) if ctx.needs_input_grad[0] else None
-            dk = slot_scatter(grad, q, ctx.layout) if ctx.needs_input_grad[1] else None
+        with nullcontext() if ctx.compiled else serial():
+            dq = slot_combine(grad, k, ctx.layout, ctx.compiled) if ctx.needs_input_grad[0] else None
+            dk = slot_scatter(grad, q, ctx.layout, ctx.compiled) if ctx.needs_input_grad[1] else None
         return dq, dk, None
 
 
@@ -280,17 +284,17 @@ class SlotCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, v, layout):
         ctx.save_for_backward(w, v)
-        ctx.layout = layout
+        ctx.layout, ctx.compiled = layout, compiled_for(w, v)
         with serial_for(v):
-            return slot_combine(w, v, layout)
+            return slot_combine(w, v, layout, ctx.compiled)
 
     @staticmethod
     def backward(ctx, grad):
         w, v = ctx.saved_tensors
         grad = grad.contiguous()
-        with serial_for(v):
-            dw = slot_dot(grad, v, ctx.layout) if ctx.needs_input_grad[0] else None
-            dv = slot_scatter(w, grad, ctx.layout) if ctx.needs_input_grad[1] else None
+        with nullcontext() if ctx.compiled else serial():
+            dw = slot_dot(grad, v, ctx.layout, ctx.compiled) if ctx.needs_input_grad[0] else None
+            dv = slot_scatter(w, grad, ctx.layout, ctx.compiled) if ctx.needs_input_grad[1] else None
         return dw, dv, None
 
 
@@ -302,7 +306,7 @@ def slot_softmax(scores: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
 
 
 class _CompiledSlotProbs(torch.autograd.Function):
-    """:func:`slot_probs` in one compiled pass per direction (:mod:`.cpu_kernels`). Saves q, k and the probs."""
+    """:func:`slot_probs` in one compiled pass per direction (:mod:`hf_resolvent.backends.cpu`). Saves q, k and the probs."""
 
     @staticmethod
     def forward(ctx, q, k, layout, scale):

@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .cpu_kernels import compiled_for, compiled_ops
+from .dispatch import compiled_for, compiled_ops
 from .slots import Piece, SlotLayout, run_sums, slot_dot, slot_pieces
 from .threads import serial
 
@@ -167,7 +167,7 @@ class SparseSolve(torch.autograd.Function):
 
     Args (forward): w (B, H, K, n) weights (zero where the layout is not valid), z (B, H, n, e),
     layout, chunk. Returns y (B, H, n, e). Backward: dz = (I - B)^-T dy, dw[k, t] = dz_t . y_src.
-    The compiled CPU kernels (:mod:`.cpu_kernels`) solve row by row; the PyTorch path goes chunk by chunk on one
+    The compiled CPU kernels (:mod:`hf_resolvent.backends.cpu`) solve row by row; the PyTorch path goes chunk by chunk on one
     intra-op thread (see :mod:`.threads`).
     """
 
@@ -198,10 +198,10 @@ class SparseSolve(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[0]:
             if ctx.compiled:  # the compiled slot_dot leaves invalid slots at 0
-                dw = slot_dot(dz, y, ctx.layout)
+                dw = slot_dot(dz, y, ctx.layout, compiled=True)
             else:
                 with serial():
-                    dw = slot_dot(dz, y, ctx.layout) * ctx.layout.valid_on(dz.device, dz.dtype)
+                    dw = slot_dot(dz, y, ctx.layout, compiled=False) * ctx.layout.valid_on(dz.device, dz.dtype)
         return dw, dz, None, None
 
 

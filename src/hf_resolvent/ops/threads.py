@@ -25,7 +25,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .cpu_kernels import compiled_for
+from .dispatch import compiled_for
 
 
 @contextmanager
@@ -44,7 +44,7 @@ def serial():
 
 def serial_for(*tensors: torch.Tensor):
     """:func:`serial` for sections of small PyTorch ops on ``tensors``; a no-op where the compiled CPU kernels
-    (:mod:`.cpu_kernels`) take them, which spread the (batch x head) rows over the intra-op threads themselves."""
+    (:mod:`hf_resolvent.backends.cpu`) take them, which spread the (batch x head) rows over the intra-op threads themselves."""
     return nullcontext() if compiled_for(*tensors) else serial()
 
 

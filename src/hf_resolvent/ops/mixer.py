@@ -1,0 +1,87 @@
+"""The mixer functions the model calls: each runs the form or backend that :mod:`.dispatch` chooses.
+
+Same contracts as the forms they run (``parallel_mix``, ``recurrent_step``, ...); ``impl`` is described in
+:mod:`.dispatch`. A saved model folder ships this module with the ops modules it imports, as they are.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+from .dispatch import choose, choose_decode, torch_only, triton
+from .parallel import parallel_mix, parallel_mix_tied
+from .patterns import get_pattern
+from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
+from .reference import reference_mix, reference_mix_tied
+from .state import DecodeState
+
+
+def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None, scale=None):
+    """Mix values x with the resolvent mixer of ``pattern``.
+
+    Args:
+        qa, ka: (B, H, n, d) queries and keys of the direct channel A (RoPE already applied).
+        qb, kb: (B, H, n, d) queries and keys of the recurrent channel B; unused (may be None) for
+            ``attention`` and ``local_attention`` patterns.
+        x: (B, H, n, e) values.
+        g: (B, H, n) gate in (0, 1): A = (1 - g) A~, B = g B~; unused for attention patterns.
+        pattern: a spec such as ``"exp2:ce"`` or a :class:`~hf_resolvent.patterns.Pattern`.
+        impl: which code runs it (:mod:`.dispatch`): ``"auto"``, ``"torch"``, ``"cpu"``, ``"triton"``,
+            ``"parallel"``, ``"reference"`` or ``"recurrent"``.
+        start: optional (B,) number of leading padding positions per sequence (left padding).
+        scale: score scale, default d ** -0.5.
+
+    Returns:
+        (B, H, n, e) outputs in x's dtype.
+    """
+    pattern = get_pattern(pattern)
+    path = choose(impl, x)
+    if path == "reference":
+        return reference_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+    if path == "recurrent":
+        return recurrent_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+    if path == "triton":
+        return triton().triton_mix(qa, ka, qb, kb, x, g, pattern, start=start, scale=scale)
+    with torch_only() if path == "torch" else nullcontext():
+        return parallel_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+
+
+def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl: str = "auto", start=None, scale=None):
+    """Tied variant (A = B D + D', paper B.3): y = (I - B)^-1 (1 - g) x - d x, with d (B, H, n)."""
+    pattern = get_pattern(pattern)
+    path = choose(impl, x)
+    if path == "reference":
+        return reference_mix_tied(qb, kb, x, g, d, pattern, start, scale)
+    if path == "recurrent":
+        return recurrent_mix_tied(qb, kb, x, g, d, pattern, start, scale)
+    if path == "triton":
+        return triton().triton_mix_tied(qb, kb, x, g, d, pattern, start=start, scale=scale)
+    with torch_only() if path == "torch" else nullcontext():
+        return parallel_mix_tied(qb, kb, x, g, d, pattern, start, scale)
+
+
+def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None):
+    """Mix one token per sequence against a layer's decode ``state`` and advance it (the model's decode path).
+
+    Args:
+        state: the layer's :class:`DecodeState` (advanced in place).
+        qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention patterns).
+        x: (B, H, e) its value; g: (B, H) its gate (None for attention patterns).
+        pattern: spec or Pattern.
+        impl: as for :func:`resolvent_mix`; the Triton decode kernel runs for ``"triton"`` (and ``"auto"`` on CUDA
+            tensors), the PyTorch ``recurrent_step`` for every other choice.
+        scale: score scale, default d ** -0.5.
+
+    Returns:
+        y (B, H, e), 0 for sequences still in their left padding.
+    """
+    if choose_decode(impl, x) == "triton":
+        return triton().triton_decode_step(state, qa, ka, qb, kb, x, g, pattern, scale=scale)
+    return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale)
+
+
+def decode_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
+    """Tied variant of :func:`decode_step`: qb, kb (B, H, d), x (B, H, e), g and d (B, H) -> y (B, H, e)."""
+    if choose_decode(impl, x) == "triton":
+        return triton().triton_decode_step_tied(state, qb, kb, x, g, d, pattern, scale=scale)
+    return recurrent_step_tied(state, qb, kb, x, g, d, pattern, scale)

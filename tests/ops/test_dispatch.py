@@ -1,0 +1,103 @@
+"""The one switch (hf_resolvent.ops.dispatch): which code runs a mixer call, with what precedence, and the errors
+when a named backend cannot run. The backends' agreement with the forms is tested in test_mixer.py,
+test_cpu_kernels.py and test_kernels.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_resolvent as hr
+from hf_resolvent.backends import cpu
+from hf_resolvent.configuration_resolvent import MIXER_IMPLS
+from hf_resolvent.ops import DecodeState, decode_step, dispatch, reference_mix, resolvent_mix
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _inputs(n=40, seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    qa, ka, qb, kb, x = (torch.randn(1, 2, n, 8, generator=gen, requires_grad=requires_grad) for _ in range(5))
+    g = torch.rand(1, 2, n, generator=gen).requires_grad_(requires_grad)
+    return qa, ka, qb, kb, x, g
+
+
+def _compiled_ops_run(fn) -> set[str]:
+    """The compiled CPU kernels' operators that ``fn`` calls."""
+    with torch.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("hf_resolvent::")}
+
+
+def test_the_config_accepts_exactly_the_choices_of_the_switch():
+    assert MIXER_IMPLS == dispatch.IMPLS
+    with pytest.raises(ValueError, match="mixer_impl must be one of .*got 'cuda'"):
+        hr.ResolventConfig(mixer_impl="cuda")
+
+
+def test_precedence_argument_then_environment_then_auto(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    assert dispatch.resolve(None) == dispatch.resolve("auto") == "auto"
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    assert dispatch.resolve("auto") == "torch"  # "auto" names nothing: the environment decides
+    assert dispatch.resolve("cpu") == "cpu"  # an argument beats the environment
+    monkeypatch.setenv(dispatch.ENV, "gpu")
+    with pytest.raises(ValueError, match=f"{dispatch.ENV} must be one of .*got 'gpu'"):
+        dispatch.resolve("auto")
+    with pytest.raises(ValueError, match="impl must be one of .*got 'fast'"):
+        dispatch.resolve("fast")
+
+
+@pytest.mark.parametrize("spec", ["exp2:ce", "dense"])
+def test_torch_and_cpu_run_what_they_name_in_forward_and_backward(spec):
+    assert cpu.available(), "the compiled CPU kernels did not build (see the warning)"
+    qa, ka, qb, kb, x, g = _inputs(requires_grad=True)
+    ref = reference_mix(qa, ka, qb, kb, x, g, spec)
+    for impl, expect_compiled in (("torch", False), ("cpu", True), ("auto", True), ("parallel", True)):
+        out = {}
+
+        def step():
+            out["y"] = resolvent_mix(qa, ka, qb, kb, x, g, spec, impl=impl)
+            out["y"].square().sum().backward()  # the backward keeps the forward's path
+
+        ran = _compiled_ops_run(step)
+        assert bool(ran) == expect_compiled, (impl, ran)
+        if expect_compiled:  # both directions ran compiled
+            assert any("backward" in name or "transpose" in name or "scatter" in name for name in ran), ran
+        torch.testing.assert_close(out["y"], ref, atol=1e-5, rtol=1e-5)
+        for t in (qa, ka, qb, kb, x, g):
+            t.grad = None
+
+
+def test_the_environment_reaches_the_model_and_the_config_beats_it(monkeypatch):
+    config = hr.ResolventConfig(vocab_size=40, n_positions=64, n_embd=32, n_layer=1, n_head=2, mixer="exp2")
+    model = hr.ResolventForCausalLM(config).eval()
+    ids = torch.randint(0, 40, (1, 24))
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    assert not _compiled_ops_run(lambda: model(ids))
+    model.config.mixer_impl = "cpu"
+    assert _compiled_ops_run(lambda: model(ids))
+    monkeypatch.setenv(dispatch.ENV, "reference")
+    model.config.mixer_impl = "auto"
+    assert not _compiled_ops_run(lambda: model(ids))
+
+
+def test_a_named_backend_that_cannot_run_is_an_error_not_a_fallback(monkeypatch):
+    qa, ka, qb, kb, x, g = _inputs()
+    meta = torch.empty(1, 2, 4, 8, device="meta")
+    with pytest.raises(RuntimeError, match="take CPU tensors, got tensors on meta; use impl='auto' or 'torch'"):
+        dispatch.choose("cpu", meta)
+    monkeypatch.setattr(cpu, "_state", {"ok": False})  # as after a failed build
+    with pytest.raises(RuntimeError, match="compiled CPU kernels are not available here"):
+        resolvent_mix(qa, ka, qb, kb, x, g, "exp2", impl="cpu")
+    torch.testing.assert_close(resolvent_mix(qa, ka, qb, kb, x, g, "exp2"), reference_mix(qa, ka, qb, kb, x, g, "exp2"),
+                               atol=1e-5, rtol=1e-5)  # "auto" falls back: it named nothing
+
+
+def test_decoding_runs_the_recurrent_step_except_on_triton():
+    qa, ka, qb, kb, x, g = _inputs(n=1)
+    for impl in ("auto", "torch", "cpu", "parallel", "reference"):
+        assert dispatch.choose_decode(impl, x) == "recurrent"
+    y = decode_step(DecodeState(), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0], "exp2",
+                    impl="cpu")
+    assert y.shape == (1, 2, 8)
