@@ -56,7 +56,7 @@ def test_torch_and_cpu_run_what_they_name_in_forward_and_backward(spec):
     for impl, expect_compiled in (("torch", False), ("cpu", True), ("auto", True), ("parallel", True)):
         out = {}
 
-        def step():
+        def step(out=out, impl=impl):
             out["y"] = resolvent_mix(qa, ka, qb, kb, x, g, spec, impl=impl)
             out["y"].square().sum().backward()  # the backward keeps the forward's path
 
