@@ -24,8 +24,10 @@ class ResolventCacheLayer:
     """One layer's decode state: a :class:`DecodeState` (or None before the first forward) and its pattern.
 
     Implements the per-layer methods that :class:`transformers.Cache` and ``generate()`` call (beam-search
-    reordering, batch selection and repetition, reset, offloading, and cropping where the pattern keeps
-    every position) by delegating to the state, which owns the rules.
+    reordering, batch selection and repetition, reset, offloading, past recording and cropping) by delegating to
+    the state, which owns the rules. Cropping is exact for patterns that keep every position, and for the others
+    over the tokens decoded since :meth:`activate_past_recording` (``generate()`` calls it for assisted and
+    prompt-lookup decoding) or since the last crop.
     """
 
     is_compileable = False
@@ -35,12 +37,24 @@ class ResolventCacheLayer:
     def __init__(self, pattern: Pattern | str, tied: bool = False):
         self.pattern = get_pattern(pattern)
         self.tied = tied
-        self.state: DecodeState | None = None
+        self._state: DecodeState | None = None
         self.device = None
+        self.record_past = False
 
     def __repr__(self) -> str:
         rows = 0 if self.state is None else self.state.rows()
         return f"ResolventCacheLayer(pattern={self.pattern.name!r}, seen={self.get_seq_length()}, rows={rows})"
+
+    @property
+    def state(self) -> DecodeState | None:
+        """The layer's :class:`DecodeState` (None before the first forward); a new one records when the layer does."""
+        return self._state
+
+    @state.setter
+    def state(self, state: DecodeState | None) -> None:
+        if state is not None and self.record_past and state.history is None:
+            state.record_history()
+        self._state = state
 
     @property
     def is_initialized(self) -> bool:
@@ -48,12 +62,21 @@ class ResolventCacheLayer:
 
     @property
     def keeps_every_position(self) -> bool:
-        """True when the state holds all past rows (attention, dense, plain f-patterns): then it can be cropped."""
+        """True when the state holds all past rows (attention, dense, plain f-patterns): it crops by slicing."""
         return DecodeState.keeps_every_position(self.pattern)
 
     @property
     def is_croppable(self) -> bool:
-        return self.keeps_every_position
+        """Whether :meth:`crop` can put the layer back as it was: always for patterns that keep every position, and
+        for the others while recording past states."""
+        return self.keeps_every_position or self.record_past
+
+    def activate_past_recording(self) -> None:
+        """Record the state before each decoded token until the next :meth:`crop`, so that crop can go back over
+        them (``transformers``' name for it; generate() calls it for assisted and prompt-lookup decoding)."""
+        self.record_past = True
+        if self.state is not None:
+            self.state.record_history()
 
     @property
     def batch_size(self) -> int:
@@ -72,7 +95,7 @@ class ResolventCacheLayer:
         return 0 if self.state is None else self.state.nbytes()
 
     def reset(self) -> None:
-        self.state = None
+        self._state = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.state is not None:
@@ -85,14 +108,23 @@ class ResolventCacheLayer:
         if self.state is not None:
             self.state.repeat_batch(repeats)
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens (negative: drop that many), like ``DynamicLayer.crop``; raises a
-        ValueError where the pattern does not keep every position (see :meth:`DecodeState.crop`)."""
+    def target_length(self, length: int) -> int:
+        """The tokens left by ``crop(length)``: ``length`` > 0 keeps that many, <= 0 drops ``-length`` newest ones."""
+        seen = self.get_seq_length()
+        return min(seen, length) if length > 0 else max(0, seen + length)
+
+    def can_crop(self, length: int) -> bool:
+        """True when ``crop(length)`` is exact (see :meth:`crop`)."""
+        return self.state is None or self.state.can_crop_to(self.pattern, self.target_length(length))
+
+    def crop(self, length: int) -> None:
+        """Drop the ``-length`` newest tokens (``length`` <= 0, ``transformers``' convention), or keep the first
+        ``length`` (> 0). What was recorded is then forgotten: the tokens left are accepted. Raises a ValueError
+        where the state cannot go back that far (see :meth:`DecodeState.crop`)."""
         if self.state is None:
             return
-        if max_length < 0:  # dropping more than was seen leaves nothing, as for DynamicLayer
-            max_length = max(0, self.state.seen - abs(max_length))
-        self.state.crop(self.pattern, max_length)
+        self.state.crop(self.pattern, self.target_length(length))
+        self.state.forget_history()
 
     def offload(self) -> None:
         if self.state is None:
@@ -111,7 +143,7 @@ class ResolventCache(Cache):
 
     ``get_seq_length()`` is the number of tokens seen (left padding included, as for ``DynamicCache``), not the
     rows held; :meth:`nbytes` is the memory the states hold. Beam search (``reorder_cache``), batch selection and
-    repetition work for every pattern; :meth:`crop` only where every layer keeps all positions.
+    repetition work for every pattern; :meth:`crop` for every pattern over the tokens recorded (see :meth:`crop`).
 
     Args:
         config: a :class:`~hf_resolvent.ResolventConfig` (its ``layer_mixers`` give each layer's pattern).
@@ -160,15 +192,16 @@ class ResolventCache(Cache):
             "forward (ResolventForCausalLM), not by update()"
         )
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens (negative: drop that many); only when every layer keeps all rows."""
-        seen = self.get_seq_length()
-        target = seen - abs(max_length) if max_length < 0 else max_length
+    def crop(self, length: int) -> None:
+        """Drop the ``-length`` newest tokens (``length`` <= 0, as ``transformers`` calls it; 0 drops nothing and
+        accepts what was recorded), or keep the first ``length`` (> 0). Exact for every layer that keeps all
+        positions, and for the others over the tokens recorded since :meth:`activate_past_recording` or the last
+        crop; otherwise a ValueError, before any layer changes."""
         for layer in self.layers:  # check every layer before changing any
-            if layer.is_initialized and target < seen and not layer.keeps_every_position:
-                layer.crop(target)  # raises the explanatory error
+            if not layer.can_crop(length):
+                layer.crop(length)  # raises the explanatory error
         for layer in self.layers:
-            layer.crop(max_length)
+            layer.crop(length)
 
     @property
     def is_compileable(self) -> bool:

@@ -178,7 +178,8 @@ class ResolventMixer(nn.Module):
                 y = resolvent_mix(t["qa"], t["ka"], t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl,
                                   start=start)
             if layer_cache is not None:
-                layer_cache.state = DecodeState.from_prefill(self.pattern, self._state_rows(t, y, d, start), start)
+                layer_cache.state = DecodeState.from_prefill(self.pattern, self._state_rows(t, y, d, start), start,
+                                                             record=layer_cache.record_past)
         else:
             y = self._decode(state, t, g, d, n, impl)
         out = y.transpose(1, 2).reshape(batch, n, width)
@@ -401,9 +402,9 @@ class ResolventPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["ResolventBlock"]
     _skip_keys_device_placement = ["past_key_values"]
-    # The decode state of sparse patterns cannot be rolled back: generate() refuses assisted and prompt-lookup
-    # decoding with a clear error instead of producing wrong tokens.
-    _is_stateful = True
+    # Not "stateful" in generate()'s sense: every layer's cache can be rolled back over the tokens it recorded
+    # (ResolventCacheLayer.activate_past_recording), so assisted and prompt-lookup decoding work for every mixer.
+    _is_stateful = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -643,8 +644,8 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
 
     ``labels`` (B, n) give the library's causal-LM loss (shifted inside, -100 ignored, ``num_items_in_batch``
     honoured). ``generate()`` decodes through a :class:`ResolventCache`: greedy, sampling, beam search,
-    ``num_return_sequences``, continuing from a returned cache, chunked prefill (``prefill_chunk_size``);
-    assisted and prompt-lookup decoding are refused (the cache cannot be rolled back).
+    ``num_return_sequences``, continuing from a returned cache, chunked prefill (``prefill_chunk_size``),
+    assisted (``assistant_model=``) and prompt-lookup (``prompt_lookup_num_tokens=``) decoding for every mixer.
     """
 
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
@@ -731,6 +732,8 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
                 "models: they use their own ResolventCache (leave cache_implementation unset)"
             )
         model_kwargs["past_key_values"] = ResolventCache(self.config)
+        if generation_config.is_assistant:  # an assistant's drafts are rolled back: as transformers does for its caches
+            model_kwargs["past_key_values"].activate_past_recording()
 
     # ----------------------------------------------------------------------------------------------
     @classmethod

@@ -192,15 +192,10 @@ def test_left_padded_batch_generates_like_each_prompt_alone():
     assert torch.equal(beams[0, 6:], model.generate(a, max_new_tokens=5, num_beams=2, do_sample=False)[0])
 
 
-def test_assisted_and_prompt_lookup_refused():
+def test_static_cache_refused():
     model = tiny_model("exp2:ce")
-    ids = torch.randint(1, 61, (1, 6))
-    with pytest.raises(ValueError, match="assisted generation is not supported"):
-        model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
-    with pytest.raises(ValueError, match="assisted generation is not supported"):
-        model.generate(ids, max_new_tokens=3, assistant_model=tiny_model("attention"))
     with pytest.raises(ValueError, match="cache_implementation"):
-        model.generate(ids, max_new_tokens=3, cache_implementation="static")
+        model.generate(torch.randint(1, 61, (1, 6)), max_new_tokens=3, cache_implementation="static")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -153,14 +153,68 @@ def test_crop_equals_the_shorter_sequence_and_decodes_on(spec):
 
 
 @pytest.mark.parametrize("spec", FORGETTING)
-def test_crop_refuses_a_forgetting_pattern(spec):
+def test_crop_refuses_a_forgetting_pattern_that_did_not_record(spec):
     state = DecodeState.from_prefill(spec, _rows(2, 9))
     before = state.positions.clone()
-    with pytest.raises(ValueError, match=re.escape(f"pattern {spec!r} cannot be cropped: the pattern drops past")):
+    with pytest.raises(ValueError, match=re.escape(f"pattern {spec!r} cannot be cropped back 4 token(s): the pattern")):
         state.crop(spec, 5)
     assert state.seen == 9 and torch.equal(state.positions, before)  # untouched
     state.crop(spec, 9)  # nothing dropped: allowed
     assert state.seen == 9
+
+
+@pytest.mark.parametrize("spec", FORGETTING)
+def test_a_recording_state_crops_back_inside_its_prefill_and_its_steps(spec):
+    start = torch.tensor([0, 3])
+    rows = _rows(2, 16, seed=4)
+    upto = lambda n, src=rows: {k: v[:, :, :n] for k, v in src.items()}  # noqa: E731
+    state = DecodeState.from_prefill(spec, upto(9), start, record=True)
+    _stepped(spec, upto(13), state=state)  # 4 decoded tokens, recorded
+    state.crop(spec, 11)  # back over two steps
+    _assert_same(state, DecodeState.from_prefill(spec, upto(11), start))
+    # rejected drafts replaced by others (assisted decoding): as if the rejected ones had never come
+    other = {k: torch.cat([v[:, :, :11], -v[:, :, 11:]], 2) for k, v in rows.items()}
+    _stepped(spec, upto(14, other), state=state)
+    _assert_same(state, DecodeState.from_prefill(spec, upto(14, other), start))
+    state.crop(spec, 7)  # back inside the prefill: rebuilt from its recorded rows
+    _assert_same(state, DecodeState.from_prefill(spec, upto(7), start))
+    assert state.history == [] and state.prefill_rows is not None
+    state.forget_history()  # the tokens so far are accepted: nothing to go back to
+    assert state.prefill_rows is None and not state.can_crop_to(spec, 6)
+    _stepped(spec, upto(9), state=state)
+    state.crop(spec, 8)
+    _assert_same(state, DecodeState.from_prefill(spec, upto(8), start))
+    with pytest.raises(ValueError, match="cannot be cropped back 2 token"):
+        state.crop(spec, 6)
+
+
+@pytest.mark.parametrize("spec", ["exp2:ce", "banded:2"])
+def test_recorded_states_follow_batch_selection(spec):
+    rows = _rows(3, 12, seed=5)
+    state = DecodeState.from_prefill(spec, {k: v[:, :, :8] for k, v in rows.items()}, record=True)
+    _stepped(spec, rows, state=state)
+    index = torch.tensor([2, 2, 0])
+    state.select_batch(index)
+    state.crop(spec, 10)
+    _assert_same(state, DecodeState.from_prefill(spec, {k: v[index, :, :10] for k, v in rows.items()}))
+    state.crop(spec, 5)
+    _assert_same(state, DecodeState.from_prefill(spec, {k: v[index, :, :5] for k, v in rows.items()}))
+
+
+def test_cache_layer_records_from_the_prefill_after_activation():
+    layer = ResolventCacheLayer("exp2:ce")
+    assert not layer.is_croppable
+    layer.activate_past_recording()
+    assert layer.is_croppable
+    rows = _rows(1, 10, seed=6)
+    layer.state = DecodeState.from_prefill("exp2:ce", {k: v[:, :, :6] for k, v in rows.items()}, record=True)
+    _stepped("exp2:ce", rows, state=layer.state)
+    layer.crop(-3)
+    _assert_same(layer.state, DecodeState.from_prefill("exp2:ce", {k: v[:, :, :7] for k, v in rows.items()}))
+    assert layer.state.history == []  # a crop accepts what is left
+    layer.crop(0)
+    with pytest.raises(ValueError, match="cannot be cropped back 1 token"):
+        layer.crop(-1)
 
 
 def test_cache_layer_crop_counts_from_the_end():

@@ -8,11 +8,14 @@ home of
   Triton decode kernel);
 - advancing by one token: append and trim to a window, or advance the slot register of cache-efficient patterns;
 - building the state of a whole prefill directly, without replaying n steps;
-- crop (exact only for patterns that keep every position), batch selection and repetition (beam search), device
-  and dtype moves, and the bytes held.
+- crop: exact by slicing for patterns that keep every position, and by going back to a recorded earlier state for
+  the others (:meth:`DecodeState.record_history`: what assisted and prompt-lookup decoding need); batch selection
+  and repetition (beam search), device and dtype moves, and the bytes held.
 
 The attention over the held rows is the mixer's business (``recurrent.py``, ``kernels/decode.py``): those call the
-methods here and never assign a field, so the invariants below hold wherever a state goes.
+methods here and never assign a field, so the invariants below hold wherever a state goes. Every method replaces
+a field's tensor rather than writing into it, which is what lets a recorded earlier state share its tensors with
+the current one (a shallow copy per token).
 
 Invariants: ``positions`` is the pattern's own 0-indexed position r = t - start of each row (t the sequence index,
 start the sequence's left padding), -1 for a padding row or the filler of a shorter sequence in a batch; a row at
@@ -35,7 +38,7 @@ Shapes: B batch, H heads, S rows held, K slots, d key width, e value width, n to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import torch
@@ -58,6 +61,10 @@ class DecodeState:
         slots: (B, K) int64, cache-efficient patterns only: the slot register p_k (positions, -1 empty).
         seen: tokens processed so far, padding included.
         start: (B,) leading padding per sequence, or None.
+        history: while recording (:meth:`record_history`), the states before each token advanced since, oldest
+            first, for :meth:`crop`; None otherwise.
+        prefill_rows: while recording, the per-position tensors of the prefill the state was built from (each
+            (B, H, n, .)), from which :meth:`crop` rebuilds a state inside the prefill; None otherwise.
     """
 
     keys_a: torch.Tensor | None = None
@@ -68,6 +75,8 @@ class DecodeState:
     slots: torch.Tensor | None = None
     seen: int = 0
     start: torch.Tensor | None = None
+    history: list[DecodeState] | None = None
+    prefill_rows: dict[str, torch.Tensor] | None = None
 
     TENSOR_NAMES: ClassVar[tuple[str, ...]] = ("keys_a", "keys_b", "values", "outputs")
     # MODE values of the read rule, as the Triton decode kernel takes them.
@@ -164,6 +173,8 @@ class DecodeState:
             r: (B,) its positions, from :meth:`next_position`; negative (left padding) is stored as -1.
         """
         pattern = get_pattern(pattern)
+        if self.history is not None and not self.keeps_every_position(pattern):  # those crop by slicing
+            self.history.append(replace(self, history=None, prefill_rows=None))
         if self.uses_register(pattern):
             self._advance_register(pattern, new, r)
         else:
@@ -216,35 +227,87 @@ class DecodeState:
     # ----------------------------------------------------------------------------------------------
     # Cache operations
 
+    def record_history(self, on: bool = True) -> None:
+        """Start (or stop) keeping the state before each token that :meth:`advance` takes, so that :meth:`crop` can go
+        back over those tokens for every pattern. A recorded state is a shallow copy (its tensors are shared): the
+        cost is the rows a pattern holds per token recorded, O(log n) for ``exp2:ce``. Patterns that keep every
+        position record nothing: they crop by slicing. Stopping forgets what was recorded, the prefill's rows too."""
+        self.history = [] if on else None
+        if not on:
+            self.prefill_rows = None
+
+    def _reach(self, pattern: Pattern, length: int) -> str | None:
+        """How :meth:`crop` reaches ``length``: "none" (nothing to drop), "slice", "history", "prefill", or None."""
+        if length >= self.seen:
+            return "none"
+        if self.keeps_every_position(pattern):
+            return "slice"
+        if self.history is not None and self.seen - length <= len(self.history):
+            return "history"
+        rows = self.prefill_rows
+        start = 0 if self.start is None else int(self.start.max())
+        if rows is not None and start < length <= next(iter(rows.values())).shape[2]:
+            return "prefill"
+        return None
+
+    def can_crop_to(self, pattern: Pattern | str, length: int) -> bool:
+        """True when :meth:`crop` to ``length`` is exact (see there)."""
+        return self._reach(get_pattern(pattern), length) is not None
+
+    def forget_history(self) -> None:
+        """Drop what was recorded so far and go on recording (the tokens before are accepted for good)."""
+        if self.history is not None:
+            self.history = []
+        self.prefill_rows = None
+
     def crop(self, pattern: Pattern | str, length: int) -> None:
         """Forget every token after the first ``length`` (>= 0), as if only those had been seen.
 
-        Exact only for patterns that keep every position (row i is token i); the others have dropped rows the
-        shorter state would hold, so they raise a ValueError, unless nothing is to be dropped (length >= seen).
+        Patterns that keep every position slice their rows (row i is token i). The others have dropped rows that the
+        shorter state would hold: while recording (:meth:`record_history`) they go back to the state recorded before
+        token ``length``, or rebuild it from the recorded prefill when ``length`` lies inside it (past its padding);
+        elsewhere they raise a ValueError.
         """
         pattern = get_pattern(pattern)
         if length < 0:
             raise ValueError(f"crop length must be >= 0, got {length}")
-        if length >= self.seen:
+        reach = self._reach(pattern, length)
+        if reach == "none":
             return
-        if not self.keeps_every_position(pattern):
+        if reach is None:
+            recorded = 0 if self.history is None else len(self.history)
             raise ValueError(
-                f"the decode state of pattern {pattern.name!r} cannot be cropped: the pattern drops past positions "
-                "(that is what keeps its cache small), so the earlier state cannot be restored. Re-run the prompt "
-                "instead."
+                f"the decode state of pattern {pattern.name!r} cannot be cropped back {self.seen - length} token(s): the "
+                f"pattern drops past positions (that is what keeps its cache small), and the states of only the last "
+                f"{recorded} tokens were recorded. Record them first (cache.activate_past_recording(), which "
+                "generate() does for assisted and prompt-lookup decoding), or re-run the prompt."
             )
-        for name, t in self.tensors().items():
-            setattr(self, name, t[:, :, :length])
-        self.positions = self.positions[:, :length]
-        self.seen = length
+        if reach == "slice":
+            for name, t in self.tensors().items():
+                setattr(self, name, t[:, :, :length])
+            self.positions = self.positions[:, :length]
+            self.seen = length
+            return
+        if reach == "history":
+            earlier = self.history[length - self.seen]  # the state before token `length`
+            del self.history[length - self.seen:]
+        else:
+            earlier = self.from_prefill(pattern, {k: t[:, :, :length] for k, t in self.prefill_rows.items()}, self.start)
+            self.history = [] if self.history is not None else None
+        for f in fields(self):
+            if f.name not in ("history", "prefill_rows"):
+                setattr(self, f.name, getattr(earlier, f.name))
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the sequences ``index`` (B',) in that order (repeats allowed): beam-search reordering, batch
-        selection. Every per-sequence tensor follows, ``start`` and the slot register included."""
-        for name in self.TENSOR_NAMES + ("positions", "slots", "start"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, index.to(t.device)))
+        selection. Every per-sequence tensor follows, ``start``, the slot register and the recorded states included."""
+        for state in [self] + (self.history or []):
+            for name in self.TENSOR_NAMES + ("positions", "slots", "start"):
+                t = getattr(state, name)
+                if t is not None:
+                    setattr(state, name, t.index_select(0, index.to(t.device)))
+        if self.prefill_rows is not None:
+            self.prefill_rows = {k: t.index_select(0, index.to(t.device)) for k, t in self.prefill_rows.items()}
 
     def repeat_batch(self, repeats: int) -> None:
         """Repeat each sequence ``repeats`` times in place (B -> B * repeats, like ``repeat_interleave``), e.g.
@@ -256,13 +319,18 @@ class DecodeState:
 
     def to(self, device=None, dtype: torch.dtype | None = None, non_blocking: bool = False) -> DecodeState:
         """Move the state to ``device`` and cast its rows (keys, values, outputs) to ``dtype``, in place; the
-        integer tensors (positions, slots, start) keep int64. Returns the state, like ``nn.Module.to``."""
-        for name, t in self.tensors().items():
-            setattr(self, name, t.to(device=device, dtype=dtype, non_blocking=non_blocking))
-        for name in ("positions", "slots", "start"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.to(device=device, non_blocking=non_blocking))
+        integer tensors (positions, slots, start) keep int64. Recorded states move too. Returns the state, like
+        ``nn.Module.to``."""
+        for state in [self] + (self.history or []):
+            for name, t in state.tensors().items():
+                setattr(state, name, t.to(device=device, dtype=dtype, non_blocking=non_blocking))
+            for name in ("positions", "slots", "start"):
+                t = getattr(state, name)
+                if t is not None:
+                    setattr(state, name, t.to(device=device, non_blocking=non_blocking))
+        if self.prefill_rows is not None:
+            self.prefill_rows = {k: t.to(device=device, dtype=dtype, non_blocking=non_blocking)
+                                 for k, t in self.prefill_rows.items()}
         return self
 
     # ----------------------------------------------------------------------------------------------
@@ -270,7 +338,7 @@ class DecodeState:
 
     @classmethod
     def from_prefill(cls, pattern: Pattern | str, tensors: dict[str, torch.Tensor],
-                     start: torch.Tensor | None = None) -> DecodeState:
+                     start: torch.Tensor | None = None, record: bool = False) -> DecodeState:
         """The state after a whole sequence, cut from its per-position tensors (no replay of n steps).
 
         Gives the positions, slot register and ``seen`` that n calls of :meth:`advance` leave, and the same
@@ -284,9 +352,11 @@ class DecodeState:
                 the untied resolvent), ``keys_b`` and ``outputs`` (B channel: y, or z = y + d x for the tied variant,
                 zero on padding). Keys after RoPE. Only the given names are stored.
             start: optional (B,) leading padding per sequence, in [0, n).
+            record: start recording (:meth:`record_history`); a pattern that drops positions then also keeps
+                ``tensors`` until the next :meth:`forget_history`, so that :meth:`crop` can go back inside the prefill.
 
         Returns:
-            A state ready for token n; its rows are copies (they do not pin the full tensors).
+            A state ready for token n; its rows are copies (they do not pin the full tensors, unless recording).
         """
         pattern = get_pattern(pattern)
         unknown = set(tensors) - set(cls.TENSOR_NAMES)
@@ -313,13 +383,18 @@ class DecodeState:
             rows = torch.where(positions >= 0, positions + offset[:, None], 0)  # (B, W) sequence index t
             kept = {name: t.gather(2, rows[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
                     for name, t in tensors.items()}
-            return cls(**kept, positions=positions, slots=slots, seen=n, start=start)
-
-        keep = cls.trailing_rows(pattern)
-        first = n - (n if keep is None else min(n, keep))  # sequence index of the oldest row kept
-        kept = {name: t[:, :, first:].clone() for name, t in tensors.items()}
-        r = torch.arange(first, n, device=device)[None, :] - offset[:, None]
-        return cls(**kept, positions=torch.where(r >= 0, r, -1), seen=n, start=start)
+            state = cls(**kept, positions=positions, slots=slots, seen=n, start=start)
+        else:
+            keep = cls.trailing_rows(pattern)
+            first = n - (n if keep is None else min(n, keep))  # sequence index of the oldest row kept
+            kept = {name: t[:, :, first:].clone() for name, t in tensors.items()}
+            r = torch.arange(first, n, device=device)[None, :] - offset[:, None]
+            state = cls(**kept, positions=torch.where(r >= 0, r, -1), seen=n, start=start)
+        if record:
+            state.record_history()
+            if not cls.keeps_every_position(pattern):
+                state.prefill_rows = dict(tensors)
+        return state
 
 
 MixerState = DecodeState  # the earlier name, kept for the public API (hf_resolvent.ops.MixerState)

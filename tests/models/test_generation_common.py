@@ -1,0 +1,165 @@
+"""What transformers' generation tests check for decoder-only models, for every mixer family.
+
+Each mode runs on a tiny model of each family and is held to an equivalent that does not depend on the mode
+under test: decoding with the cache against decoding without it (every step a full forward), a left-padded batch
+against each prompt alone, assisted and prompt-lookup decoding against plain greedy decoding, a continued
+generation against one run. Group beam search, contrastive search and DoLa are not in transformers 5.x itself
+(they moved to Hub ``custom_generate`` repositories, which need a download), so they are not tested here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_resolvent as hr
+
+FAMILIES = {
+    "attention": "attention",
+    "local": "local_attention:4",
+    "dense": "dense",
+    "banded": "banded:3",
+    "diagonal": "diagonal",
+    "sparse": "exp2",
+    "ce": "exp2:ce",
+    "square-ce": "square:ce",
+    "tied": "exp2:ce+tied",
+    "hybrid": ["exp2:ce", "dense+tied", "attention"],
+}
+
+pytestmark = [pytest.mark.usefixtures("one_thread_module"),
+              pytest.mark.parametrize("family", list(FAMILIES))]
+
+VOCAB = 61
+
+
+def tiny_model(family: str, seed: int = 0, **kw) -> hr.ResolventForCausalLM:
+    mixer = FAMILIES[family]
+    fields = dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=len(mixer) if isinstance(mixer, list) else 2,
+                  n_head=2, bos_token_id=0, eos_token_id=None, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                  initializer_range=0.3)  # wide enough that greedy decoding does not settle on one token
+    fields.update(kw)
+    torch.manual_seed(seed)
+    model = hr.ResolventForCausalLM(hr.ResolventConfig(mixer=mixer, **fields)).eval()
+    # A generated pad token would read as a hole in the mask that generate() derives from the ids when it continues.
+    model.generation_config.suppress_tokens = [fields["pad_token_id"]]
+    return model
+
+
+def prompt(batch: int = 2, n: int = 7, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_and_sampling_with_and_without_cache(family):
+    model, ids = tiny_model(family), prompt()
+    greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert greedy.shape == (2, 15) and torch.equal(greedy[:, :7], ids)
+    assert torch.equal(greedy, model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False))
+    draws = []
+    for use_cache in (True, False):
+        torch.manual_seed(5)
+        draws.append(model.generate(ids, max_new_tokens=8, do_sample=True, top_k=20, temperature=1.5,
+                                    num_return_sequences=2, use_cache=use_cache))
+    assert draws[0].shape == (4, 15) and torch.equal(draws[0], draws[1])
+    assert torch.equal(draws[0][::2, :7], ids) and torch.equal(draws[0][1::2, :7], ids)
+
+
+def test_beam_search_and_beam_sampling_with_and_without_cache(family):
+    model, ids = tiny_model(family), prompt()
+    for kw in (dict(do_sample=False), dict(do_sample=True, top_k=20)):
+        outs = []
+        for use_cache in (True, False):
+            torch.manual_seed(7)
+            outs.append(model.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=2,
+                                       use_cache=use_cache, **kw))
+        assert outs[0].shape == (4, 13) and torch.equal(outs[0], outs[1]), kw
+
+
+def test_dict_outputs_scores_logits_and_hidden_states(family):
+    model, ids = tiny_model(family), prompt()
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                         output_logits=True, output_hidden_states=True)
+    assert len(out.scores) == len(out.logits) == len(out.hidden_states) == 5
+    full = model(out.sequences[:, :-1]).logits  # every generated token's logits from one full forward
+    for i, (scores, logits) in enumerate(zip(out.scores, out.logits)):
+        assert scores.shape == logits.shape == (2, VOCAB)
+        torch.testing.assert_close(logits, full[:, 6 + i], atol=1e-4, rtol=1e-4)
+        assert torch.equal(scores.argmax(-1), out.sequences[:, 7 + i])
+    layers = model.config.n_layer + 1  # embeddings, then each block (the last after ln_f)
+    assert len(out.hidden_states[0]) == layers and out.hidden_states[0][0].shape == (2, 7, 32)
+    assert out.hidden_states[1][-1].shape == (2, 1, 32)
+    assert isinstance(out.past_key_values, hr.ResolventCache) and out.past_key_values.get_seq_length() == 11
+
+
+def test_left_padding_equals_each_prompt_alone(family):
+    model = tiny_model(family)
+    short, long = prompt(1, 4, seed=2), prompt(1, 9, seed=3)
+    batch = torch.cat([torch.cat([torch.zeros(1, 5, dtype=torch.long), short], 1), long])
+    mask = (torch.arange(9)[None] >= torch.tensor([[5], [0]])).long()
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out[0, 5:], model.generate(short, max_new_tokens=6, do_sample=False)[0])
+    assert torch.equal(out[1], model.generate(long, max_new_tokens=6, do_sample=False)[0])
+
+
+def test_continue_from_returned_cache(family):
+    model, ids = tiny_model(family), prompt()
+    once = model.generate(ids, max_new_tokens=9, do_sample=False)
+    first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    more = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=5, do_sample=False)
+    assert torch.equal(more, once)
+
+
+def _crops(monkeypatch) -> list[int]:
+    """Records the crops generate() asks of resolvent caches, so that a test sees rollbacks really happened."""
+    calls, crop = [], hr.ResolventCache.crop
+    monkeypatch.setattr(hr.ResolventCache, "crop", lambda self, n: calls.append(n) or crop(self, n))
+    return calls
+
+
+def _drafting(assistant: hr.ResolventForCausalLM) -> hr.ResolventForCausalLM:
+    """Four drafts every round, however unsure: an untrained assistant would otherwise draft nothing."""
+    config = assistant.generation_config
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = 4, "constant"
+    config.assistant_confidence_threshold = 0.0
+    return assistant
+
+
+def test_assisted_decoding_equals_greedy(family, monkeypatch):
+    model, ids = tiny_model(family), prompt(1, 10)
+    greedy = model.generate(ids, max_new_tokens=16, do_sample=False)
+    crops = _crops(monkeypatch)
+    for assistant in (tiny_model(family, seed=1), tiny_model("ce", seed=2), tiny_model(family)):
+        assistant = _drafting(assistant)
+        assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=assistant), greedy)
+    assert any(n < 0 for n in crops), "no draft was rejected: the rollback was not exercised"
+
+
+def test_prompt_lookup_decoding_equals_greedy(family, monkeypatch):
+    model = tiny_model(family)
+    piece = prompt(1, 6, seed=4)
+    ids = torch.cat([piece, piece, piece[:, :3]], 1)  # repeats, so that prompt lookup finds drafts
+    greedy = model.generate(ids, max_new_tokens=16, do_sample=False)
+    crops = _crops(monkeypatch)
+    assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=3), greedy)
+    assert any(n < 0 for n in crops), "no draft was rejected: the rollback was not exercised"
+
+
+class _StopAfter(StoppingCriteria):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_stopping_criteria_and_eos(family):
+    model, ids = tiny_model(family), prompt()
+    greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
+    stopped = model.generate(ids, max_new_tokens=8, do_sample=False, stopping_criteria=StoppingCriteriaList([_StopAfter(10)]))
+    assert torch.equal(stopped, greedy[:, :10])
+    eos = int(greedy[0, 9])  # the first sequence's third new token
+    ended = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    stop = int((greedy[0, 7:] == eos).nonzero()[0]) + 8  # the first eos, included
+    assert torch.equal(ended[0, :stop], greedy[0, :stop])
+    assert (ended[0, stop:] == 0).all()  # padded after its eos
