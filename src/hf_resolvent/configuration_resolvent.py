@@ -98,7 +98,9 @@ class ResolventConfig(PretrainedConfig):
         n_positions: maximum sequence length (pattern positions, padding excluded).
         n_embd: model width.
         n_layer: number of blocks.
-        n_head: heads per mixer; the head width is ``n_embd // n_head``.
+        n_head: heads per mixer.
+        head_dim: width of each head, default ``n_embd // n_head`` (then n_embd must be divisible by n_head); given,
+            the mixer projects n_embd to n_head * head_dim and back, as Llama-style configs do.
         n_inner: MLP width, default ``4 * n_embd``.
         activation_function: MLP activation (a key of ``transformers.activations.ACT2FN``).
         resid_pdrop, embd_pdrop: dropout after each mixer / MLP and on the embeddings.
@@ -106,6 +108,10 @@ class ResolventConfig(PretrainedConfig):
         initializer_range: std of the normal initialisation of weights.
         position_embedding: ``"rope"`` (rotary, on all four queries/keys) or ``"learned"`` (GPT-2's table).
         rope_theta: RoPE base.
+        rope_parameters: RoPE as ``transformers`` models take it: ``{"rope_type": ..., "rope_theta": ..., ...}`` with a
+            ``rope_type`` of ``"default"`` or any of ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``
+            (``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"``, ``"longrope"``, ...), to extend the context after
+            training (raise ``n_positions`` with it). The legacy ``rope_scaling`` keyword is accepted too.
         mixer: the token mixer: one spec for every layer or a list with one spec per layer. A spec is a pattern
             string (``"attention"``, ``"local_attention:64"``, ``"dense"``, ``"banded:8"``, ``"diagonal"``,
             ``"exp2"``, ``"exp2:ce"``, ``"square:ce"``, ``"f:k**3+1"``, ...) with an optional ``"+tied"``
@@ -147,6 +153,8 @@ class ResolventConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         position_embedding: str = "rope",
         rope_theta: float = 10000.0,
+        rope_parameters: dict | None = None,
+        head_dim: int | None = None,
         mixer: Any = "exp2:ce",
         gate_init: str | float = "mamba2",
         use_cache: bool = True,
@@ -170,6 +178,8 @@ class ResolventConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.position_embedding = position_embedding
         self.rope_theta = rope_theta
+        self.rope_parameters = dict(rope_parameters) if rope_parameters else None  # standardized by the base class
+        self.head_dim = head_dim
         self.mixer = list(mixer) if isinstance(mixer, tuple) else mixer
         self.gate_init = gate_init
         self.use_cache = use_cache
@@ -179,6 +189,8 @@ class ResolventConfig(PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         self.mixer_impl = mixer_impl
         self._validate()
+        if self.head_dim is None:
+            self.head_dim = n_embd // n_head
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -186,6 +198,7 @@ class ResolventConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+        self._validate_rope()
 
     # ----------------------------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -198,16 +211,18 @@ class ResolventConfig(PretrainedConfig):
             positive_int(name)
         if self.n_inner is not None:
             positive_int("n_inner")
-        if self.n_embd % self.n_head:
+        if self.head_dim is not None:
+            positive_int("head_dim")
+        elif self.n_embd % self.n_head:
             raise ValueError(
-                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); pick n_head among the divisors"
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); pick n_head among the divisors, "
+                "or give head_dim"
             )
         if self.position_embedding not in ("rope", "learned"):
             raise ValueError(f"position_embedding must be 'rope' or 'learned', got {self.position_embedding!r}")
-        if self.position_embedding == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(
-                f"position_embedding='rope' needs an even head width, got n_embd // n_head = {self.n_embd // self.n_head}"
-            )
+        head_dim = self.head_dim or self.n_embd // self.n_head
+        if self.position_embedding == "rope" and head_dim % 2:
+            raise ValueError(f"position_embedding='rope' needs an even head width, got head_dim = {head_dim}")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
         for name in ("resid_pdrop", "embd_pdrop"):
@@ -229,6 +244,18 @@ class ResolventConfig(PretrainedConfig):
             )
         _check_gate_init(self.gate_init, "gate_init")
         self.layer_mixers  # noqa: B018 - parses and validates every layer's spec
+
+    def _validate_rope(self) -> None:
+        """After the base class has standardized ``rope_parameters`` (from ``rope_theta`` and a legacy
+        ``rope_scaling``): a known type, and transformers' own checks of its parameters."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope_parameters['rope_type'] must be 'default' or one of {sorted(ROPE_INIT_FUNCTIONS)}, "
+                             f"got {rope_type!r}")
+        self.validate_rope()
+        self.rope_theta = self.rope_parameters["rope_theta"]  # one value, wherever it was given
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:

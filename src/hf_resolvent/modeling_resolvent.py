@@ -43,6 +43,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .cache_resolvent import ResolventCache
@@ -70,16 +71,39 @@ AUTO_MAP = {
 # Positions
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables for integer positions (B, n): cos and sin, each (B, 1, n, head_dim) in float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (B, n, head_dim / 2)
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos(), emb.sin()
+class ResolventRotaryEmbedding(nn.Module):
+    """RoPE tables from ``config.rope_parameters``: the ``"default"`` frequencies, or any scaled type of
+    ``transformers``' ``ROPE_INIT_FUNCTIONS`` (linear, dynamic NTK, YaRN, llama3, ...), with their attention factor;
+    dynamic types update the frequencies with the length, through ``transformers``' ``dynamic_rope_update``.
+    ``inv_freq`` is a non-persistent buffer, rebuilt at load by ``PreTrainedModel._init_weights``."""
+
+    def __init__(self, config: ResolventConfig):
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters["rope_type"]
+        self.max_seq_len_cached = self.original_max_seq_len = config.n_positions
+        init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init_fn(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: ResolventConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        """theta^(-2i / head_dim) for i < head_dim / 2, and an attention factor of 1."""
+        dim, base = config.head_dim, config.rope_parameters["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)), 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for integer positions (B, n), each (B, 1, n, head_dim) in float32 (x gives the device)."""
+        freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(x.device, torch.float32)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
 def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, n, d) queries or keys by the tables of :func:`rope_cos_sin` (rotate-half convention)."""
+    """Rotate (B, H, n, d) queries or keys by the tables of :class:`ResolventRotaryEmbedding` (rotate-half)."""
     half = t.shape[-1] // 2
     rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
     return (t.float() * cos + rotated.float() * sin).to(t.dtype)
@@ -111,16 +135,16 @@ class ResolventMixer(nn.Module):
         self.recurrent = self.pattern.has_recurrence
         self.config = config  # shared with the model: config.mixer_impl is read at every call
         self.num_heads = config.n_head
-        self.head_dim = config.n_embd // config.n_head
+        self.head_dim = config.head_dim
         if not self.recurrent:
             self.parts = ("qa", "ka", "x")
         elif self.tied:
             self.parts = ("x", "qb", "kb")
         else:
             self.parts = ("qa", "ka", "x", "qb", "kb")
-        width = config.n_embd
-        self.in_proj = nn.Linear(width, len(self.parts) * width)
-        self.out_proj = nn.Linear(width, width)
+        width, inner = config.n_embd, config.n_head * config.head_dim
+        self.in_proj = nn.Linear(width, len(self.parts) * inner)
+        self.out_proj = nn.Linear(inner, width)
         if self.recurrent:
             self.gate_proj = nn.Linear(width, self.num_heads, bias=False)
             self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
@@ -182,7 +206,7 @@ class ResolventMixer(nn.Module):
                                                              record=layer_cache.record_past)
         else:
             y = self._decode(state, t, g, d, n, impl)
-        out = y.transpose(1, 2).reshape(batch, n, width)
+        out = y.transpose(1, 2).reshape(batch, n, self.num_heads * self.head_dim)
         return self.resid_dropout(self.out_proj(out))
 
     def _state_rows(self, t, y, d, start) -> dict[str, torch.Tensor]:
@@ -533,6 +557,7 @@ class ResolventModel(ResolventPreTrainedModel):
         self.embed_dim = config.n_embd
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd) if config.position_embedding == "learned" else None
+        self.rotary_emb = ResolventRotaryEmbedding(config) if config.position_embedding == "rope" else None
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList([ResolventBlock(config, i) for i in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
@@ -616,9 +641,7 @@ class ResolventModel(ResolventPreTrainedModel):
         if self.wpe is not None:
             hidden_states = hidden_states + self.wpe(position_ids).to(hidden_states.dtype)
         hidden_states = self.drop(hidden_states)
-        rope = None
-        if self.config.position_embedding == "rope":
-            rope = rope_cos_sin(position_ids, self.config.n_embd // self.config.n_head, self.config.rope_theta)
+        rope = None if self.rotary_emb is None else self.rotary_emb(hidden_states, position_ids)
         start = None if start is None else start.to(device)
 
         all_hidden_states = () if output_hidden_states else None

@@ -1,0 +1,97 @@
+"""Config shapes transformers users pass (head_dim given apart from n_embd / n_head) and RoPE scaling through
+transformers' RoPE functions (rope_parameters, or the legacy rope_scaling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_resolvent as hr
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+MIXERS = ["exp2:ce", "dense+tied", "attention"]
+
+
+def tiny_model(seed=0, **kw) -> hr.ResolventForCausalLM:
+    fields = dict(vocab_size=61, n_positions=256, n_embd=32, n_layer=3, n_head=2, mixer=MIXERS, bos_token_id=0,
+                  eos_token_id=None, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, initializer_range=0.1)
+    fields.update(kw)
+    torch.manual_seed(seed)
+    return hr.ResolventForCausalLM(hr.ResolventConfig(**fields)).eval()
+
+
+def test_head_dim_apart_from_the_width(tmp_path):
+    model = tiny_model(n_embd=37, head_dim=16)
+    mixer = model.transformer.h[0].mixer
+    assert mixer.in_proj.weight.shape == (5 * 2 * 16, 37) and mixer.out_proj.weight.shape == (37, 32)
+    ids = torch.randint(1, 61, (2, 11))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :6], use_cache=True)
+        step = model(ids[:, 6:], past_key_values=out.past_key_values).logits  # decode through the cache
+    assert full.shape == (2, 11, 61)
+    torch.testing.assert_close(step, full[:, 6:], atol=1e-4, rtol=1e-4)
+    model.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert back.config.head_dim == 16
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, full)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(n_embd=37, n_head=2), "must be divisible by n_head .* or give head_dim"),
+    (dict(head_dim=0), "head_dim must be a positive integer"),
+    (dict(head_dim=15), "needs an even head width, got head_dim = 15"),
+    (dict(rope_parameters={"rope_type": "warp"}), "must be 'default' or one of"),
+])
+def test_inconsistent_shapes_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        hr.ResolventConfig(**fields)
+
+
+def test_linear_scaling_is_the_default_at_scaled_positions():
+    """Linear RoPE scaling by 2 divides every frequency by 2: positions 2p then read as positions p unscaled."""
+    plain = tiny_model()
+    scaled = tiny_model(rope_parameters={"rope_type": "linear", "factor": 2.0})
+    scaled.load_state_dict(plain.state_dict())
+    ids = torch.randint(1, 61, (1, 20))
+    pos = torch.arange(20)[None]
+    with torch.no_grad():
+        want = plain(ids, position_ids=pos).logits
+        got = scaled(ids, position_ids=2 * pos).logits
+        other = scaled(ids, position_ids=pos).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(other, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+])
+def test_scaled_rope_types_decode_like_their_full_forward(rope):
+    model = tiny_model(rope_parameters=dict(rope))
+    assert model.config.rope_parameters["rope_type"] == rope["rope_type"]
+    assert model.transformer.rotary_emb.rope_type == rope["rope_type"]
+    plain = tiny_model()
+    ids = torch.randint(1, 61, (1, 40))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :30], use_cache=True)
+        step = model(ids[:, 30:], past_key_values=out.past_key_values).logits
+        differs = not torch.allclose(full, plain(ids).logits, atol=1e-4)
+    torch.testing.assert_close(step, full[:, 30:], atol=1e-4, rtol=1e-4)
+    # dynamic NTK changes nothing within the trained length; yarn and llama3 change the frequencies
+    assert differs == (rope["rope_type"] != "dynamic")
+
+
+def test_legacy_rope_scaling_keyword_and_round_trip(tmp_path):
+    config = hr.ResolventConfig(rope_scaling={"type": "linear", "factor": 3.0}, rope_theta=5000.0)
+    assert config.rope_parameters["rope_type"] == "linear"
+    assert config.rope_parameters["factor"] == 3.0 and config.rope_theta == 5000.0
+    config.save_pretrained(tmp_path)
+    again = hr.ResolventConfig.from_pretrained(tmp_path)
+    assert again.rope_parameters == config.rope_parameters and again.rope_theta == 5000.0
