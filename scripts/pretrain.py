@@ -5,6 +5,8 @@
     accelerate launch --num_processes 2 --cpu scripts/pretrain.py --config tiny --output-dir runs/tiny2
     accelerate launch --num_processes 8 scripts/pretrain.py --config 44m-dense --data data/openwebtext \\
         --output-dir runs/44m-dense
+    accelerate launch --config_file scripts/accelerate/fsdp_8gpu.yaml scripts/pretrain.py --config 355m-dense ...
+    torchrun --nproc_per_node 2 scripts/pretrain.py --fsdp --config tiny --output-dir runs/tiny-fsdp   # CPU too
 
 Configs live in hf_resolvent/experiments/configs/ (``tiny``, ``44m-<mixer>``, ``355m-<mixer>``, ``*-gpt2``); ``--set
 section.key=value`` overrides any field. Without ``--data`` (and ``data.dir`` in the config) the offline default
@@ -19,6 +21,13 @@ a configuration or data set other than the checkpoint's. One run at a time may u
 ends with its process). A non-finite loss or validation result stops the run with an error. At the end
 OUTPUT_DIR is a ``save_pretrained`` folder (model, tokenizer, README.md model card; published so that a kill
 never leaves a half-written model that loads), with ``metrics.jsonl``, ``loss.png`` and ``train_results.json``.
+
+FSDP2 (``--fsdp``, or an accelerate config with ``distributed_type: FSDP``) shards parameters, gradients and optimizer
+state per transformer block with Accelerate's FSDP plugin, on GPUs and on CPU processes (gloo) alike; checkpoints
+are then sharded (torch.distributed.checkpoint, one file per rank) and can be resumed by any number of FSDP
+processes, one included; the final folder is gathered into one ``save_pretrained`` folder. The first line of a run
+says how it is distributed ("FSDP2, 2 processes, full shard (cpu, gloo)"); FSDP asked for and not set up is an
+error. With several nodes, OUTPUT_DIR and the data must be on a filesystem all of them share.
 """
 
 from __future__ import annotations
@@ -62,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config field (repeatable), e.g. --set train.lr=3e-4")
     p.add_argument("--no-final-save", action="store_true", help="skip the save_pretrained folder and card")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard with FSDP2 (the settings of scripts/accelerate/fsdp_8gpu.yaml) under any launcher: "
+                        "torchrun, accelerate launch, or plain python (one process)")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate a kill
+    p.add_argument("--pause-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: wait for a kill -9
     return p
 
 
@@ -201,6 +214,21 @@ def evaluate_loss(accelerator, model, val: hdata.TokenShards, seq_len: int, max_
             "val_windows": len(starts), "val_window": seq_len}
 
 
+def _scalar(x) -> float:
+    """A float from a number, a tensor, or a (replicated) DTensor such as FSDP's gradient norm."""
+    if hasattr(x, "full_tensor"):
+        x = x.full_tensor()
+    return float(x)
+
+
+def _model_class(model) -> type:
+    """The model's own class: FSDP2 swaps a sharded module's class for a subclass named ``FSDP<class>``."""
+    from transformers import PreTrainedModel
+
+    return next((c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and not c.__name__.startswith("FSDP")),
+                type(model))
+
+
 def params_checksum(model) -> torch.Tensor:
     """A float64 fingerprint of all parameters, shape (1,) (equal weights give equal numbers)."""
     total = torch.zeros((), dtype=torch.float64)
@@ -242,6 +270,20 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, keep:
     return final
 
 
+def _memory(accelerator, *splits: hdata.TokenShards) -> dict:
+    """Peak RSS of every process and how much of the token shards each holds in memory, in MiB (Linux)."""
+    files = [Path(a.filename) for ts in splits for a in ts.arrays]
+    use = T.memory_use(files)
+    row = torch.tensor([use["peak_rss_bytes"], use["shards_resident_bytes"]] if use else [-1.0, -1.0],
+                       dtype=torch.float64, device=accelerator.device)
+    rows = accelerator.gather(row[None]).reshape(-1, 2).cpu()
+    if use is None or (rows < 0).any():
+        return {}
+    mib = lambda b: round(float(b) / 2**20, 1)
+    return {"peak_rss_mib": [mib(b) for b in rows[:, 0]], "shards_resident_mib": [mib(b) for b in rows[:, 1]],
+            "shards_mib": mib(use["shards_bytes"])}
+
+
 def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data_meta: dict, results: dict,
                 argv: list[str]) -> None:
     """The save_pretrained folder, tokenizer, loss plot, results and card. Call on EVERY process (the full state
@@ -252,6 +294,17 @@ def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data
     import shutil
 
     raw = accelerator.unwrap_model(model)
+    cls = _model_class(raw)
+    if type(raw) is not cls:
+        # a sharded model's class is FSDP's subclass: save_pretrained would ship torch's module as the model's code.
+        # An empty (meta) instance of the model's own class writes the gathered weights instead.
+        with torch.device("meta"):
+            raw = cls(raw.config)
+        # tied parameters (the output embedding) come gathered as separate copies: keep one name, as unsharded saves do
+        first: dict[int, str] = {}
+        for name, p in raw.named_parameters(remove_duplicate=False):
+            if first.setdefault(id(p), name) != name:
+                state_dict.pop(name, None)
     staged = output_dir / ".tmp_final"
     shutil.rmtree(staged, ignore_errors=True)
     raw.save_pretrained(staged, state_dict=state_dict, safe_serialization=True)
@@ -276,7 +329,7 @@ def card_info(cfg: dict, data_meta: dict, results: dict, argv: list[str], model)
         "model_name": Path(results.get("output_dir", "model")).name,
         "mixer": mixer,
         "complexity": complexity,
-        "model_type": type(model).__name__,
+        "model_type": _model_class(model).__name__,
         "shape": shape,
         "params": f"{results['params']:,}",
         "config_name": cfg["name"],
@@ -316,11 +369,29 @@ def train(argv: list[str] | None = None) -> dict:
     from accelerate.utils import ProjectConfiguration
 
     trackers = _trackers(cfg["log"]["trackers"])
+    launched_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
+    plugin = None
+    if args.fsdp or launched_fsdp:
+        plugin = T.fsdp_plugin(None if launched_fsdp else T.FSDP_SETTINGS)  # the launcher's settings win
+        _one_process_group()
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
     accelerator = Accelerator(
         mixed_precision=_mixed_precision(cfg["train"]["mixed_precision"]),
         log_with=trackers,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+        fsdp_plugin=plugin,
+        # without a GPU, Accelerate runs processes started by torchrun as unrelated single runs unless told "cpu"
+        cpu=not torch.cuda.is_available() and (plugin is not None or launched > 1),
     )
+    if "WORLD_SIZE" in os.environ and launched != accelerator.num_processes:
+        raise T.ConfigError(f"the launcher started {launched} processes but Accelerate set up "
+                            f"{T.describe_distributed(accelerator)}; launch with accelerate launch or torchrun on "
+                            f"GPUs, or with ACCELERATE_USE_CPU=true on CPU processes")
+    if plugin is not None:
+        T.enable_fsdp_on_cpu(accelerator, plugin)
+        _require_fsdp(accelerator, "--fsdp" if args.fsdp else "the accelerate config")
+    if accelerator.is_main_process:  # the run's first line: how it is distributed
+        print(f"[pretrain] {T.describe_distributed(accelerator)}", flush=True)
     # one run per output folder: the main process holds the lock until the run ends, however it ends
     run_lock = (locks.exclusive(output_dir / ".run.lock", what=f"the run folder {output_dir}",
                                 fix="wait for that run to end, or pass another --output-dir")
@@ -329,10 +400,74 @@ def train(argv: list[str] | None = None) -> dict:
         return _run(args, argv, cfg, accelerator, output_dir, trackers)
 
 
+def _require_fsdp(accelerator, asked_by: str) -> None:
+    """FSDP asked for and something else set up (DDP, one process) is an error, never a silent fallback."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        raise T.ConfigError(f"FSDP was asked for ({asked_by}) but Accelerate set up "
+                            f"{T.describe_distributed(accelerator)}: it shards on CUDA GPUs and, through this script, "
+                            f"on CPU processes. Launch on one of those, or drop {asked_by}")
+
+
+def _one_process_group() -> None:
+    """FSDP needs a process group, even of one process: ``python scripts/pretrain.py --fsdp`` (no launcher) gets one
+    of size 1 on this machine, so that a sharded checkpoint can be resumed, or a sharded run tried, without one."""
+    if any(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
+
+
+SHARDED_MODEL = "pytorch_model_fsdp_0"  # what accelerator.save_state writes for the model under FSDP (a DCP folder)
+
+
+def _choose_checkpoint(accelerator, output_dir: Path, warn) -> Path | None:
+    """The checkpoint to resume: the main process checks the manifests (every file's sha256, read once, not once
+    per process) and every process takes its pick, or raises its error (all stop together, none waits)."""
+    outcome = [None, None]
+    if accelerator.is_main_process:
+        try:
+            outcome = [T.resumable_checkpoint(output_dir, report=warn), None]
+        except T.RunError as err:
+            outcome = [None, str(err)]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(outcome)
+    if outcome[1] is not None:
+        raise T.RunError(outcome[1])
+    return outcome[0]
+
+
+def _check_layout(last: Path, sharded_run: bool, how: str) -> None:
+    """Refuse a checkpoint whose layout (sharded by FSDP, or whole) this run cannot load, with the command that can."""
+    state = json.loads((last / "trainer_state.json").read_text())
+    written = state.get("distributed", "an earlier run")
+    sharded = (last / SHARDED_MODEL).is_dir()
+    if sharded and not sharded_run:
+        raise T.ConfigError(
+            f"{last} is a sharded (FSDP) checkpoint, written by {written}, and this run is {how}: resume it with "
+            f"--fsdp, on any number of processes (one included: python scripts/pretrain.py --fsdp ... --resume), or "
+            f"with the FSDP accelerate config")
+    if not sharded and sharded_run:
+        raise T.ConfigError(
+            f"{last} is a whole (unsharded) checkpoint, written by {written}, and this run shards with FSDP: resume "
+            f"it without --fsdp and the FSDP accelerate config (one process or DDP, any number of processes), or "
+            f"start the FSDP run in another --output-dir")
+
+
 def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, trackers) -> dict:
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
 
     main = accelerator.is_main_process
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    how = T.describe_distributed(accelerator)
     log = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
     warn = (lambda m: print(f"[pretrain] {m}", file=sys.stderr, flush=True)) if main else (lambda m: None)
     if accelerator.device.type == "cpu":
@@ -359,7 +494,8 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
         raise T.ConfigError(f"{output_dir} already holds checkpoints ({last.name}); pass --resume to continue "
                             f"that run, or choose another --output-dir")
     if args.resume and last is not None:
-        last = T.resumable_checkpoint(output_dir, report=warn)
+        last = _choose_checkpoint(accelerator, output_dir, warn)
+        _check_layout(last, fsdp, how)
         saved = json.loads((last / "trainer_state.json").read_text()).get("run")
         if saved is None:
             raise T.ConfigError(f"{last} does not record the configuration it was trained with (an older "
@@ -379,11 +515,20 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     params = T.count_parameters(model)
     optimizer = T.build_optimizer(model, tcfg["lr"], tcfg["betas"], tcfg["weight_decay"], tcfg["eps"],
                                   fused=accelerator.device.type in T.FUSED_ADAMW_DEVICES)  # prepare() moves it
+    if fsdp:
+        T.fit_wrap_classes(accelerator.state.fsdp_plugin, model)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if fsdp:
+        from torch.distributed.tensor import DTensor
+
+        unsharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if unsharded:
+            raise T.RunError(f"FSDP was set up but prepare() left {len(unsharded)} parameter(s) unsharded "
+                             f"({', '.join(unsharded[:3])}, ...): check the FSDP settings (fsdp_version: 2)")
     if tcfg.get("compile"):
         model = torch.compile(model)
     if accelerator.device.type == "cpu" and cfg["model"]["type"] == "resolvent":
-        from hf_resolvent.ops import cpu_kernels
+        from hf_resolvent.backends import cpu as cpu_kernels
 
         with accelerator.main_process_first():  # compile (first use only) before the progress bar, once
             cpu_kernels.available()
@@ -401,7 +546,8 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
 
     tokens_per_step = sampler.global_batch * seq_len
     label = T.model_label(cfg["model"])
-    log(f"[pretrain] model {type(accelerator.unwrap_model(model)).__name__} mixer={label}: {params:,} parameters")
+    log(f"[pretrain] model {_model_class(accelerator.unwrap_model(model)).__name__} mixer={label}: {params:,} "
+        f"parameters")
     log(f"[pretrain] data {data_dir}: {data_meta['data']}")
     log(f"[pretrain] tokenizer: {data_meta['tokenizer_description']}")
     log(f"[pretrain] {len(train_tokens):,} train / {len(val_tokens):,} val tokens; batch {sampler.global_batch} x "
@@ -440,9 +586,9 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
                     loss = _lm_loss(model, batch)
                 accelerator.backward(loss / accum)
             window_loss += loss.detach() / accum
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), float(tcfg["grad_clip"]))
+        grad_norm = _scalar(accelerator.clip_grad_norm_(model.parameters(), float(tcfg["grad_clip"])))
         # the norm of the all-reduced gradient: every process sees the same value, so all stop together
-        _finite(float(grad_norm), "the gradient norm of the training loss", step + 1, output_dir)
+        _finite(grad_norm, "the gradient norm of the training loss", step + 1, output_dir)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -453,7 +599,7 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
             mean_loss = accelerator.reduce(window_loss, reduction="mean").item() / window_steps
             elapsed = time.time() - window_t0
             tps = window_steps * tokens_per_step / max(elapsed, 1e-9)
-            row = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens_seen,
+            row = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                    "tokens_per_s": tps}
             log_row(row)
             bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
@@ -468,10 +614,14 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
                 bar.write(f"[pretrain] step {step}: {_describe_eval(last_eval)}")
             window_t0 = time.time()
         if step % int(cfg["checkpoint"]["every"]) == 0 or step == max_steps:
-            state = {"step": step, "tokens": tokens_seen, "train_time": train_time, **last_eval, "run": record}
+            state = {"step": step, "tokens": tokens_seen, "train_time": train_time, **last_eval, "run": record,
+                     "distributed": how}
             save_checkpoint(accelerator, output_dir, step, state, int(cfg["checkpoint"]["keep"]))
             window_t0 = time.time()
         bar.update(1)
+        if args.pause_after is not None and step == args.pause_after:
+            log(f"[pretrain] --pause-after {step}: waiting to be killed")
+            time.sleep(600)
         if args.stop_after is not None and step >= args.stop_after and step < max_steps:
             bar.close()
             log(f"[pretrain] --stop-after {args.stop_after}: stopping as if killed (no final save)")
@@ -485,8 +635,6 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
             last_eval = evaluate_loss(accelerator, model, val_tokens, seq_len, int(ev["max_windows"]),
                                       int(ev["micro_batch"]))
         _finite(last_eval["val_loss"], "the validation loss", step, output_dir)
-    from accelerate.utils import DistributedType
-
     replicated = accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU,
                                                   DistributedType.MULTI_CPU)
     checksums = (accelerator.gather(params_checksum(accelerator.unwrap_model(model)).to(accelerator.device))
@@ -494,13 +642,18 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     results = {"output_dir": str(output_dir), "config": cfg["name"], "model": label, "params": params,
                "steps": step, "tokens": tokens_seen, "train_time_s": round(train_time, 2),
                "processes": accelerator.num_processes, "data": data_meta["data"],
-               "tokenizer": data_meta["tokenizer_description"],
-               "process_checksums": [float(c) for c in checksums.reshape(-1).tolist()], **last_eval}
+               "tokenizer": data_meta["tokenizer_description"], "distributed": how,
+               "process_checksums": [float(c) for c in checksums.reshape(-1).tolist()],
+               **_memory(accelerator, train_tokens, val_tokens), **last_eval}
     if len(set(results["process_checksums"])) > 1:
         raise RuntimeError(f"the processes ended with different weights: {results['process_checksums']}")
     accelerator.wait_for_everyone()
     if not args.no_final_save:
         write_final(accelerator, model, tokenizer, cfg, output_dir, data_meta, results, argv)
+    if "peak_rss_mib" in results:
+        log(f"[pretrain] memory per process (rank 0, 1, ...): peak RSS {results['peak_rss_mib']} MiB; token shards "
+            f"resident {results['shards_resident_mib']} MiB of {results['shards_mib']} MiB (memory-mapped, each rank "
+            f"reads its own windows)")
     if main and not args.no_final_save:
         log(f"[pretrain] done: {step} steps, {tokens_seen:,} tokens in {train_time:.0f}s; {_describe_eval(results)}")
         log(f"[pretrain] wrote the model folder {output_dir} (save_pretrained + tokenizer + README.md), "

@@ -391,9 +391,31 @@ def resumable_checkpoint(output_dir: str | os.PathLike, report=print) -> Path | 
     return None
 
 
+def sharded_problem(folder: Path) -> str | None:
+    """What is missing from the sharded (DCP) parts of a checkpoint folder: every file that a ``.metadata`` names,
+    at least as long as the data it places there; None when all are there (or the folder holds no DCP part)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for meta in sorted(Path(folder).rglob(".metadata")):
+        part = meta.parent
+        needed: dict[str, int] = {}
+        for info in FileSystemReader(str(part)).read_metadata().storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for rel, size in sorted(needed.items()):
+            path = part / rel
+            if not path.is_file() or path.stat().st_size < size:
+                return (f"{path.relative_to(folder)} is missing or short: a rank's shard did not reach the folder the "
+                        f"main process sees. With several nodes, --output-dir must be on a filesystem shared by all "
+                        f"of them")
+    return None
+
+
 def finalize_checkpoint(tmp: Path, final: Path, keep: int) -> None:
     """Write the manifest of a fully written checkpoint folder and rename it into place (the atomic step), then
-    prune to the newest ``keep``."""
+    prune to the newest ``keep``. A sharded checkpoint must hold every rank's shard (:class:`RunError` otherwise)."""
+    problem = sharded_problem(tmp)
+    if problem is not None:
+        raise RunError(f"the checkpoint {final.name} is incomplete: {problem}")
     write_manifest(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -535,8 +557,21 @@ def render_model_card(info: dict, template: str | os.PathLike = MODEL_CARD_TEMPL
 _RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 
 
-def _requested_processes_from_parent() -> int | None:
-    """``--num_processes N`` of the parent ``accelerate launch`` command line (Linux /proc), else None."""
+def _flag(args: list[str], *names: str) -> str | None:
+    """The value of the last ``--name value`` / ``--name=value`` of ``args``, else None."""
+    found = None
+    for i, a in enumerate(args):
+        for flag in names:
+            if a == flag and i + 1 < len(args):
+                found = args[i + 1]
+            elif a.startswith(flag + "="):
+                found = a.split("=", 1)[1]
+    return found
+
+
+def _parent_launch() -> tuple[list[str], dict] | None:
+    """The parent ``accelerate launch`` command line and the settings of its ``--config_file`` (Linux /proc), else
+    None."""
     try:
         raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
     except OSError:
@@ -544,13 +579,42 @@ def _requested_processes_from_parent() -> int | None:
     args = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
     if not any("accelerate" in a for a in args[:3]):
         return None
-    for i, a in enumerate(args):
-        for flag in ("--num_processes", "--num-processes"):
-            if a == flag and i + 1 < len(args):
-                return int(args[i + 1])
-            if a.startswith(flag + "="):
-                return int(a.split("=", 1)[1])
-    return None
+    config: dict = {}
+    path = _flag(args, "--config_file", "--config-file")
+    if path:
+        try:  # relative to the launcher's working folder
+            config = _read_config_file(Path(f"/proc/{os.getppid()}/cwd") / path)
+        except Exception:  # unreadable: the launcher has said so already
+            config = {}
+    return args, config
+
+
+def _requested_processes_from_parent() -> int | None:
+    """``--num_processes N`` of the parent ``accelerate launch`` command line or its config file, else None."""
+    parent = _parent_launch()
+    if parent is None:
+        return None
+    args, config = parent
+    n = _flag(args, "--num_processes", "--num-processes")
+    n = n if n is not None else config.get("num_processes")
+    return int(n) if n is not None else None
+
+
+def _fsdp_settings_from_parent() -> dict | None:
+    """The FSDP settings (``fsdp_config`` keys) the parent ``accelerate launch`` asked for, through its config file
+    (``distributed_type: FSDP``) or ``--use_fsdp``, with its ``--fsdp_*`` flags on top; None when it asked for none.
+    Accelerate's CPU launcher drops them (it passes no FSDP variables to the processes)."""
+    parent = _parent_launch()
+    if parent is None:
+        return None
+    args, config = parent
+    if config.get("distributed_type") != "FSDP" and "--use_fsdp" not in args:
+        return None
+    settings = dict(config.get("fsdp_config") or {})
+    for i, a in enumerate(args[:-1]):
+        if a.startswith("--fsdp_") and "=" not in a:
+            settings[a[2:]] = args[i + 1]
+    return settings
 
 
 def relaunch_cpu_processes_if_needed(script: str | os.PathLike, argv: list[str]) -> None:
@@ -559,7 +623,10 @@ def relaunch_cpu_processes_if_needed(script: str | os.PathLike, argv: list[str])
     Accelerate's launcher runs multi-process CPU jobs only through ``mpirun`` (``--mpirun_hostfile``); without it
     ``--cpu --num_processes N`` starts ONE process (with ``MASTER_ADDR`` set and no rank variables). In that case
     this replaces the current process by ``python -m torch.distributed.run --nproc_per_node N script.py ...`` with
-    ``ACCELERATE_USE_CPU=true``, which Accelerate runs as ``MULTI_CPU`` over gloo. Does nothing otherwise.
+    ``ACCELERATE_USE_CPU=true``, which Accelerate runs as ``MULTI_CPU`` over gloo. When the launch asked for FSDP
+    (a config file with ``distributed_type: FSDP``, or ``--use_fsdp``), its settings are passed on as the FSDP_*
+    variables Accelerate's GPU launcher would set, so that the script shards (:func:`enable_fsdp_on_cpu`) instead of
+    silently running DDP. Does nothing otherwise.
     """
     env = os.environ
     if env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1", "yes") or "MASTER_ADDR" not in env:
@@ -578,9 +645,144 @@ def relaunch_cpu_processes_if_needed(script: str | os.PathLike, argv: list[str])
             port = str(s.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr",
            env["MASTER_ADDR"], "--master_port", port, str(script), *argv]
+    fsdp = _fsdp_settings_from_parent()
     print(f"[hf_resolvent] accelerate launch --cpu --num_processes {n} starts one process without mpirun; "
-          f"starting {n} CPU processes with torch.distributed.run (gloo) instead", flush=True)
-    new_env = {**env, "HF_RESOLVENT_RELAUNCHED": "1", "ACCELERATE_USE_CPU": "true"}
+          f"starting {n} CPU processes with torch.distributed.run (gloo) instead"
+          + (", with the FSDP settings of the launch" if fsdp is not None else ""), flush=True)
+    new_env = {**env, "HF_RESOLVENT_RELAUNCHED": "1", "ACCELERATE_USE_CPU": "true",
+               **(fsdp_env(fsdp) if fsdp is not None else {})}
     new_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or n) // n)))
     sys.stdout.flush()
     os.execve(sys.executable, cmd, new_env)
+
+
+# ------------------------------------------------------------------------------------------ FSDP2 and memory
+
+# The fsdp_config of scripts/accelerate/fsdp_8gpu.yaml (a test keeps the two equal): FSDP2, one shard group per
+# transformer block (the class names of both model types; the model's own are kept), parameters, gradients and
+# optimizer state fully sharded, sharded checkpoints through torch.distributed.checkpoint (DCP).
+FSDP_SETTINGS = {
+    "fsdp_version": 2,
+    "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    "fsdp_transformer_layer_cls_to_wrap": "ResolventBlock,GPT2Block",
+    "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    "fsdp_cpu_ram_efficient_loading": True,
+    "fsdp_reshard_after_forward": True,
+    "fsdp_activation_checkpointing": False,
+}
+
+
+def fsdp_env(settings: dict) -> dict[str, str]:
+    """The variables ``accelerate launch`` gives its processes for an ``fsdp_config`` (``FSDP_*``, read by
+    ``FullyShardedDataParallelPlugin``)."""
+    env = {"ACCELERATE_USE_FSDP": "true"}
+    for key, value in settings.items():
+        name = key.removeprefix("fsdp_").upper().replace("TRANSFORMER_LAYER_CLS_TO_WRAP", "TRANSFORMER_CLS_TO_WRAP")
+        env[f"FSDP_{name}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
+
+
+def fsdp_plugin(settings: dict | None = None):
+    """Accelerate's FSDP plugin for ``settings`` (``fsdp_config`` keys), or, when None, for the FSDP_* variables an
+    ``accelerate launch`` set. Only FSDP2 is supported (:class:`ConfigError` otherwise)."""
+    from unittest import mock
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    env = fsdp_env(settings) if settings is not None else {}
+    version = env.get("FSDP_VERSION", os.environ.get("FSDP_VERSION", "1"))  # Accelerate's default is 1
+    if version != "2":
+        raise ConfigError(f"FSDP version {version} was asked for; this script shards with FSDP2 only: set "
+                          f"fsdp_version: 2 in the accelerate config (as scripts/accelerate/fsdp_8gpu.yaml does)")
+    with mock.patch.dict(os.environ, env):
+        return FullyShardedDataParallelPlugin()
+
+
+def fit_wrap_classes(plugin, model) -> list[str]:
+    """Keep the plugin's wrap classes that ``model`` has: the GPU config names the blocks of both model types, and
+    Accelerate refuses a class the model lacks. :class:`ConfigError` when none is left."""
+    names = plugin.transformer_cls_names_to_wrap
+    if plugin.auto_wrap_policy is None or not names:
+        return list(names or [])
+    present = {type(m).__name__ for m in model.modules()}
+    keep = [n for n in names if n in present]
+    if not keep:
+        blocks = getattr(model, "_no_split_modules", None)
+        raise ConfigError(f"none of the FSDP wrap classes {names} is a module of {type(model).__name__} (its blocks: "
+                          f"{blocks}); set fsdp_transformer_layer_cls_to_wrap to its block class")
+    plugin.transformer_cls_names_to_wrap = keep
+    return keep
+
+
+def enable_fsdp_on_cpu(accelerator, plugin) -> bool:
+    """Run Accelerate's FSDP2 path on CPU processes (gloo); True when it switched.
+
+    Accelerate turns an FSDP plugin into ``DistributedType.FSDP`` only on GPU-like devices: CPU processes get
+    ``MULTI_CPU`` (DDP) and the plugin is dropped, silently. torch's ``fully_shard`` shards on CPU over gloo, so the
+    shared state is switched to FSDP before ``prepare()``, as Accelerate does for GPUs (``AcceleratorState`` and
+    ``PartialState`` both, since a later ``AcceleratorState()`` copies the latter). What follows is Accelerate's own
+    FSDP2 code, the GPU path: ``prepare`` (``fully_shard`` per block), ``clip_grad_norm_``, ``save_state`` /
+    ``load_state`` through DCP, ``get_state_dict``. The caller checks that the parameters are sharded after
+    ``prepare``."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+    AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return True
+
+
+def describe_distributed(accelerator) -> str:
+    """How the run is distributed, in words: ``FSDP2, 2 processes, full shard (cpu, gloo)``,
+    ``DDP, 2 processes on 2 nodes, replicated (cuda, nccl)``, ``one process, no sharding (cpu)``."""
+    import torch
+    from accelerate.utils import DistributedType
+
+    n = accelerator.num_processes
+    procs = f"{n} process" + ("" if n == 1 else "es")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or n)
+    if n > local:
+        procs += f" on {n // local} nodes"
+    where = accelerator.device.type
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        where += f", {torch.distributed.get_backend()}"
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        shard = ("full shard" if plugin.reshard_after_forward is True
+                 else "gradients and optimizer state sharded, parameters kept after forward")
+        return f"FSDP{plugin.fsdp_version}, {procs}, {shard} ({where})"
+    if kind == DistributedType.NO:
+        return f"one process, no sharding ({where})"
+    if kind.value.startswith("MULTI_"):
+        return f"DDP, {procs}, replicated ({where})"
+    return f"{kind.value}, {procs} ({where})"
+
+
+def memory_use(files) -> dict | None:
+    """This process's peak resident memory (``VmHWM``) and how much of ``files`` (memory-mapped token shards) is
+    resident in its mappings, in bytes; None where /proc is not Linux's."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        smaps = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    peak = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    if peak is None:
+        return None
+    files = [Path(f).resolve() for f in files]
+    targets = {str(f) for f in files}
+    resident, current = 0, None
+    for line in smaps.splitlines():
+        fields = line.split()
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            current = " ".join(fields[5:]) if len(fields) > 5 else None
+        elif fields and fields[0] == "Rss:" and current in targets:
+            resident += int(fields[1]) * 1024
+    return {"peak_rss_bytes": int(peak.group(1)) * 1024, "shards_resident_bytes": resident,
+            "shards_bytes": sum(f.stat().st_size for f in files)}
