@@ -80,6 +80,11 @@ class ResolventRotaryEmbedding(nn.Module):
     def __init__(self, config: ResolventConfig):
         super().__init__()
         self.config = config
+        if "rope_theta" not in (config.rope_parameters or {}):  # set on a built config, so never standardized
+            raise ValueError(
+                f"config.rope_parameters = {config.rope_parameters!r} was set after the config was built (e.g. as a "
+                "from_pretrained keyword), so it lacks the defaults the config fills in; build the config with it: "
+                "ResolventConfig(**{**config.to_dict(), 'rope_parameters': {...}})")
         self.rope_type = config.rope_parameters["rope_type"]
         self.max_seq_len_cached = self.original_max_seq_len = config.n_positions
         init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]

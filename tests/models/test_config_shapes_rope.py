@@ -95,3 +95,17 @@ def test_legacy_rope_scaling_keyword_and_round_trip(tmp_path):
     config.save_pretrained(tmp_path)
     again = hr.ResolventConfig.from_pretrained(tmp_path)
     assert again.rope_parameters == config.rope_parameters and again.rope_theta == 5000.0
+
+
+def test_rope_parameters_set_on_a_built_config_are_refused(tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    late = hr.ResolventConfig.from_pretrained(tmp_path, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="was set after the config was built"):
+        hr.ResolventForCausalLM(late)
+    old = hr.ResolventConfig.from_pretrained(tmp_path)
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": old.n_positions}
+    config = hr.ResolventConfig(**{**old.to_dict(), "rope_parameters": rope, "n_positions": 4 * old.n_positions})
+    model = hr.ResolventForCausalLM.from_pretrained(tmp_path, config=config).eval()  # the README's recipe
+    assert model.transformer.rotary_emb.rope_type == "yarn" and model.config.n_positions == 1024
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(1, 61, (1, 300))).logits).all()  # past the trained 256
