@@ -519,6 +519,54 @@ def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.T
     return cache_start
 
 
+class _Documents:
+    """Packed sequences split into documents: a (B, n) batch whose position_ids restart inside a row becomes a
+    (D, L) batch with one document per row, right-padded (the causal mixers never read a row's padding).
+
+    Attributes: index (D, L) flat positions b * n + t of each document's tokens (0 on padding), valid (D, L)."""
+
+    def __init__(self, index: torch.Tensor, valid: torch.Tensor, shape: tuple[int, int]):
+        self.index, self.valid, self.shape = index, valid, shape
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, n, ...) -> (D, L, ...)."""
+        return t.reshape(self.shape[0] * self.shape[1], *t.shape[2:])[self.index]
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """(D, L, ...) -> (B, n, ...): every token back in its place."""
+        out = t.new_zeros(self.shape[0] * self.shape[1], *t.shape[2:])
+        out[self.index[self.valid]] = t[self.valid]
+        return out.view(*self.shape, *t.shape[2:])
+
+
+def _packed_documents(position_ids: torch.Tensor, start: torch.Tensor | None) -> _Documents | None:
+    """The documents of packed sequences: a new one wherever a position is not above the previous one (position_ids
+    restarting, as ``DataCollatorWithFlattening`` writes them); None when no row restarts. Left padding is skipped."""
+    batch, n = position_ids.shape
+    columns = torch.arange(n, device=position_ids.device)
+    lead = torch.zeros(batch, dtype=torch.long, device=position_ids.device) if start is None else start
+    real = columns[None] >= lead[:, None]
+    new = torch.ones_like(real)
+    new[:, 1:] = (position_ids[:, 1:] <= position_ids[:, :-1]) | ~real[:, :-1]  # a restart, or the first token
+    new &= real
+    if int(new.sum()) == batch:  # one document per row (host sync, like the position check)
+        return None
+    if start is not None and bool(start.any()):
+        raise ValueError("packed sequences (position_ids restarting inside a row) cannot be left-padded as well; "
+                         "pack the documents without padding")
+    doc = new.long().cumsum(1) - 1 + (new.sum(1).cumsum(0) - new.sum(1))[:, None]  # (B, n) global document id
+    flat_doc = doc.reshape(-1)
+    count = torch.bincount(flat_doc)
+    first = torch.cumsum(count, 0) - count  # flat position of each document's first token
+    offset = torch.arange(batch * n, device=doc.device) - first[flat_doc]
+    length = int(count.max())
+    index = torch.zeros(count.numel(), length, dtype=torch.long, device=doc.device)
+    valid = torch.zeros(count.numel(), length, dtype=torch.bool, device=doc.device)
+    index[flat_doc, offset] = torch.arange(batch * n, device=doc.device)
+    valid[flat_doc, offset] = True
+    return _Documents(index, valid, (batch, n))
+
+
 def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int,
                   bos_token_id: int | None) -> None:
     """Refuse what the embedding lookup or the mixers would fail on deep inside torch: a wrong rank, no sequences,
@@ -599,6 +647,7 @@ class ResolventModel(ResolventPreTrainedModel):
             output_hidden_states = self.config.output_hidden_states
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
+        cache_asked = bool(use_cache) or past_key_values is not None
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         vocab_size = getattr(self.wte, "num_embeddings", self.config.vocab_size)  # the table actually looked up
@@ -629,12 +678,22 @@ class ResolventModel(ResolventPreTrainedModel):
         else:
             start = cache_start
 
+        documents = None
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=device)[None].expand(batch, -1)
             if start is not None:
                 position_ids = (position_ids - start.to(device)[:, None]).clamp(min=0)
         else:
             position_ids = position_ids.to(device).view(-1, n).expand(batch, -1)
+            if past == 0 and n > 1:
+                documents = _packed_documents(position_ids, start)
+        if documents is not None:  # packed sequences: each document runs as a sequence of its own
+            if cache_asked:
+                raise ValueError(
+                    "position_ids restart inside a sequence (packed documents, e.g. DataCollatorWithFlattening): "
+                    "that is for training; a decode cache needs one document per sequence, so pass the documents "
+                    "as separate (left-padded) sequences to use_cache / generate()")
+            use_cache, past_key_values = False, None
         if n and int(position_ids.max()) >= self.config.n_positions:
             raise ValueError(
                 f"sequence too long: position {int(position_ids.max())} reached, but the model has "
@@ -646,6 +705,8 @@ class ResolventModel(ResolventPreTrainedModel):
         if self.wpe is not None:
             hidden_states = hidden_states + self.wpe(position_ids).to(hidden_states.dtype)
         hidden_states = self.drop(hidden_states)
+        if documents is not None:
+            hidden_states, position_ids = documents.pack(hidden_states), documents.pack(position_ids)
         rope = None if self.rotary_emb is None else self.rotary_emb(hidden_states, position_ids)
         start = None if start is None else start.to(device)
 
@@ -658,6 +719,9 @@ class ResolventModel(ResolventPreTrainedModel):
         hidden_states = self.ln_f(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
+        if documents is not None:
+            hidden_states = documents.unpack(hidden_states)
+            all_hidden_states = all_hidden_states and tuple(documents.unpack(h) for h in all_hidden_states)
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
