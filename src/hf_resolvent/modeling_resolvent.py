@@ -587,13 +587,21 @@ def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | 
         start = "" if bos_token_id is None else f" (to generate from nothing, start with the BOS token {bos_token_id})"
         raise ValueError(f"{name} holds no tokens (length 0): an empty prompt; give at least one token{start}")
     if inputs_embeds is None:
-        low, high = torch.stack(torch.aminmax(input_ids)).tolist()
-        if low < 0 or high >= vocab_size:
-            raise ValueError(
-                f"input_ids holds the token id {low if low < 0 else high}, outside the vocabulary (vocab_size = "
-                f"{vocab_size}: ids 0 to {vocab_size - 1}); use the model's own tokenizer, or call "
-                "model.resize_token_embeddings(len(tokenizer)) after adding tokens"
-            )
+        low, high = torch.aminmax(input_ids)
+        _require((low >= 0) & (high < vocab_size), f"input_ids outside the vocabulary (vocab_size = {vocab_size})", lambda: (
+            f"input_ids holds the token id {int(low) if low < 0 else int(high)}, outside the vocabulary (vocab_size = "
+            f"{vocab_size}: ids 0 to {vocab_size - 1}); use the model's own tokenizer, or call "
+            "model.resize_token_embeddings(len(tokenizer)) after adding tokens"))
+
+
+def _require(ok: torch.Tensor, problem: str, message) -> None:
+    """Raise ``ValueError(message())`` where the 0-d bool tensor ``ok`` is False. Eager: one host sync. Inside a
+    ``torch.compile`` graph, where reading the values would break the graph: a runtime assert in the graph, whose
+    error says ``problem`` (the values are not known there)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, problem)
+    elif not bool(ok):
+        raise ValueError(message())
 
 
 class ResolventModel(ResolventPreTrainedModel):
@@ -694,12 +702,11 @@ class ResolventModel(ResolventPreTrainedModel):
                     "that is for training; a decode cache needs one document per sequence, so pass the documents "
                     "as separate (left-padded) sequences to use_cache / generate()")
             use_cache, past_key_values = False, None
-        if n and int(position_ids.max()) >= self.config.n_positions:
-            raise ValueError(
-                f"sequence too long: position {int(position_ids.max())} reached, but the model has "
-                f"max_position_embeddings = n_positions = {self.config.n_positions}; shorten the input or use a "
-                "config with a larger n_positions"
-            )
+        if n:
+            top = position_ids.max()
+            _require(top < self.config.n_positions, f"a position past n_positions = {self.config.n_positions}", lambda: (
+                f"sequence too long: position {int(top)} reached, but the model has max_position_embeddings = "
+                f"n_positions = {self.config.n_positions}; shorten the input or use a config with a larger n_positions"))
 
         hidden_states = inputs_embeds
         if self.wpe is not None:

@@ -19,6 +19,8 @@ Precedence: the first source that names something other than ``"auto"`` wins: th
 passes ``config.mixer_impl``), then the environment variable ``HF_RESOLVENT_MIXER_IMPL``. ``HF_RESOLVENT_CPU_KERNELS=0``
 keeps the CPU kernels from being built at all.
 
+Inside ``torch.compile`` ``"auto"`` and ``"parallel"`` run the PyTorch code, which the compiler traces.
+
 Decoding has two backends: the Triton decode kernel (``"triton"``, and ``"auto"`` for CUDA tensors) and the PyTorch
 recurrent step (every other choice; there is no compiled CPU decode step).
 
@@ -89,6 +91,11 @@ def choose(impl: str | None, x: torch.Tensor) -> str:
     impl = resolve(impl)
     if impl in ("reference", "recurrent", "triton", "torch"):
         return impl
+    if torch.compiler.is_compiling():  # the graph takes the PyTorch code; the C++ operators have no meta kernels
+        if impl == "cpu":
+            raise RuntimeError("impl='cpu' cannot run inside torch.compile (the C++ kernels are opaque to it); use "
+                               "impl='auto' or 'torch', which compile the PyTorch code")
+        return "torch"
     if impl == "auto" and x.is_cuda and triton_ready():
         return "triton"
     cpu = backend("cpu")
@@ -126,7 +133,7 @@ def torch_only():
 def compiled_for(*tensors: torch.Tensor) -> bool:
     """True when the parallel form's functions take the compiled CPU kernels for these tensors (float32 or float64
     on the CPU, kernels built, not inside :func:`torch_only`); they take their PyTorch code otherwise."""
-    if _torch_only[0]:
+    if _torch_only[0] or torch.compiler.is_compiling():  # the C++ operators have no meta kernels for a graph
         return False
     cpu = backend("cpu")
     return cpu is not None and cpu.supports(*tensors) and cpu.available()

@@ -30,7 +30,11 @@ from .dispatch import compiled_for
 
 @contextmanager
 def serial():
-    """Run the enclosed ops with one intra-op thread (restores the previous count afterwards)."""
+    """Run the enclosed ops with one intra-op thread (restores the previous count afterwards). Inside a
+    ``torch.compile`` graph the ops are fused and the thread count is the graph's business: nothing changes."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     before = torch.get_num_threads()
     if before == 1:
         yield
