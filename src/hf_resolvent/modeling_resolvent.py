@@ -475,7 +475,9 @@ class ResolventPreTrainedModel(PreTrainedModel):
 
 
 def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.Tensor | None):
-    """Leading padding per sequence (B,) from a 2-D attention mask, or None; raises on unsupported masks."""
+    """(start, regroup) from a 2-D attention mask: the leading padding per sequence (B,) or None, and for a prefill
+    whose mask has holes the :class:`_Regroup` that moves each sequence's real tokens to the right end (so that they
+    read as left-padded), else None. Raises on unsupported masks."""
     if mask.dim() != 2:
         raise ValueError(
             f"attention_mask must be 2-D (batch, length) with 1 for tokens and 0 for padding, got shape "
@@ -492,22 +494,21 @@ def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.T
             raise ValueError("attention_mask has a sequence without any real token (all padding); remove it")
         lead = (mask.long().cumsum(1) == 0).sum(1)
         contiguous = (columns[None] >= lead[:, None]) & (columns[None] < (lead + count)[:, None])
-        if not torch.equal(contiguous, mask):
-            raise ValueError(
-                "attention_mask has holes (padding between real tokens); only left padding (and right padding in "
-                "a full forward) is supported: pad on the left (tokenizer.padding_side = 'left')"
-            )
-        return lead if bool(lead.any()) else None
+        if not torch.equal(contiguous, mask):  # holes: no later row reads a hidden position
+            return n - count, _Regroup.right_aligned(mask)
+        return (lead if bool(lead.any()) else None), None
     if length == past + n:
         if cache_start is None:
             expected = torch.ones(batch, past, dtype=torch.bool, device=mask.device)
         else:
             expected = columns[None, :past] >= cache_start.to(mask.device)[:, None]
-        if not torch.equal(mask[:, :past], expected) or not bool(mask[:, past:].all()):
+        # the prefill's mask (left padding, or the same count of real tokens for one with holes), then ones
+        same = torch.equal(mask[:, :past], expected) or torch.equal(mask[:, :past].sum(1), expected.sum(1))
+        if not same or not bool(mask[:, past:].all()):
             raise ValueError(
                 "attention_mask does not match the cache: when continuing from a cache the mask must be the "
-                "prefill's left padding followed by ones (right padding or holes cannot be continued; pad on the "
-                "left with tokenizer.padding_side = 'left')"
+                "prefill's mask followed by ones (right padding cannot be continued; pad on the left with "
+                "tokenizer.padding_side = 'left')"
             )
     elif length == n:
         if not bool(mask.all()):
@@ -516,30 +517,44 @@ def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.T
         raise ValueError(
             f"attention_mask has {length} columns; expected {past + n} (cached {past} + new {n}) or {n} (new only)"
         )
-    return cache_start
+    return cache_start, None
 
 
-class _Documents:
-    """Packed sequences split into documents: a (B, n) batch whose position_ids restart inside a row becomes a
-    (D, L) batch with one document per row, right-padded (the causal mixers never read a row's padding).
+class _Regroup:
+    """A batch (B, n) laid out again for the mixers, and back: packed documents become one row each (right-padded,
+    :func:`_packed_documents`), and the real tokens of a sequence whose mask has holes move to the right end of
+    their row (left-padded, :meth:`right_aligned`). Positions that no row holds come back as zeros.
 
-    Attributes: index (D, L) flat positions b * n + t of each document's tokens (0 on padding), valid (D, L)."""
+    Attributes: index (R, L) flat positions b * n + t of the tokens each row holds (0 on padding), valid (R, L)."""
 
     def __init__(self, index: torch.Tensor, valid: torch.Tensor, shape: tuple[int, int]):
         self.index, self.valid, self.shape = index, valid, shape
 
+    @classmethod
+    def right_aligned(cls, mask: torch.Tensor) -> _Regroup:
+        """Each row's real tokens (mask True), in order, at the right end of the row."""
+        batch, n = mask.shape
+        slot = (n - mask.sum(1))[:, None] + mask.long().cumsum(1) - 1  # where each real token goes in its row
+        flat = torch.arange(batch * n, device=mask.device).view(batch, n)
+        rows = torch.arange(batch, device=mask.device)[:, None].expand(batch, n)
+        index = torch.zeros(batch, n, dtype=torch.long, device=mask.device)
+        valid = torch.zeros(batch, n, dtype=torch.bool, device=mask.device)
+        index[rows[mask], slot[mask]] = flat[mask]
+        valid[rows[mask], slot[mask]] = True
+        return cls(index, valid, (batch, n))
+
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, n, ...) -> (D, L, ...)."""
+        """(B, n, ...) -> (R, L, ...)."""
         return t.reshape(self.shape[0] * self.shape[1], *t.shape[2:])[self.index]
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        """(D, L, ...) -> (B, n, ...): every token back in its place."""
+        """(R, L, ...) -> (B, n, ...): every token back in its place."""
         out = t.new_zeros(self.shape[0] * self.shape[1], *t.shape[2:])
         out[self.index[self.valid]] = t[self.valid]
         return out.view(*self.shape, *t.shape[2:])
 
 
-def _packed_documents(position_ids: torch.Tensor, start: torch.Tensor | None) -> _Documents | None:
+def _packed_documents(position_ids: torch.Tensor, start: torch.Tensor | None) -> _Regroup | None:
     """The documents of packed sequences: a new one wherever a position is not above the previous one (position_ids
     restarting, as ``DataCollatorWithFlattening`` writes them); None when no row restarts. Left padding is skipped."""
     batch, n = position_ids.shape
@@ -564,7 +579,7 @@ def _packed_documents(position_ids: torch.Tensor, start: torch.Tensor | None) ->
     valid = torch.zeros(count.numel(), length, dtype=torch.bool, device=doc.device)
     index[flat_doc, offset] = torch.arange(batch * n, device=doc.device)
     valid[flat_doc, offset] = True
-    return _Documents(index, valid, (batch, n))
+    return _Regroup(index, valid, (batch, n))
 
 
 def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int,
@@ -681,10 +696,15 @@ class ResolventModel(ResolventPreTrainedModel):
         if past and past_key_values.batch_size not in (-1, batch):
             raise ValueError(f"the cache holds {past_key_values.batch_size} sequences but the input has {batch}")
         cache_start = None if past_key_values is None or not past else past_key_values.start
+        regroup = None
         if attention_mask is not None:
-            start = _start_from_mask(attention_mask.to(device), past, n, cache_start)
+            start, regroup = _start_from_mask(attention_mask.to(device), past, n, cache_start)
         else:
             start = cache_start
+        if regroup is not None:  # a mask with holes: the real tokens, right-aligned, run as left-padded sequences
+            inputs_embeds = regroup.pack(inputs_embeds)
+            if position_ids is not None:
+                position_ids = regroup.pack(position_ids.to(device).view(-1, n).expand(batch, -1))
 
         documents = None
         if position_ids is None:
@@ -695,6 +715,9 @@ class ResolventModel(ResolventPreTrainedModel):
             position_ids = position_ids.to(device).view(-1, n).expand(batch, -1)
             if past == 0 and n > 1:
                 documents = _packed_documents(position_ids, start)
+        if documents is not None and regroup is not None:
+            raise ValueError("packed sequences (position_ids restarting inside a row) cannot have attention-mask "
+                             "holes as well; pass the documents without padding")
         if documents is not None:  # packed sequences: each document runs as a sequence of its own
             if cache_asked:
                 raise ValueError(
@@ -726,9 +749,10 @@ class ResolventModel(ResolventPreTrainedModel):
         hidden_states = self.ln_f(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        if documents is not None:
-            hidden_states = documents.unpack(hidden_states)
-            all_hidden_states = all_hidden_states and tuple(documents.unpack(h) for h in all_hidden_states)
+        for regrouped in (documents, regroup):
+            if regrouped is not None:
+                hidden_states = regrouped.unpack(hidden_states)
+                all_hidden_states = all_hidden_states and tuple(regrouped.unpack(h) for h in all_hidden_states)
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,

@@ -144,9 +144,6 @@ def test_padding_never_changes_real_tokens(mixer, position_embedding):
 def test_bad_inputs_raise_clear_errors():
     model = tiny_model("exp2:ce")
     ids = torch.randint(1, 61, (2, 6))
-    holes = torch.tensor([[1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    with pytest.raises(ValueError, match="holes"):
-        model(ids, attention_mask=holes)
     with pytest.raises(ValueError, match="2-D"):
         model(ids, attention_mask=torch.ones(2, 1, 6, 6))
     with pytest.raises(ValueError, match="no real token|without any real token"):
