@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Train a 2-layer model on a synthetic task (copy, associative recall, multi-hop recall) and report held-out
-accuracy, as in the papers' section 5.2 (Table 1).
+"""Train a 2-layer model on a synthetic task (copy, associative recall, multi-hop recall, multi-query associative
+recall) and report held-out accuracy, as in the papers' section 5.2 (Table 1).
 
     python scripts/synthetic.py --task multihop --mixer dense --preset cpu
-    python scripts/synthetic.py --task multihop --mixer attention --preset cpu
+    python scripts/synthetic.py --task multihop --mixer attention --preset cpu-long
+    python scripts/synthetic.py --task mqar --mixer exp2:ce --preset cpu --out runs/bench/synthetic/mqar_cpu_exp2_ce.json
     python scripts/synthetic.py --task copy --mixer exp2 --preset paper        # GPU: 20k steps x batch 1024
+    python scripts/synthetic.py --summary runs/bench/synthetic/mqar_*.json --out runs/bench/synthetic/mqar.json
 
 Tasks are generated on the fly (no overfitting), with a curriculum over equal phases whose lengths and pair
 counts are the full ones divided by 8, 4, 2 and 1 (the papers'; ``--curriculum``, see hf_resolvent.experiments.synthetic).
@@ -12,7 +14,11 @@ counts are the full ones divided by 8, 4, 2 and 1 (the papers'; ``--curriculum``
 ``banded:8``, ``diagonal``, ``exp2``, ``exp2:ce``, ``square``, ``square:ce``, ...) or ``gpt2`` (transformers'
 GPT2LMHeadModel). Accuracy is measured on held-out samples of the full size (the last phase): ``accuracy`` over
 the final answers (copied tokens / queries), ``by_hops`` split by lookup depth (multi-hop),
-``sequence_accuracy`` = all answers of a sample right.
+``sequence_accuracy`` = all answers of a sample right; for mqar also ``by_pairs``, the accuracy on samples with
+exactly m pairs for each m of the preset's ``eval_pairs``.
+
+``--summary RESULT.json ...`` gathers finished runs (any tasks) into one JSON (``--out``), a markdown table beside
+it (``.md``) and, for mqar runs, a plot of accuracy against the number of pairs (``.png``).
 
 Presets:
   paper  the papers' setting: copy L = 128, recall up to 64 pairs in sequences up to 256, vocab 16 fillers +
@@ -23,7 +29,21 @@ Presets:
          the value in the context" is always right, and the models stay on that plateau, about 40% accuracy on
          full-size samples, for thousands of steps; without it attention learns associative recall in about
          1000 steps. 8 pairs in sequences of 32 did not leave the plateau in 4000 steps for either model.)
+  cpu-long  the cpu preset with longer sequences, so that the sparse patterns' reach matters: recall and
+         multi-hop up to 12 pairs in sequences up to 64 (1 to 12 pairs per sample), vocab 4 fillers + 32 keys +
+         32 values.
   smoke  seconds; for tests.
+
+MQAR (``--task mqar``) has its own settings in each preset (``MQAR``): keys and values are the two halves of
+the vocabulary and the pair count is drawn per sample from [min_pairs, pairs]:
+  paper     vocab 8192 (15 fillers + 4087 keys + 4087 values), sequences of 256, 4 to 64 pairs; the paper
+            preset's model and schedule.
+  cpu       vocab 135 (4 fillers + 64 keys + 64 values), sequences of 64, 1 to 8 pairs; d 64, 2 layers, 2 heads;
+            1200 steps x batch 32, lr 3e-3, warmup 100, no curriculum (the easy difficulty).
+  cpu-long  the same vocabulary, model and schedule, sequences of 128, 1 to 16 pairs (the hard difficulty).
+At the cpu setting, attention and dense after 1200 steps, and attention after 4000, stayed on the plateau of
+guessing among the values in the context (100% with one pair, about 1/m with m): MQAR needs far more samples
+than associative recall at 16 tokens (bench/synthetic/mqar.md).
 """
 
 from __future__ import annotations
@@ -50,13 +70,27 @@ PRESETS = {
     "smoke": {"copy_len": 8, "recall_len": 16, "pairs": 4, "vocab": (4, 8, 8), "d": 32, "layers": 2, "heads": 2,
               "steps": 8, "batch": 4, "lr": 3e-3, "warmup": 2, "eval_samples": 16},
 }
+PRESETS["cpu-long"] = {**PRESETS["cpu"], "recall_len": 64, "pairs": 12, "min_pairs": 1, "vocab": (4, 32, 32)}
+
+# A smaller model and batch than the cpu preset's for the other tasks: MQAR's sequences are 4-8 times longer.
+MQAR_CPU_MODEL = {"d": 64, "heads": 2, "batch": 32, "lr": 3e-3, "warmup": 100, "steps": 1200, "eval_samples": 256}
+# MQAR's settings per preset, over the preset's own ones
+MQAR = {
+    "paper": {"recall_len": 256, "pairs": 64, "min_pairs": 4, "vocab": (15, 4087, 4087),
+              "eval_pairs": [4, 8, 16, 32, 64]},
+    "cpu": {"recall_len": 64, "pairs": 8, "min_pairs": 1, "vocab": (4, 64, 64), **MQAR_CPU_MODEL,
+            "eval_pairs": [1, 2, 4, 8]},
+    "cpu-long": {"recall_len": 128, "pairs": 16, "min_pairs": 1, "vocab": (4, 64, 64), **MQAR_CPU_MODEL,
+                 "eval_pairs": [1, 2, 4, 8, 16]},
+    "smoke": {"recall_len": 16, "pairs": 4, "min_pairs": 1, "vocab": (2, 8, 8), "eval_pairs": [1, 4]},
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", required=True, choices=S.TASKS)
-    p.add_argument("--mixer", required=True, help="pattern spec (dense, exp2:ce, attention, ...) or gpt2")
+    p.add_argument("--task", choices=S.TASKS)
+    p.add_argument("--mixer", help="pattern spec (dense, exp2:ce, attention, ...) or gpt2")
     p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
@@ -64,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--d-model", type=int, default=None)
     p.add_argument("--pairs", type=int, default=None, help="most key-value pairs (recall tasks)")
+    p.add_argument("--min-pairs", type=int, default=None, help="fewest key-value pairs of a sample (recall tasks)")
     p.add_argument("--length", type=int, default=None, help="longest sequence (recall) or copied length (copy)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--curriculum", default=None,
@@ -74,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the result as JSON here")
     p.add_argument("--device", default=None)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--summary", nargs="+", metavar="RESULT.json", default=None,
+                   help="instead of training: gather these result files into --out (JSON, .md table, .png plot)")
     return p
 
 
@@ -81,7 +118,7 @@ def task_spec(task: str, preset: dict) -> S.TaskSpec:
     vocab = S.Vocab(*preset["vocab"])
     if task == "copy":
         return S.TaskSpec("copy", preset["copy_len"], vocab=vocab)
-    return S.TaskSpec(task, preset["recall_len"], preset["pairs"], vocab=vocab)
+    return S.TaskSpec(task, preset["recall_len"], preset["pairs"], vocab=vocab, min_pairs=preset.get("min_pairs", 0))
 
 
 def _parse_curriculum(text: str) -> tuple[int, ...]:
@@ -143,10 +180,21 @@ def evaluate(model, spec: S.TaskSpec, n_samples: int, seed: int, device, batch_s
     return out
 
 
+def resolve_preset(task: str, name: str) -> dict:
+    """The preset ``name`` with the task's own settings (MQAR's) merged over it."""
+    preset = dict(PRESETS[name])
+    if task == "mqar":
+        preset.update(MQAR[name])
+    return preset
+
+
 def run(args) -> dict:
-    preset = dict(PRESETS[args.preset])
+    if not args.task or not args.mixer:
+        raise ValueError("training needs --task and --mixer (or pass --summary RESULT.json ... to gather results)")
+    preset = resolve_preset(args.task, args.preset)
     for key, attr in (("steps", "steps"), ("batch", "batch_size"), ("lr", "lr"), ("d", "d_model"),
-                      ("eval_samples", "eval_samples"), ("pairs", "pairs"), ("warmup", "warmup")):
+                      ("eval_samples", "eval_samples"), ("pairs", "pairs"), ("warmup", "warmup"),
+                      ("min_pairs", "min_pairs")):
         if getattr(args, attr) is not None:
             preset[key] = getattr(args, attr)
     if args.curriculum is not None:
@@ -174,9 +222,8 @@ def run(args) -> dict:
     log(f"[synthetic] task {args.task} ({spec}), mixer {args.mixer}: {params:,} parameters, {steps} steps x batch "
         f"{batch_size}, device {device}")
     if device.type == "cpu" and args.mixer != "gpt2":
-        from hf_resolvent.ops import cpu_kernels
-
-        cpu_kernels.available()  # compile (first use only) before the progress bar
+        with torch.no_grad():  # the first forward compiles the CPU kernels (first use only): before the progress bar
+            model(input_ids=S.make_batch(spec, 1, np.random.default_rng(0)).input_ids.to(device))
     history = []
     t0 = time.time()
     from tqdm.auto import tqdm
@@ -209,7 +256,13 @@ def run(args) -> dict:
                    "batch_size": batch_size, "lr": preset["lr"], "curriculum": list(phases),
                    "final_loss": total_loss, "train_time_s": round(train_time, 1), "device": str(device),
                    "seed": args.seed, "history": history,
-                   "spec": {"max_len": spec.max_len, "max_pairs": spec.max_pairs, "vocab": preset["vocab"]}})
+                   "spec": {"max_len": spec.max_len, "max_pairs": spec.max_pairs, "min_pairs": spec.pair_range[0],
+                            "vocab": list(preset["vocab"])}})
+    if args.task == "mqar":
+        counts = [m for m in preset["eval_pairs"] if m <= spec.max_pairs]
+        per = max(16, preset["eval_samples"] // 2)
+        result["by_pairs"] = {str(m): evaluate(model, spec.with_pairs(m), per, args.seed, device)["accuracy"]
+                              for m in counts}
     log(f"[synthetic] {args.task} / {args.mixer}: held-out accuracy {result['accuracy']:.4f} "
         f"(sequences {result['sequence_accuracy']:.4f}; by hops "
         + ", ".join(f"{h}: {v['accuracy']:.3f}" for h, v in result["by_hops"].items())
@@ -217,8 +270,93 @@ def run(args) -> dict:
     return result
 
 
+def _label(r: dict) -> str:
+    return (f"{r['task']} ({r['preset']}: up to {r['spec']['max_pairs']} pairs in {r['spec']['max_len']} tokens, "
+            f"{r['steps']} steps)")
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Markdown: one row per mixer, one column per task and preset (accuracy over the final answers)."""
+    settings = sorted({_label(r) for r in rows})
+    mixers = list(dict.fromkeys(r["mixer"] for r in rows))
+    cell = {(r["mixer"], _label(r)): r for r in rows}
+    lines = ["| mixer | " + " | ".join(settings) + " |", "|---|" + "---:|" * len(settings)]
+    for m in mixers:
+        cells = []
+        for st in settings:
+            r = cell.get((m, st))
+            if r is None:
+                cells.append("not run")
+                continue
+            text = f"{100 * r['accuracy']:.1f}%"
+            if r.get("by_pairs"):
+                text += " (" + ", ".join(f"{k}: {100 * v:.0f}" for k, v in r["by_pairs"].items()) + ")"
+            cells.append(text)
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_by_pairs(rows: list[dict], path: Path) -> bool:
+    """Accuracy against the number of pairs, one panel per MQAR setting, one line per mixer; False if no MQAR run."""
+    mqar = [r for r in rows if r.get("by_pairs")]
+    if not mqar:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({_label(r) for r in mqar})
+    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False)
+    for ax, st in zip(axes[0], settings):
+        for r in (r for r in mqar if _label(r) == st):
+            pairs = [int(k) for k in r["by_pairs"]]
+            ax.plot(pairs, [100 * v for v in r["by_pairs"].values()], "o-", label=r["mixer"], ms=4)
+        pairs = sorted({int(k) for r in mqar if _label(r) == st for k in r["by_pairs"]})
+        ax.plot(pairs, [100 / m for m in pairs], "k:", lw=1, label="guessing among the m values in the context")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("key-value pairs in the sample")
+        ax.set_ylabel("query accuracy (%)")
+        ax.set_ylim(0, 102)
+        ax.set_title(st.replace("mqar ", "MQAR "), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def summarize(paths: list[str], out: str | None) -> int:
+    rows = []
+    for p in paths:
+        try:
+            r = json.loads(Path(p).read_text())
+        except (OSError, ValueError) as err:
+            print(f"error: cannot read the result {p}: {err}; pass files written by --out", file=sys.stderr)
+            return 2
+        if not isinstance(r, dict) or not {"task", "mixer", "accuracy", "spec"} <= set(r):
+            print(f"error: {p} is not a result of this script (needs task, mixer, accuracy, spec)", file=sys.stderr)
+            return 2
+        rows.append({k: v for k, v in r.items() if k != "history"} | {"file": str(p)})
+    table = summary_table(rows)
+    print(table, end="")
+    if out:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+        out.with_suffix(".md").write_text(table)
+        if plot_by_pairs(rows, out.with_suffix(".png")):
+            print(f"[synthetic] wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
+        else:
+            print(f"[synthetic] wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.summary:
+        return summarize(args.summary, args.out)
     try:
         result = run(args)
     except ValueError as err:

@@ -1,9 +1,11 @@
-"""Synthetic task generators (copy, associative recall, multi-hop recall): labels checked against an independent
-solver, structure, randomisation, curriculum; the training script's metric and a smoke run."""
+"""Synthetic task generators (copy, associative recall, multi-hop recall, MQAR): labels checked against an
+independent solver, structure, randomisation, curriculum; the training script's metric, loss, summary and smoke
+runs."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ from conftest import load_script
 from hf_resolvent.experiments import synthetic as S
 
 V = S.Vocab(n_noise=4, n_keys=16, n_values=16)
-SPECS = [S.TaskSpec("copy", 12, vocab=V), S.TaskSpec("assoc", 30, 8, vocab=V), S.TaskSpec("multihop", 30, 8, vocab=V)]
+SPECS = [S.TaskSpec("copy", 12, vocab=V), S.TaskSpec("assoc", 30, 8, vocab=V), S.TaskSpec("multihop", 30, 8, vocab=V),
+         S.TaskSpec("mqar", 30, 8, vocab=V, min_pairs=2)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.task)
@@ -166,3 +169,156 @@ def test_script_curriculum_option(tmp_path, capsys):
     assert mod.main(["--task", "assoc", "--mixer", "attention", "--preset", "smoke", "--curriculum", "8,0",
                      "--quiet"]) == 2
     assert "--curriculum" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- MQAR
+
+MQAR = SPECS[3]
+
+
+def _mqar_parts(ids, labels):
+    """(keys, values, query positions) of one MQAR sample, read from its layout."""
+    m = int((labels != S.IGNORE).sum())
+    return ids[0:2 * m:2], ids[1:2 * m:2], np.where(labels != S.IGNORE)[0]
+
+
+def test_mqar_keys_and_values_from_disjoint_halves_answers_correct():
+    rng = np.random.default_rng(4)
+    counts, first_query = set(), set()
+    for _ in range(300):
+        b = S.make_batch(MQAR, 1, rng)
+        ids, labels = b.input_ids[0].numpy(), b.labels[0].numpy()
+        assert len(ids) == MQAR.max_len  # every sample has the full length, no padding
+        keys, values, asked = _mqar_parts(ids, labels)
+        m = len(keys)
+        counts.add(m)
+        # keys from the lower half, values from the upper half of the key/value tokens, none repeated
+        assert V.is_key(keys).all() and V.is_value(values).all() and V.n_keys == V.n_values
+        assert len(set(keys.tolist())) == m and len(set(values.tolist())) == m
+        # after the pairs: every key exactly once, the rest fillers (no value, no other key)
+        rest = ids[2 * m:]
+        assert sorted(rest[V.is_key(rest)].tolist()) == sorted(keys.tolist())
+        assert not V.is_value(rest).any()
+        assert ((rest >= V.noise0) & (rest < V.key0) | V.is_key(rest)).all()
+        # the label at each query is its key's value, and only queries are labelled
+        value_of = dict(zip(keys.tolist(), values.tolist()))
+        assert (asked >= 2 * m).all() and set(asked.tolist()) == set((2 * m + np.where(V.is_key(rest))[0]).tolist())
+        assert [labels[t] for t in asked] == [value_of[int(ids[t])] for t in asked]
+        assert np.array_equal(b.query_mask[0].numpy(), labels != S.IGNORE)
+        assert (b.hops[0].numpy()[asked] == 0).all()
+        first_query.add(int(asked[0]) - 2 * m)
+    assert counts == set(range(2, 9))  # pairs drawn from [min_pairs, max_pairs], all reached
+    assert len(first_query) > 5  # queries at random positions
+
+
+def test_mqar_fixed_pair_count_by_default_and_with_pairs():
+    spec = S.TaskSpec("mqar", 64, 8, vocab=V)
+    assert spec.pair_range == (8, 8)
+    rng = np.random.default_rng(5)
+    assert ((S.make_batch(spec, 32, rng).labels != S.IGNORE).sum(dim=1) == 8).all()
+    assert ((S.make_batch(MQAR.with_pairs(3), 32, rng).labels != S.IGNORE).sum(dim=1) == 3).all()
+    # queries come in random order: 8 keys asked in the context's order has probability 1 / 8!
+    b = S.make_batch(spec, 200, rng)
+    in_order = sum([int(ids[t]) for t in np.where(lab != S.IGNORE)[0]] == ids[0:16:2].tolist()
+                   for ids, lab in zip(b.input_ids.numpy(), b.labels.numpy()))
+    assert in_order <= 1
+
+
+def test_mqar_is_deterministic_with_a_seed():
+    a = S.make_batch(MQAR, 16, np.random.default_rng(7))
+    b = S.make_batch(MQAR, 16, np.random.default_rng(7))
+    c = S.make_batch(MQAR, 16, np.random.default_rng(8))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    assert not torch.equal(a.input_ids, c.input_ids)
+
+
+class _Fixed(torch.nn.Module):
+    """Returns the given logits whatever the input."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, input_ids):
+        return type("Out", (), {"logits": self.logits})()
+
+
+def test_mqar_loss_is_on_the_answers_only():
+    mod = load_script("synthetic")
+    batch = S.make_batch(MQAR, 8, np.random.default_rng(9))
+    labelled = batch.labels != S.IGNORE
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(*batch.labels.shape, V.size, generator=gen)
+    right = logits.clone()
+    right[labelled] = 0.0
+    right[labelled.nonzero(as_tuple=True) + (batch.labels[labelled],)] = 50.0  # certain of every answer
+    assert mod._loss(_Fixed(right), batch, "cpu").item() < 1e-6
+    # changing what is predicted anywhere else leaves the loss as it is
+    other = right.clone()
+    other[~labelled] = torch.randn(int((~labelled).sum()), V.size, generator=gen) * 10
+    assert mod._loss(_Fixed(other), batch, "cpu").item() == pytest.approx(mod._loss(_Fixed(right), batch, "cpu").item())
+    # an answer left uniform costs log(vocab), averaged over the answers only
+    wrong = right.clone()
+    b, t = labelled.nonzero()[0].tolist()
+    wrong[b, t] = 0.0
+    expected = math.log(V.size) / int(labelled.sum())
+    assert mod._loss(_Fixed(wrong), batch, "cpu").item() == pytest.approx(expected, rel=1e-4)
+
+
+def test_mqar_spec_errors_name_the_fix():
+    with pytest.raises(ValueError, match="n_keys must equal n_values"):
+        S.TaskSpec("mqar", 64, 8, vocab=S.Vocab(4, 16, 32))
+    with pytest.raises(ValueError, match="3 \\* max_pairs"):
+        S.TaskSpec("mqar", 20, 8, vocab=V)
+    with pytest.raises(ValueError, match="n_noise"):
+        S.TaskSpec("mqar", 64, 8, vocab=S.Vocab(0, 16, 16))
+    with pytest.raises(ValueError, match="n_keys"):
+        S.TaskSpec("mqar", 100, 20, vocab=V)
+    with pytest.raises(ValueError, match="min_pairs"):
+        S.TaskSpec("mqar", 64, 8, vocab=V, min_pairs=9)
+
+
+def test_recall_min_pairs_widens_the_pair_range():
+    rng = np.random.default_rng(10)
+    spec = S.TaskSpec("multihop", 64, 12, vocab=S.Vocab(4, 32, 32), min_pairs=1)
+    counts = {len(_pairs(S.make_batch(spec, 1, rng).input_ids[0].numpy(), spec)[0]) for _ in range(300)}
+    assert counts == set(range(1, 13))
+    assert S.TaskSpec("assoc", 30, 8, vocab=V).pair_range == (4, 8)  # the default: half to full
+
+
+def test_long_and_mqar_presets_resolve():
+    mod = load_script("synthetic")
+    long = mod.task_spec("multihop", mod.resolve_preset("multihop", "cpu-long"))
+    assert long.max_len >= 64 and long.max_pairs > 4 and long.pair_range[0] == 1
+    for preset in ("cpu", "cpu-long", "paper"):
+        cfg = mod.resolve_preset("mqar", preset)
+        spec = mod.task_spec("mqar", cfg)
+        assert spec.vocab.size <= 8192 and 64 <= spec.max_len <= 256 and 4 <= spec.max_pairs <= 64
+        assert max(cfg["eval_pairs"]) == spec.max_pairs
+    assert mod.resolve_preset("mqar", "cpu")["layers"] == 2 and 64 <= mod.resolve_preset("mqar", "cpu")["d"] <= 128
+    assert mod.resolve_preset("mqar", "paper")["steps"] == 20_000
+
+
+def test_mqar_script_smoke_and_summary(tmp_path, capsys):
+    mod = load_script("synthetic")
+    results = []
+    for mixer in ("attention", "dense"):
+        out = tmp_path / f"mqar_{mixer}.json"
+        assert mod.main(["--task", "mqar", "--mixer", mixer, "--preset", "smoke", "--quiet", "--out", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["task"] == "mqar" and set(res["by_pairs"]) == {"1", "4"}
+        assert all(0.0 <= v <= 1.0 for v in res["by_pairs"].values()) and res["spec"]["min_pairs"] == 1
+        results.append(str(out))
+    summary = tmp_path / "sum" / "mqar.json"
+    assert mod.main(["--summary", *results, "--out", str(summary)]) == 0
+    rows = json.loads(summary.read_text())["rows"]
+    assert [r["mixer"] for r in rows] == ["attention", "dense"] and "history" not in rows[0]
+    table = summary.with_suffix(".md").read_text()
+    assert "| attention |" in table and "| dense |" in table and "up to 4 pairs in 16 tokens, 8 steps" in table
+    assert summary.with_suffix(".png").stat().st_size > 1000
+    capsys.readouterr()
+    (tmp_path / "bad.json").write_text("{}")
+    assert mod.main(["--summary", str(tmp_path / "bad.json")]) == 2
+    assert "not a result of this script" in capsys.readouterr().err
+    assert mod.main(["--preset", "smoke"]) == 2
+    assert "--task and --mixer" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """Synthetic tasks of the papers' section 5.2 / appendix C.1, generated on the fly: copy, associative recall,
-multi-hop recall; with the 4-phase curriculum (lengths and pair counts divided by 8, 4, 2, 1).
+multi-hop recall; with the 4-phase curriculum (lengths and pair counts divided by 8, 4, 2, 1). Also multi-query
+associative recall (MQAR) of the Zoology benchmark.
 
 Every generator returns a :class:`Batch`: ``input_ids`` (B, T) int64 right-padded with ``PAD``, ``labels``
 (B, T) with ``-100`` where nothing is predicted, and ``hops`` (B, T) (the lookup depth of each labelled
@@ -32,7 +33,7 @@ import torch
 
 PAD, BOS, SEP = 0, 1, 2
 IGNORE = -100
-TASKS = ("copy", "assoc", "multihop")
+TASKS = ("copy", "assoc", "multihop", "mqar")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ class TaskSpec:
     copy: ``max_len`` = L, the longest copied sequence (total length 2L + 2).
     assoc / multihop: ``max_len`` = longest sequence, ``max_pairs`` = most key-value pairs (needs
     ``max_len >= 3 * max_pairs + 1``: pairs, SEP and one query per key); ``p_hop`` the replacement probability.
+    mqar: ``max_len`` = the length of every sample, ``max_pairs`` = most pairs (needs ``max_len >= 3 * max_pairs``:
+    pairs and one query per key).
+    ``min_pairs``: fewest pairs of a sample; 0 = the task's default (half of ``max_pairs`` rounded up for
+    assoc / multihop, ``max_pairs`` for mqar).
     """
 
     task: str
@@ -78,13 +83,16 @@ class TaskSpec:
     max_pairs: int = 0
     p_hop: float = 0.5
     vocab: Vocab = Vocab()
+    min_pairs: int = 0
 
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {self.max_len}")
-        if self.task != "copy":
+        if self.task == "mqar":
+            self._check_mqar()
+        elif self.task != "copy":
             if self.max_pairs < 1:
                 raise ValueError(f"{self.task}: max_pairs must be >= 1, got {self.max_pairs}")
             if self.max_len < 3 * self.max_pairs + 1:
@@ -94,6 +102,36 @@ class TaskSpec:
                 raise ValueError(f"max_pairs={self.max_pairs} needs at least as many key tokens (n_keys={self.vocab.n_keys})")
         if not 0.0 <= self.p_hop <= 1.0:
             raise ValueError(f"p_hop must be in [0, 1], got {self.p_hop}")
+        if not 0 <= self.min_pairs <= max(self.max_pairs, 0):
+            raise ValueError(f"{self.task}: min_pairs must be in [0, max_pairs={self.max_pairs}], got {self.min_pairs}")
+
+    def _check_mqar(self) -> None:
+        v = self.vocab
+        if self.max_pairs < 1:
+            raise ValueError(f"mqar: max_pairs must be >= 1, got {self.max_pairs}")
+        if self.max_len < 3 * self.max_pairs:
+            raise ValueError(f"mqar: max_len={self.max_len} < 3 * max_pairs = {3 * self.max_pairs} (each pair takes 2 "
+                             "tokens and its query 1); raise max_len or lower max_pairs")
+        if v.n_keys != v.n_values:
+            raise ValueError(f"mqar: keys and values are the two halves of the vocabulary, so n_keys must equal "
+                             f"n_values, got {v.n_keys} and {v.n_values}; e.g. Vocab(n_noise, 64, 64)")
+        if self.max_pairs > v.n_keys:
+            raise ValueError(f"mqar: max_pairs={self.max_pairs} needs at least as many key (and value) tokens "
+                             f"(n_keys={v.n_keys}); raise n_keys / n_values or lower max_pairs")
+        if v.n_noise < 1:
+            raise ValueError("mqar: the query region is filled with filler tokens, so n_noise must be >= 1")
+
+    @property
+    def pair_range(self) -> tuple[int, int]:
+        """(fewest, most) pairs of a sample."""
+        if self.min_pairs:
+            return self.min_pairs, self.max_pairs
+        return (self.max_pairs, self.max_pairs) if self.task == "mqar" else (max(1, math.ceil(self.max_pairs / 2)),
+                                                                             self.max_pairs)
+
+    def with_pairs(self, pairs: int) -> TaskSpec:
+        """The same task with exactly ``pairs`` pairs in every sample (evaluation at one difficulty)."""
+        return TaskSpec(self.task, self.max_len, pairs, self.p_hop, self.vocab, min_pairs=pairs)
 
     def total_length(self) -> int:
         """Longest sequence the task produces (the model's context must cover it)."""
@@ -104,8 +142,9 @@ class TaskSpec:
         if self.task == "copy":
             return TaskSpec(self.task, max(1, self.max_len // divisor), 0, self.p_hop, self.vocab)
         pairs = max(1, self.max_pairs // divisor)
-        length = max(3 * pairs + 1, self.max_len // divisor)
-        return TaskSpec(self.task, length, pairs, self.p_hop, self.vocab)
+        least = min(pairs, max(1, self.min_pairs // divisor)) if self.min_pairs else 0
+        length = max(3 * pairs + (self.task != "mqar"), self.max_len // divisor)
+        return TaskSpec(self.task, length, pairs, self.p_hop, self.vocab, min_pairs=least)
 
 
 CURRICULUM = (8, 4, 2, 1)
@@ -162,7 +201,7 @@ def _interleave(rng: np.random.Generator, items: list[list[int]], n_noise: int, 
 
 def _recall_sample(spec: TaskSpec, rng: np.random.Generator, multihop: bool):
     v = spec.vocab
-    m = _uniform_half_to_full(rng, spec.max_pairs)
+    m = int(rng.integers(spec.pair_range[0], spec.pair_range[1] + 1))
     n = int(rng.integers(3 * m + 1, max(3 * m + 1, spec.max_len) + 1))
     keys = v.key0 + rng.choice(v.n_keys, size=m, replace=False)
     values = rng.integers(v.value0, v.size, size=m)
@@ -203,10 +242,30 @@ def _recall_sample(spec: TaskSpec, rng: np.random.Generator, multihop: bool):
     return ids, labels, hops, query
 
 
+def _mqar_sample(spec: TaskSpec, rng: np.random.Generator):
+    v = spec.vocab
+    m = int(rng.integers(spec.pair_range[0], spec.pair_range[1] + 1))
+    n = spec.max_len
+    keys = v.key0 + rng.choice(v.n_keys, size=m, replace=False)
+    values = v.value0 + rng.choice(v.n_values, size=m, replace=False)
+    ids = rng.integers(v.noise0, v.noise0 + v.n_noise, size=n)
+    ids[0:2 * m:2], ids[1:2 * m:2] = keys, values
+    # key i is asked at the i-th drawn position: choice() returns the positions in random order, so the
+    # queries come in random order too
+    asked = 2 * m + rng.choice(n - 2 * m, size=m, replace=False)
+    ids[asked] = keys
+    labels = np.full(n, IGNORE, dtype=np.int64)
+    labels[asked] = values
+    hops = np.where(labels != IGNORE, 0, -1)
+    return ids.astype(np.int64), labels, hops, labels != IGNORE
+
+
 def make_batch(spec: TaskSpec, batch_size: int, rng: np.random.Generator) -> Batch:
     """A batch of ``batch_size`` fresh samples of ``spec`` (right-padded to the longest)."""
     if spec.task == "copy":
         samples = [_copy_sample(spec, rng) for _ in range(batch_size)]
+    elif spec.task == "mqar":
+        samples = [_mqar_sample(spec, rng) for _ in range(batch_size)]
     else:
         samples = [_recall_sample(spec, rng, spec.task == "multihop") for _ in range(batch_size)]
     width = max(len(s[0]) for s in samples)
@@ -222,7 +281,8 @@ def make_batch(spec: TaskSpec, batch_size: int, rng: np.random.Generator) -> Bat
 def solve_reference(ids: np.ndarray, spec: TaskSpec) -> np.ndarray:
     """Independent solver used by the tests: the label every position should have, from the tokens alone.
 
-    copy: after SEP, the i-th input token. assoc/multihop: a key standing where a value is expected (the token
+    copy: after SEP, the i-th input token. mqar: the leading run of (key, value) pairs is the context; every key
+    after it is answered by its pair's value. assoc/multihop: a key standing where a value is expected (the token
     after a pair's key in the context) or in the query region is answered by following key -> slot links until a
     value token. Returns (T,) int64 with IGNORE where nothing is asked.
     """
@@ -235,6 +295,16 @@ def solve_reference(ids: np.ndarray, spec: TaskSpec) -> np.ndarray:
         src = real[1:sep]
         for i in range(len(src)):
             out[sep + i] = src[i]
+        return out
+    if spec.task == "mqar":
+        pairs: dict[int, int] = {}
+        t = 0
+        while t + 1 < len(real) and v.is_key(real[t]) and v.is_value(real[t + 1]):
+            pairs[int(real[t])] = int(real[t + 1])
+            t += 2
+        for s in range(t, len(real)):
+            if v.is_key(real[s]):
+                out[s] = pairs[int(real[s])]
         return out
     sep = int(np.where(real == SEP)[0][0])
     link: dict[int, int] = {}
