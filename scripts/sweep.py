@@ -391,11 +391,11 @@ def sweep(args, argv: list[str], log=print) -> dict:
                 "windows": rows[0]["windows"], "data": trained[0][3].get("data"), "runs_dir": str(root)}
     result = {"command": "python scripts/sweep.py " + " ".join(shlex.quote(a) for a in argv), "settings": settings,
               "rows": rows, "seeds": seed_summary(rows, list(args.seeds))}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+    from hf_resolvent.experiments.training import write_result
+
+    write_result(out / "sweep.json", result, plot)  # atomic JSON, then sweep.png beside it
     table = markdown(result)
     (out / "sweep.md").write_text(table)
-    plot(result, out / "sweep.png")
     log(table)
     log(f"[sweep] wrote {out / 'sweep.json'}, {out / 'sweep.md'} and {out / 'sweep.png'}")
     return result
