@@ -5,16 +5,23 @@ GPT-2's 50257 tokens, float32, batch 1): ``transformers``' ``GPT2LMHeadModel`` w
 one :class:`hf_resolvent.ResolventForCausalLM` per mixer with its :class:`hf_resolvent.ResolventCache`.
 
 For each context c the caches are filled to c tokens directly (random keys/values/outputs of the right shapes,
-through ``hf_resolvent.ops.DecodeState.from_prefill`` for resolvent layers, ``DynamicCache.update`` for
+through ``ResolventCacheLayer.store_prefill`` for resolvent layers, ``DynamicCache.update`` for
 GPT-2): decode time depends on the shapes only, and prefilling 16k tokens of every model would dominate the
 run. ``--check`` (on by default) verifies at the smallest context that a real prefill through the model holds
 the same number of bytes. Then one-token forwards are timed round-robin over the models (so that load from
 other processes disturbs all of them alike); the median is reported. Compare ratios, not absolute times.
 
+``--compiled`` adds, for every mixer, its decode step compiled whole (``torch.compile(model, fullgraph=True)``,
+inductor) on a static cache (``ResolventCache(config, max_cache_len=...)``, as ``generate(cache_implementation=
+"static")`` makes it): one capacity for every context, so each model compiles once, before the timings (the
+compile time is printed). A static cache holds its capacity, so patterns that keep every position read, and hold,
+``max_cache_len`` rows at every context.
+
 Usage::
 
     python scripts/bench_decode.py --out runs/bench/decode.json               # contexts 512 ... 16384
     python scripts/bench_decode.py --out runs/bench/decode.json --quick       # contexts 512 ... 4096
+    python scripts/bench_decode.py --out runs/bench/decode.json --quick --compiled   # and compiled steps
 
 Writes ``{"rows": [{"model", "context", "ms_per_token", "cache_bytes"}, ...], "settings": {...}}``, a PNG
 plot next to the JSON (same stem) and prints a table.
@@ -34,11 +41,11 @@ from transformers import DynamicCache
 
 import hf_resolvent as hr
 from hf_resolvent.experiments import training as T
-from hf_resolvent.ops import DecodeState
 
 MIXERS = ("attention", "local_attention:256", "dense", "banded:64", "diagonal", "exp2", "exp2:ce", "square",
           "square:ce", "exp2:ce+tied")
 GPT2 = "gpt2 (DynamicCache)"
+COMPILED = " compiled"  # suffix of a mixer's compiled decode step on a static cache
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the real-prefill bytes check")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time each mixer's decode step compiled (fullgraph, inductor) on a static cache")
     return p.parse_args(argv)
 
 
@@ -81,8 +90,9 @@ def build_models(args, n_positions: int) -> dict[str, torch.nn.Module]:
     return models
 
 
-def filled_cache(name: str, model, context: int, gen: torch.Generator):
-    """A cache holding ``context`` tokens of random content, shaped as a real prefill would leave it."""
+def filled_cache(name: str, model, context: int, gen: torch.Generator, capacity: int | None = None):
+    """A cache holding ``context`` tokens of random content, shaped as a real prefill would leave it; static (for
+    ``capacity`` tokens) for a compiled model."""
     if name == GPT2:
         cfg = model.config
         cache = DynamicCache(config=cfg)
@@ -90,7 +100,7 @@ def filled_cache(name: str, model, context: int, gen: torch.Generator):
         for i in range(cfg.n_layer):
             cache.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), i)
         return cache
-    cache = hr.ResolventCache(model.config)
+    cache = hr.ResolventCache(model.config, max_cache_len=capacity if name.endswith(COMPILED) else None)
     for layer, block in zip(cache.layers, model.transformer.h):
         mixer = block.mixer
         if not mixer.recurrent:
@@ -100,7 +110,7 @@ def filled_cache(name: str, model, context: int, gen: torch.Generator):
         else:
             names = ("keys_a", "values", "keys_b", "outputs")
         shape = (1, mixer.num_heads, context, mixer.head_dim)
-        layer.state = DecodeState.from_prefill(mixer.pattern, {n: torch.randn(shape, generator=gen) for n in names})
+        layer.store_prefill({n: torch.randn(shape, generator=gen) for n in names}, None)
     return cache
 
 
@@ -114,12 +124,28 @@ def check_bytes(models, context: int, gen: torch.Generator) -> None:
     """A real prefill of ``context`` tokens holds as many bytes as the synthesised cache."""
     ids = torch.randint(0, next(iter(models.values())).config.vocab_size, (1, context), generator=gen)
     for name, model in models.items():
+        if name.endswith(COMPILED):  # a static cache holds its capacity
+            continue
         with torch.no_grad():
             real = model(ids, use_cache=True).past_key_values
         want = cache_bytes(filled_cache(name, model, context, gen))
         if cache_bytes(real) != want:
             raise SystemExit(f"{name}: a real prefill holds {cache_bytes(real)} bytes, the synthesised cache {want}")
-    print(f"check: real prefill of {context} tokens == synthesised cache bytes for all {len(models)} models")
+    print(f"check: real prefill of {context} tokens == synthesised cache bytes for the eager models")
+
+
+def compile_steps(models, capacity: int, gen: torch.Generator) -> None:
+    """Compile every mixer's decode step (fullgraph) on a static cache of ``capacity`` tokens, saying so: done once,
+    before the timings."""
+    for name in [n for n in models if n != GPT2]:
+        compiled = torch.compile(models[name], fullgraph=True, dynamic=False)
+        cache = filled_cache(name + COMPILED, models[name], 1, gen, capacity)
+        print(f"compiling the decode step of {name} (once, on a static cache of {capacity} tokens) ...", flush=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            compiled(torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+        print(f"  compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+        models[name + COMPILED] = compiled
 
 
 def run(args) -> dict:
@@ -127,14 +153,17 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     hi = min(args.max_context, 4096) if args.quick else args.max_context
     ctxs = contexts(args.min_context, hi)
-    models = build_models(args, n_positions=hi + args.warmup + args.steps + 8)
+    capacity = hi + args.warmup + args.steps + 1  # tokens a static cache holds: the largest context and the steps
+    models = build_models(args, n_positions=capacity + 8)
     gen = torch.Generator().manual_seed(0)
     if args.check:
         check_bytes(models, ctxs[0], gen)
+    if args.compiled:
+        compile_steps(models, capacity, gen)
     token = torch.randint(0, args.vocab, (1, 1), generator=gen)
     rows = []
     for context in ctxs:
-        caches = {name: filled_cache(name, model, context, gen) for name, model in models.items()}
+        caches = {name: filled_cache(name, model, context, gen, capacity) for name, model in models.items()}
         sizes = {name: cache_bytes(cache) for name, cache in caches.items()}
         times: dict[str, list[float]] = {name: [] for name in models}
         with torch.no_grad():
@@ -154,7 +183,9 @@ def run(args) -> dict:
                     vocab=args.vocab, dtype="float32", batch=1, steps=args.steps, warmup=args.warmup,
                     threads=torch.get_num_threads(), torch=torch.__version__, python=platform.python_version(),
                     machine=platform.machine(), processor=platform.processor() or "unknown",
-                    contexts=ctxs, cache_fill="random content of the real shapes (see --check)")
+                    contexts=ctxs, cache_fill="random content of the real shapes (see --check)",
+                    compiled=f"fullgraph inductor decode step on a static cache of {capacity} tokens" if args.compiled
+                    else None)
     return {"rows": rows, "settings": settings}
 
 
@@ -183,7 +214,8 @@ def plot(result: dict, path: Path) -> None:
     for name in names:
         mine = sorted((r for r in rows if r["model"] == name), key=lambda r: r["context"])
         ctx = [r["context"] for r in mine]
-        style = dict(marker="o", linewidth=2.5 if name == GPT2 else 1.5, color="black" if name == GPT2 else None)
+        style = dict(marker="o", linewidth=2.5 if name == GPT2 else 1.5, color="black" if name == GPT2 else None,
+                     linestyle="--" if name.endswith(COMPILED) else "-")
         ax1.plot(ctx, [r["ms_per_token"] for r in mine], label=name, **style)
         ax2.plot(ctx, [r["cache_bytes"] / 2**20 for r in mine], label=name, **style)
     s = result["settings"]

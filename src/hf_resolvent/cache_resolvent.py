@@ -6,6 +6,10 @@ positions of the slot register for cache-efficient patterns (12 rows after 2048 
 A row holds the keys of both channels (after RoPE), the input x and the output y; the tied variant keeps its
 B keys and z only; attention kinds keep their keys and values.
 
+With ``max_cache_len`` (``generate(cache_implementation="static")``) the states are preallocated for that many
+tokens and written in place (:class:`~hf_resolvent.ops.StaticDecodeState`): the cache is then compileable, and a
+compiled decode step runs every token without recompiling.
+
 This file is copied into saved model folders (remote code): it may import only flat sibling modules.
 """
 
@@ -15,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .patterns import Pattern, get_pattern
-from .resolvent_ops import DecodeState
+from .resolvent_ops import DecodeState, StaticDecodeState
 
 __all__ = ["ResolventCache", "ResolventCacheLayer"]
 
@@ -28,15 +32,18 @@ class ResolventCacheLayer:
     the state, which owns the rules. Cropping is exact for patterns that keep every position, and for the others
     over the tokens decoded since :meth:`activate_past_recording` (``generate()`` calls it for assisted and
     prompt-lookup decoding) or since the last crop.
+
+    With ``max_cache_len`` the state is a :class:`StaticDecodeState` for that many tokens (built from the prefill),
+    and the layer is compileable; it then crops only patterns that keep every position.
     """
 
-    is_compileable = False
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, pattern: Pattern | str, tied: bool = False):
+    def __init__(self, pattern: Pattern | str, tied: bool = False, max_cache_len: int | None = None):
         self.pattern = get_pattern(pattern)
         self.tied = tied
+        self.max_cache_len = max_cache_len
         self._state: DecodeState | None = None
         self.device = None
         self.record_past = False
@@ -61,6 +68,26 @@ class ResolventCacheLayer:
         return self.state is not None
 
     @property
+    def is_compileable(self) -> bool:
+        """True for a static layer: its decode steps keep their shapes."""
+        return self.max_cache_len is not None
+
+    @property
+    def row_names(self) -> tuple[str, ...]:
+        """The per-row tensors this layer's state holds (docs/DESIGN.md section 4)."""
+        if not self.pattern.has_recurrence:
+            return ("keys_a", "values")
+        return ("keys_b", "outputs") if self.tied else DecodeState.TENSOR_NAMES
+
+    def store_prefill(self, rows: dict[str, torch.Tensor], start: torch.Tensor | None) -> None:
+        """Take the state of a prefill from its per-position tensors (``DecodeState.from_prefill``'s ``tensors``,
+        each (B, H, n, .)), preallocated for ``max_cache_len`` tokens when the layer is static."""
+        state = DecodeState.from_prefill(self.pattern, rows, start, record=self.record_past and not self.is_compileable)
+        if self.is_compileable:
+            state = StaticDecodeState.preallocate(self.pattern, state, self.max_cache_len)
+        self.state = state
+
+    @property
     def keeps_every_position(self) -> bool:
         """True when the state holds all past rows (attention, dense, plain f-patterns): it crops by slicing."""
         return DecodeState.keeps_every_position(self.pattern)
@@ -74,6 +101,10 @@ class ResolventCacheLayer:
     def activate_past_recording(self) -> None:
         """Record the state before each decoded token until the next :meth:`crop`, so that crop can go back over
         them (``transformers``' name for it; generate() calls it for assisted and prompt-lookup decoding)."""
+        if self.is_compileable and not self.keeps_every_position:
+            raise ValueError(
+                f"a static cache cannot record past states for pattern {self.pattern.name!r} (it drops past positions), "
+                "so assisted and prompt-lookup decoding cannot roll it back; leave cache_implementation unset")
         self.record_past = True
         if self.state is not None:
             self.state.record_history()
@@ -83,10 +114,15 @@ class ResolventCacheLayer:
         return -1 if self.state is None else self.state.batch_size
 
     def get_seq_length(self) -> int:
-        return 0 if self.state is None else self.state.seen
+        """Tokens seen. A static layer's count is a tensor: read as an int eagerly, left a 0-d tensor inside a
+        compiled graph (reading it would break the graph)."""
+        if self.state is None:
+            return 0
+        seen = self.state.seen
+        return seen if isinstance(seen, int) or torch.compiler.is_compiling() else int(seen)
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.max_cache_len is None else self.max_cache_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -147,13 +183,30 @@ class ResolventCache(Cache):
 
     Args:
         config: a :class:`~hf_resolvent.ResolventConfig` (its ``layer_mixers`` give each layer's pattern).
+        max_cache_len: make a static cache for this many tokens (prompt and new tokens; padding included):
+            preallocated states written in place, for compiled decoding. None (default): states that grow.
     """
 
-    def __init__(self, config=None, **kwargs):
+    def __init__(self, config=None, max_cache_len: int | None = None, **kwargs):
         if config is None or not hasattr(config, "layer_mixers"):
             raise ValueError("ResolventCache needs the model's ResolventConfig: ResolventCache(model.config)")
-        layers = [ResolventCacheLayer(spec["pattern"], spec["tied"]) for spec in config.layer_mixers]
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive number of tokens or None, got {max_cache_len!r}")
+        layers = [ResolventCacheLayer(spec["pattern"], spec["tied"], max_cache_len) for spec in config.layer_mixers]
         super().__init__(layers=layers)
+        self.head_shape = (config.n_head, config.head_dim)
+
+    def allocate(self, batch_size: int, dtype: torch.dtype = torch.float32, device=None) -> ResolventCache:
+        """Give a static cache its empty states now, instead of at the first forward; a prompt then runs through
+        the decode step one token at a time (as an exported step does, :mod:`hf_resolvent.export`). Returns the
+        cache."""
+        if self.max_cache_len is None:
+            raise ValueError("allocate() is for a static cache: ResolventCache(config, max_cache_len=...)")
+        heads, dim = self.head_shape
+        for layer in self.layers:
+            layer.state = StaticDecodeState.empty(layer.pattern, layer.row_names, batch_size, heads, dim,
+                                                  self.max_cache_len, dtype, device)
+        return self
 
     def __repr__(self) -> str:
         return f"ResolventCache(seen={self.get_seq_length()}, nbytes={self.nbytes()}, layers={len(self.layers)})"
@@ -184,7 +237,12 @@ class ResolventCache(Cache):
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
+        return self.layers[0].get_max_length() if self.layers else -1
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """The tokens a static cache holds, None for a dynamic one."""
+        return self.layers[0].max_cache_len if self.layers else None
 
     def update(self, *args, **kwargs):
         raise TypeError(
@@ -205,7 +263,8 @@ class ResolventCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        """True for a static cache (``max_cache_len``): generate() may then compile the decode step."""
+        return bool(self.layers) and all(layer.is_compileable for layer in self.layers)
 
     @property
     def is_croppable(self) -> bool:

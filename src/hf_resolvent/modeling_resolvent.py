@@ -51,9 +51,9 @@ from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
 from .patterns import get_pattern
 from .resolvent_ops import (
     IS_BUNDLE,
-    DecodeState,
     decode_step,
     decode_step_tied,
+    require,
     resolvent_mix,
     resolvent_mix_tied,
 )
@@ -207,8 +207,7 @@ class ResolventMixer(nn.Module):
                 y = resolvent_mix(t["qa"], t["ka"], t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl,
                                   start=start)
             if layer_cache is not None:
-                layer_cache.state = DecodeState.from_prefill(self.pattern, self._state_rows(t, y, d, start), start,
-                                                             record=layer_cache.record_past)
+                layer_cache.store_prefill(self._state_rows(t, y, d, start), start)
         else:
             y = self._decode(state, t, g, d, n, impl)
         out = y.transpose(1, 2).reshape(batch, n, self.num_heads * self.head_dim)
@@ -297,13 +296,14 @@ hf_resolvent is not installed. Install hf-resolvent and load without remote code
 
 IS_BUNDLE = True
 
-__all__ = ["IS_BUNDLE", "DecodeState", "MixerState", "decode_step", "decode_step_tied", "resolvent_mix",
-           "resolvent_mix_tied", "state_from_sequence"]
+__all__ = ["IS_BUNDLE", "DecodeState", "MixerState", "StaticDecodeState", "decode_step", "decode_step_tied", "require",
+           "resolvent_mix", "resolvent_mix_tied", "state_from_sequence"]
 '''
 
 _BUNDLE_IMPORTS = (
     ("mixer", "decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied"),
-    ("state", "DecodeState, MixerState, state_from_sequence"),
+    ("state", "DecodeState, MixerState, StaticDecodeState, state_from_sequence"),
+    ("common", "require"),
 )
 
 
@@ -602,21 +602,11 @@ def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | 
         start = "" if bos_token_id is None else f" (to generate from nothing, start with the BOS token {bos_token_id})"
         raise ValueError(f"{name} holds no tokens (length 0): an empty prompt; give at least one token{start}")
     if inputs_embeds is None:
-        low, high = torch.aminmax(input_ids)
-        _require((low >= 0) & (high < vocab_size), f"input_ids outside the vocabulary (vocab_size = {vocab_size})", lambda: (
+        low, high = input_ids.min(), input_ids.max()  # not aminmax: ONNX has no full-tensor form of it
+        require((low >= 0) & (high < vocab_size), f"input_ids outside the vocabulary (vocab_size = {vocab_size})", lambda: (
             f"input_ids holds the token id {int(low) if low < 0 else int(high)}, outside the vocabulary (vocab_size = "
             f"{vocab_size}: ids 0 to {vocab_size - 1}); use the model's own tokenizer, or call "
             "model.resize_token_embeddings(len(tokenizer)) after adding tokens"))
-
-
-def _require(ok: torch.Tensor, problem: str, message) -> None:
-    """Raise ``ValueError(message())`` where the 0-d bool tensor ``ok`` is False. Eager: one host sync. Inside a
-    ``torch.compile`` graph, where reading the values would break the graph: a runtime assert in the graph, whose
-    error says ``problem`` (the values are not known there)."""
-    if torch.compiler.is_compiling():
-        torch._assert_async(ok, problem)
-    elif not bool(ok):
-        raise ValueError(message())
 
 
 class ResolventModel(ResolventPreTrainedModel):
@@ -692,10 +682,11 @@ class ResolventModel(ResolventPreTrainedModel):
                 )
         if past_key_values is None and use_cache:
             past_key_values = ResolventCache(self.config)
+        # an int, or inside a compiled graph a static cache's 0-d tensor: only arithmetic on it below, no branch
         past = 0 if past_key_values is None else past_key_values.get_seq_length()
-        if past and past_key_values.batch_size not in (-1, batch):
+        if past_key_values is not None and past_key_values.batch_size not in (-1, batch):
             raise ValueError(f"the cache holds {past_key_values.batch_size} sequences but the input has {batch}")
-        cache_start = None if past_key_values is None or not past else past_key_values.start
+        cache_start = None if past_key_values is None else past_key_values.start
         regroup = None
         if attention_mask is not None:
             start, regroup = _start_from_mask(attention_mask.to(device), past, n, cache_start)
@@ -708,12 +699,12 @@ class ResolventModel(ResolventPreTrainedModel):
 
         documents = None
         if position_ids is None:
-            position_ids = torch.arange(past, past + n, device=device)[None].expand(batch, -1)
+            position_ids = (torch.arange(n, device=device) + past)[None].expand(batch, -1)
             if start is not None:
                 position_ids = (position_ids - start.to(device)[:, None]).clamp(min=0)
         else:
             position_ids = position_ids.to(device).view(-1, n).expand(batch, -1)
-            if past == 0 and n > 1:
+            if n > 1 and past == 0:
                 documents = _packed_documents(position_ids, start)
         if documents is not None and regroup is not None:
             raise ValueError("packed sequences (position_ids restarting inside a row) cannot have attention-mask "
@@ -727,7 +718,7 @@ class ResolventModel(ResolventPreTrainedModel):
             use_cache, past_key_values = False, None
         if n:
             top = position_ids.max()
-            _require(top < self.config.n_positions, f"a position past n_positions = {self.config.n_positions}", lambda: (
+            require(top < self.config.n_positions, f"a position past n_positions = {self.config.n_positions}", lambda: (
                 f"sequence too long: position {int(top)} reached, but the model has max_position_embeddings = "
                 f"n_positions = {self.config.n_positions}; shorten the input or use a config with a larger n_positions"))
 
@@ -831,8 +822,10 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
         )
         return output if return_dict else output.to_tuple()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() hook: make a :class:`ResolventCache` (instead of a ``DynamicCache``)."""
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode=None, batch_size=None,
+                                      max_cache_length=None, *args, **kwargs):
+        """generate() hook: make a :class:`ResolventCache` (instead of a ``DynamicCache``), static for
+        ``cache_implementation="static"``."""
         cache = model_kwargs.get("past_key_values")
         if cache is not None:
             if generation_config.cache_implementation is not None:
@@ -849,14 +842,23 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
             return
         if generation_config.use_cache is False:
             return
-        if generation_config.cache_implementation not in (None, "dynamic"):
+        implementation = generation_config.cache_implementation
+        if implementation not in (None, "dynamic", "static"):
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not available for resolvent "
-                "models: they use their own ResolventCache (leave cache_implementation unset)"
+                f"cache_implementation={implementation!r} is not available for resolvent models: they use their own "
+                "ResolventCache, growing (leave cache_implementation unset) or preallocated (\"static\")"
             )
-        model_kwargs["past_key_values"] = ResolventCache(self.config)
+        # static: sized by generate() for the prompt and every new token, as transformers sizes its StaticCache
+        max_cache_len = max_cache_length if implementation == "static" else None
+        model_kwargs["past_key_values"] = ResolventCache(self.config, max_cache_len=max_cache_len)
         if generation_config.is_assistant:  # an assistant's drafts are rolled back: as transformers does for its caches
             model_kwargs["past_key_values"].activate_past_recording()
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+        """generate() hook for compileable (static) caches, which would get a 4-D mask: the 2-D mask for the prompt,
+        and none for decode steps, whose positions the cache already knows (each sequence's left padding is recorded
+        at prefill; generate() only appends real tokens). Without a mask, a compiled decode step has one shape."""
+        return attention_mask if past_key_values is None or past_key_values.get_seq_length() == 0 else None
 
     # ----------------------------------------------------------------------------------------------
     @classmethod

@@ -8,7 +8,8 @@ relative imports into saved folders, and ``hf_resolvent.ops`` is a package, not 
 """
 
 from hf_resolvent.ops import DecodeState, MixerState, decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied
-from hf_resolvent.ops.state import state_from_sequence
+from hf_resolvent.ops.common import require
+from hf_resolvent.ops.state import StaticDecodeState, state_from_sequence
 
 IS_BUNDLE = False
 
@@ -18,7 +19,9 @@ __all__ = [
     "MixerState",
     "decode_step",
     "decode_step_tied",
+    "require",
     "resolvent_mix",
     "resolvent_mix_tied",
+    "StaticDecodeState",
     "state_from_sequence",
 ]

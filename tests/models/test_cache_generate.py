@@ -192,10 +192,24 @@ def test_left_padded_batch_generates_like_each_prompt_alone():
     assert torch.equal(beams[0, 6:], model.generate(a, max_new_tokens=5, num_beams=2, do_sample=False)[0])
 
 
-def test_static_cache_refused():
+def test_other_cache_implementations_refused():
     model = tiny_model("exp2:ce")
-    with pytest.raises(ValueError, match="cache_implementation"):
-        model.generate(torch.randint(1, 61, (1, 6)), max_new_tokens=3, cache_implementation="static")
+    with pytest.raises(ValueError, match="cache_implementation='offloaded' is not available for resolvent models"):
+        model.generate(torch.randint(1, 61, (1, 6)), max_new_tokens=3, cache_implementation="offloaded")
+
+
+def test_a_full_static_cache_says_so():
+    model = tiny_model(["exp2:ce", "dense"])
+    cache = hr.ResolventCache(model.config, max_cache_len=7)
+    with torch.no_grad():
+        model(torch.randint(1, 61, (1, 6)), past_key_values=cache)
+        model(torch.randint(1, 61, (1, 1)), past_key_values=cache)
+        with pytest.raises(ValueError, match="the static cache is full: it holds max_cache_len = 7 tokens"):
+            model(torch.randint(1, 61, (1, 1)), past_key_values=cache)
+        with pytest.raises(ValueError, match="max_cache_len = 5 tokens, but the prompt already has 6"):
+            model(torch.randint(1, 61, (1, 6)), past_key_values=hr.ResolventCache(model.config, max_cache_len=5))
+    with pytest.raises(ValueError, match="max_cache_len must be a positive number of tokens"):
+        hr.ResolventCache(model.config, max_cache_len=0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Each mode runs on a tiny model of each family and is held to an equivalent that does not depend on the mode
 under test: decoding with the cache against decoding without it (every step a full forward), a left-padded batch
 against each prompt alone, assisted and prompt-lookup decoding against plain greedy decoding, a continued
-generation against one run. Group beam search, contrastive search and DoLa are not in transformers 5.x itself
+generation against one run, the static cache (eager and compiled) against the growing one. Group beam search, contrastive search and DoLa are not in transformers 5.x itself
 (they moved to Hub ``custom_generate`` repositories, which need a download), so they are not tested here.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_resolvent as hr
 
@@ -163,3 +163,40 @@ def test_stopping_criteria_and_eos(family):
     stop = int((greedy[0, 7:] == eos).nonzero()[0]) + 8  # the first eos, included
     assert torch.equal(ended[0, :stop], greedy[0, :stop])
     assert (ended[0, stop:] == 0).all()  # padded after its eos
+
+
+def test_static_cache_equals_the_growing_cache(family):
+    """cache_implementation="static": preallocated states for prompt + new tokens; greedy, sampling, beam search
+    and a left-padded batch give what the growing cache gives."""
+    model, ids = tiny_model(family), prompt()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    runs = [dict(do_sample=False), dict(do_sample=True, top_k=20, num_return_sequences=2),
+            dict(do_sample=False, num_beams=3), dict(do_sample=False, attention_mask=mask)]
+    for kw in runs:
+        outs = []
+        for implementation in (None, "static"):
+            torch.manual_seed(3)
+            outs.append(model.generate(ids, max_new_tokens=7, cache_implementation=implementation,
+                                       return_dict_in_generate=True, **kw))
+        assert torch.equal(outs[1].sequences, outs[0].sequences), kw
+    cache = outs[1].past_key_values  # sized by generate(): the last token is never fed back
+    assert cache.is_compileable and cache.max_cache_len == cache.get_seq_length() == 13
+
+
+def test_compiled_static_decoding_compiles_once_and_equals_eager(family):
+    """generate() compiles the decode step (fullgraph) when the cache is static: one graph for every token, the
+    same tokens as eager decoding. Dynamo's own backend ("eager") checks the graph; tests/models/test_compile.py
+    runs inductor's."""
+    model, ids = tiny_model(family), prompt()
+    want = model.generate(ids, max_new_tokens=9, do_sample=False)
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
+    config._compile_all_devices = True  # transformers' switch for compiling on a CPU
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = model.generate(ids, max_new_tokens=9, do_sample=False, cache_implementation="static",
+                             compile_config=config)
+    assert torch.equal(got, want)
+    assert hasattr(model, "_compiled_call")  # generate() took the compiled path
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -292,3 +292,83 @@ def test_nbytes(spec, rows_held, slots):
     per_row = 2 * sum(WIDTH.values()) * 4 + 8
     assert state.nbytes() == rows_held * per_row + k * 8
     assert DecodeState().nbytes() == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Static layout (preallocated, written in place: the static cache)
+
+
+def _read_rows(state: DecodeState, pattern, r: torch.Tensor) -> list[list[tuple[int, list[float]]]]:
+    """Per sequence, the (position, keys_a row) pairs the token at r reads, by position: the layout left out."""
+    mask = state.read_mask(get_pattern(pattern), r)
+    return [sorted((int(p), state.keys_a[b, 0, s].tolist()) for s, p in enumerate(state.positions[b]) if mask[b, s])
+            for b in range(mask.shape[0])]
+
+
+@pytest.mark.parametrize("spec", KEEP_ALL + FORGETTING)
+def test_static_state_reads_what_the_growing_state_reads(spec):
+    """After a prefill, both layouts read the same rows at every later token, and a mixer step on either gives the
+    same output; the static one keeps its buffers and shapes."""
+    capacity, n = 24, 9
+    start = torch.tensor([0, 4])
+    rows = _rows(2, capacity, seed=8)
+    grow = DecodeState.from_prefill(spec, {k: v[:, :, :n] for k, v in rows.items()}, start)
+    static = ops.StaticDecodeState.preallocate(spec, grow, capacity)
+    buffers = {k: t.data_ptr() for k, t in static.tensors().items()}
+    shapes = {k: t.shape for k, t in static.tensors().items()}
+    gen = torch.Generator().manual_seed(9)
+    for t in range(n, capacity):
+        r = grow.next_position(2, "cpu")
+        assert torch.equal(static.next_position(2, "cpu"), r)
+        assert _read_rows(static, spec, r) == _read_rows(grow, spec, r), f"token {t}"
+        q, g = torch.randn(2, 2, 2, generator=gen), torch.rand(2, 2, generator=gen)
+        token = {k: v[:, :, t] for k, v in rows.items()}
+        ys = [ops.recurrent_step(s, q, token["keys_a"], q, token["keys_b"], token["values"], g, spec)
+              for s in (grow, static)]
+        torch.testing.assert_close(ys[1], ys[0], atol=1e-6, rtol=1e-6)
+        assert int(static.seen) == grow.seen == t + 1
+    assert {k: t.data_ptr() for k, t in static.tensors().items()} == buffers
+    assert {k: t.shape for k, t in static.tensors().items()} == shapes
+
+
+@pytest.mark.parametrize("spec", ["dense", "exp2:ce", "banded:2"])
+def test_static_state_refuses_a_token_past_its_capacity(spec):
+    rows = _rows(1, 6)
+    static = ops.StaticDecodeState.preallocate(spec, DecodeState.from_prefill(spec, rows), 6)
+    with pytest.raises(ValueError, match="the static cache is full: it holds max_cache_len = 6 tokens"):
+        static.advance(spec, {k: v[:, :, 0] for k, v in rows.items()}, static.next_position(1, "cpu"))
+    with pytest.raises(ValueError, match="max_cache_len = 5 tokens, but the prompt already has 6"):
+        ops.StaticDecodeState.preallocate(spec, DecodeState.from_prefill(spec, rows), 5)
+
+
+def test_static_state_crops_patterns_that_keep_every_position_only():
+    rows = _rows(2, 12, seed=3)
+    static = ops.StaticDecodeState.preallocate("dense", DecodeState.from_prefill("dense", rows), 16)
+    static.crop("dense", 7)
+    shorter = ops.StaticDecodeState.preallocate("dense", DecodeState.from_prefill("dense", {k: v[:, :, :7] for k, v
+                                                                                          in rows.items()}), 16)
+    r = static.next_position(2, "cpu")
+    assert int(static.seen) == 7 and _read_rows(static, "dense", r) == _read_rows(shorter, "dense", r)
+    forgetting = ops.StaticDecodeState.preallocate("exp2:ce", DecodeState.from_prefill("exp2:ce", rows), 16)
+    with pytest.raises(ValueError, match="a static cache cannot be cropped back to 7 tokens for pattern 'exp2:ce'"):
+        forgetting.crop("exp2:ce", 7)
+    layer = ResolventCacheLayer("exp2:ce", max_cache_len=16)
+    with pytest.raises(ValueError, match="a static cache cannot record past states for pattern 'exp2:ce'"):
+        layer.activate_past_recording()
+
+
+@pytest.mark.parametrize("spec", ["dense", "exp2:ce", "banded:2"])
+def test_static_state_selects_a_batch_in_its_buffers(spec):
+    rows = _rows(3, 8, seed=4)
+    start = torch.tensor([0, 2, 1])
+    grow = DecodeState.from_prefill(spec, rows, start)
+    static = ops.StaticDecodeState.preallocate(spec, grow, 12)
+    pointers = [t.data_ptr() for t in static.tensors().values()]
+    index = torch.tensor([2, 2, 0])
+    grow.select_batch(index)
+    static.select_batch(index)
+    assert [t.data_ptr() for t in static.tensors().values()] == pointers  # same size: in place
+    r = grow.next_position(3, "cpu")
+    assert _read_rows(static, spec, r) == _read_rows(grow, spec, r)
+    static.repeat_batch(2)  # another size: new buffers
+    assert static.batch_size == 6 and static.start.tolist() == [1, 1, 1, 1, 0, 0]

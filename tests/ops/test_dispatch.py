@@ -10,7 +10,7 @@ import torch
 import hf_resolvent as hr
 from hf_resolvent.backends import cpu
 from hf_resolvent.configuration_resolvent import MIXER_IMPLS
-from hf_resolvent.ops import DecodeState, decode_step, dispatch, reference_mix, resolvent_mix
+from hf_resolvent.ops import DecodeState, StaticDecodeState, decode_step, dispatch, reference_mix, resolvent_mix
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,3 +101,13 @@ def test_decoding_runs_the_recurrent_step_except_on_triton():
     y = decode_step(DecodeState(), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0], "exp2",
                     impl="cpu")
     assert y.shape == (1, 2, 8)
+
+
+def test_a_static_state_decodes_with_the_pytorch_step_and_refuses_triton():
+    """The Triton decode kernel reads the growing layout; a static cache's state is not silently handed to it."""
+    qa, ka, qb, kb, x, g = _inputs(n=3)
+    grown = DecodeState.from_prefill("exp2:ce", {"keys_a": ka, "values": x, "keys_b": kb, "outputs": x})
+    static = StaticDecodeState.preallocate("exp2:ce", grown, 8)
+    assert dispatch.choose_decode("auto", x, static) == "recurrent"
+    with pytest.raises(RuntimeError, match="impl='triton': the Triton decode kernel reads the growing decode state"):
+        dispatch.choose_decode("triton", x, static)

@@ -33,3 +33,20 @@ def test_bench_train_writes_one_row_per_model(tmp_path):
         assert min(result["step_s"][name]) > 0 and q1 <= r["ratio_to_gpt2"] <= q3
     assert rows["gpt2"]["ratio_to_gpt2"] == 1.0 and rows["dense"]["params"] > rows["gpt2"]["params"]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_decode_times_eager_and_compiled_steps(tmp_path):
+    out = tmp_path / "decode.json"
+    assert load_script("bench_decode").main([
+        "--out", str(out), "--mixers", "exp2:ce", "--min-context", "32", "--max-context", "64", "--width", "32",
+        "--heads", "2", "--layers", "1", "--vocab", "97", "--steps", "2", "--warmup", "1", "--threads", "1",
+        "--compiled"]) == 0
+    result = json.loads(out.read_text())
+    at = {(r["model"], r["context"]): r for r in result["rows"]}
+    assert set(at) == {(m, c) for m in ("gpt2 (DynamicCache)", "exp2:ce", "exp2:ce compiled") for c in (32, 64)}
+    assert all(r["ms_per_token"] > 0 for r in result["rows"])
+    # the growing cache holds the register's rows; the static one its capacity's slots, the same at every context
+    assert at[("exp2:ce", 64)]["cache_bytes"] < at[("gpt2 (DynamicCache)", 64)]["cache_bytes"]
+    assert at[("exp2:ce compiled", 32)]["cache_bytes"] == at[("exp2:ce compiled", 64)]["cache_bytes"] > 0
+    assert "static cache of 68 tokens" in result["settings"]["compiled"]
+    assert out.with_suffix(".png").stat().st_size > 0

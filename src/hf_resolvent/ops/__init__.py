@@ -5,7 +5,8 @@ Three forms compute the same function and are tested against each other:
 - ``reference``: materialised A and B and one triangular solve (O(n^2) memory, tests only);
 - ``parallel``: block forward substitution (training and prefill), in PyTorch (``dense``, ``slots``, ``solve``,
   ``flash``) or on a backend's kernels;
-- ``recurrent``: one token at a time from a :class:`DecodeState` (decode; ``MixerState`` is its earlier name).
+- ``recurrent``: one token at a time from a :class:`DecodeState` (decode; ``MixerState`` is its earlier name), or
+  from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, compiled decoding).
 
 :func:`resolvent_mix` and :func:`decode_step` (``mixer.py``) run the form or backend that :mod:`.dispatch`
 chooses from ``impl`` (argument, then ``HF_RESOLVENT_MIXER_IMPL``): the compiled CPU kernels of
@@ -19,12 +20,13 @@ from .mixer import decode_step, decode_step_tied, resolvent_mix, resolvent_mix_t
 from .parallel import parallel_mix, parallel_mix_tied
 from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
 from .reference import mixer_matrices, reference_mix, reference_mix_tied
-from .state import DecodeState, MixerState
+from .state import DecodeState, MixerState, StaticDecodeState
 
 __all__ = [
     "IMPLS",
     "DecodeState",
     "MixerState",
+    "StaticDecodeState",
     "decode_step",
     "decode_step_tied",
     "mixer_matrices",

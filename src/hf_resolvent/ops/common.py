@@ -50,6 +50,16 @@ def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None
             raise ValueError(f"start (leading padding per sequence) must lie in [0, n) = [0, {n})")
 
 
+def require(ok: torch.Tensor, problem: str, message) -> None:
+    """Raise ``ValueError(message())`` where the 0-d bool tensor ``ok`` is False. Eager: one host sync. Inside a
+    ``torch.compile`` graph, where reading the value would break the graph: a runtime assert in the graph, whose
+    error says ``problem`` (the values are not known there)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, problem)
+    elif not bool(ok):
+        raise ValueError(message())
+
+
 def row_valid_mask(start: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
     """(B or 1, 1, n, 1) mask: 1 on real rows, 0 on leading padding (whose outputs are zeroed)."""
     if start is None:

@@ -36,6 +36,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .state import StaticDecodeState
+
 IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "reference", "recurrent")
 ENV = "HF_RESOLVENT_MIXER_IMPL"
 
@@ -111,10 +113,16 @@ def choose(impl: str | None, x: torch.Tensor) -> str:
     return "cpu" if cpu is not None and x.device.type == "cpu" and cpu.available() else "torch"
 
 
-def choose_decode(impl: str | None, x: torch.Tensor) -> str:
-    """The decode step's code for tensors like ``x``: "triton" or "recurrent" (see the module docstring)."""
+def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
+    """The decode step's code for tensors like ``x`` and a layer's ``state``: "triton" or "recurrent" (see the module
+    docstring). A preallocated state (static cache) and a compiled graph take the PyTorch step."""
     impl = resolve(impl)
-    if impl == "triton" or (impl == "auto" and x.is_cuda and triton_ready()):
+    static = isinstance(state, StaticDecodeState)
+    if impl == "triton" and static:
+        raise RuntimeError("impl='triton': the Triton decode kernel reads the growing decode state; a static cache "
+                           "decodes with the PyTorch step (impl='auto' or 'torch', or leave cache_implementation unset)")
+    if impl == "triton" or (impl == "auto" and x.is_cuda and not static and not torch.compiler.is_compiling()
+                            and triton_ready()):
         return "triton"
     return "recurrent"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .common import check_inputs
-from .patterns import Pattern, get_pattern
+from .patterns import get_pattern
 from .state import DecodeState, MixerState  # MixerState: re-exported, code imported it from here
 
 __all__ = ["MixerState", "recurrent_mix", "recurrent_mix_tied", "recurrent_step", "recurrent_step_tied"]
@@ -32,19 +32,6 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch
     return torch.einsum("bhs,bhse->bhe", probs, vals)
 
 
-def _read_mask(pattern: Pattern, positions: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """(B, S) which held rows (positions (B, S)) the tokens at r (B,) read through B (through A for attention
-    kinds): :meth:`DecodeState.read_rule`, evaluated on the rows."""
-    mode, lo, offsets = DecodeState.read_rule(pattern, r)
-    p, r = positions, r[:, None]
-    valid = p >= 0
-    if mode == DecodeState.READ_WINDOW:
-        return valid & (p >= r - lo)
-    if mode == DecodeState.READ_OFFSETS:
-        return valid & torch.isin(r - p, torch.tensor(offsets, dtype=torch.long, device=p.device))
-    return valid
-
-
 def _held(state: DecodeState, name: str, like: torch.Tensor) -> torch.Tensor:
     t = getattr(state, name)
     if t is None:
@@ -56,7 +43,7 @@ def _step_start(state: DecodeState, pattern, q, x, scale):
     """What every step begins with: (pattern, the token's position r (B,), the held rows it reads (B, S), scale)."""
     pattern = get_pattern(pattern)
     r = state.next_position(x.shape[0], x.device)
-    read = _read_mask(pattern, state.row_positions(x.shape[0], x.device), r)
+    read = state.read_mask(pattern, r)
     return pattern, r, read, q.shape[-1] ** -0.5 if scale is None else scale
 
 

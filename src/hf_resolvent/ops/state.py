@@ -4,13 +4,15 @@ A layer decodes from a :class:`DecodeState`: the rows that future tokens may sti
 home of
 
 - the keep rule: which positions a pattern's state holds after n tokens;
-- the read rule: which held rows the next token reads (evaluated by ``recurrent._read_mask`` in PyTorch and by the
-  Triton decode kernel);
+- the read rule: which held rows the next token reads (:meth:`DecodeState.read_rule`, evaluated on the rows by
+  :meth:`DecodeState.read_mask` and by the Triton decode kernel);
 - advancing by one token: append and trim to a window, or advance the slot register of cache-efficient patterns;
 - building the state of a whole prefill directly, without replaying n steps;
 - crop: exact by slicing for patterns that keep every position, and by going back to a recorded earlier state for
   the others (:meth:`DecodeState.record_history`: what assisted and prompt-lookup decoding need); batch selection
-  and repetition (beam search), device and dtype moves, and the bytes held.
+  and repetition (beam search), device and dtype moves, and the bytes held;
+- the preallocated layout of a static cache (:class:`StaticDecodeState`): the same state in buffers of fixed
+  shape written in place, so that a compiled decode step runs without recompiling.
 
 The attention over the held rows is the mixer's business (``recurrent.py``, ``kernels/decode.py``): those call the
 methods here and never assign a field, so the invariants below hold wherever a state goes. Every method replaces
@@ -43,9 +45,10 @@ from typing import ClassVar
 
 import torch
 
+from .common import require
 from .patterns import Pattern, get_pattern
 
-__all__ = ["DecodeState", "MixerState", "state_from_sequence"]
+__all__ = ["DecodeState", "MixerState", "StaticDecodeState", "state_from_sequence"]
 
 
 @dataclass
@@ -153,6 +156,18 @@ class DecodeState:
         if self.start is not None:
             r = r - self.start.to(device)
         return r
+
+    def read_mask(self, pattern: Pattern, r: torch.Tensor) -> torch.Tensor:
+        """(B, S) which held rows the tokens at positions r (B,) read through B (through A for attention kinds):
+        :meth:`read_rule`, evaluated on the rows."""
+        mode, lo, offsets = self.read_rule(pattern, r)
+        p, r = self.row_positions(r.shape[0], r.device), r[:, None]
+        valid = p >= 0
+        if mode == self.READ_WINDOW:
+            return valid & (p >= r - lo)
+        if mode == self.READ_OFFSETS:
+            return valid & torch.isin(r - p, torch.tensor(offsets, dtype=torch.long, device=p.device))
+        return valid
 
     def row_positions(self, batch: int, device) -> torch.Tensor:
         """(B, S) ``positions``, or an empty (B, 0) before the first token."""
@@ -395,6 +410,184 @@ class DecodeState:
             if not cls.keeps_every_position(pattern):
                 state.prefill_rows = dict(tensors)
         return state
+
+
+@dataclass
+class StaticDecodeState(DecodeState):
+    """A :class:`DecodeState` in preallocated buffers of fixed shape, written in place (the static cache,
+    ``generate(cache_implementation="static")``): every decode step has the same shapes and allocates no rows, so a
+    compiled step does not recompile per token. Built from a prefill's state by :meth:`preallocate`; holds at most
+    ``capacity`` tokens.
+
+    Layouts (S rows, fixed; an empty row has position -1 and is never read):
+
+    - patterns that keep every position: S = capacity, row i is token i (written at row ``seen``);
+    - windows (``local_attention:w``, ``banded:w``, ``diagonal``): S = the rows kept, oldest first, shifted by one
+      row per token;
+    - cache-efficient patterns: S = K, the slots of the register over ``capacity`` tokens; row k holds slot k's
+      token, so ``positions`` is the register itself, where one position may sit in several slots (its first
+      slot is the one read). ``slots`` stays None.
+
+    Attributes (beside :class:`DecodeState`'s): ``seen`` is a 0-d int64 tensor, so that a compiled step does not
+    specialise on it; ``capacity`` the tokens it can hold; ``offsets`` (K,) the register's f(k) (cache-efficient
+    patterns); ``offset_table`` (capacity + 1,) bool, True at the distances r - p a plain f-pattern reads.
+    Patterns that drop positions record no history: such a state cannot be cropped (the dynamic cache can).
+    """
+
+    capacity: int = 0
+    offsets: torch.Tensor | None = None
+    offset_table: torch.Tensor | None = None
+
+    @classmethod
+    def preallocate(cls, pattern: Pattern | str, state: DecodeState, capacity: int) -> StaticDecodeState:
+        """The same state as ``state`` (after a prefill, rows held) laid out for ``capacity`` tokens."""
+        pattern = get_pattern(pattern)
+        if state.positions is None:
+            raise ValueError("preallocate a state that holds its prefill's rows (DecodeState.from_prefill)")
+        if state.seen > capacity:
+            raise ValueError(f"the static cache holds max_cache_len = {capacity} tokens, but the prompt already has "
+                             f"{state.seen}; give generate() a larger max_length (or max_new_tokens)")
+        positions, device = state.positions, state.positions.device
+        batch, held = positions.shape
+        offsets = table = None
+        if cls.uses_register(pattern):
+            offsets = torch.tensor(pattern.offsets(capacity + 1), dtype=torch.long, device=device)
+            slots = state.slots if state.slots is not None else positions.new_full((batch, 0), -1)
+            slots = torch.cat([slots, slots.new_full((batch, offsets.numel() - slots.shape[1]), -1)], dim=1)
+            match = (slots[:, :, None] == positions[:, None, :]) & (slots[:, :, None] >= 0)
+            src = match.to(torch.int8).argmax(-1) if held else None  # (B, K): each slot's held row (0 when empty)
+            rows = {name: t.new_zeros(*t.shape[:2], offsets.numel(), t.shape[-1]) if src is None else
+                    t.gather(2, src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
+                    for name, t in state.tensors().items()}
+            positions = slots
+        else:
+            keep = cls.trailing_rows(pattern)
+            empty = (keep if keep is not None else capacity) - held  # rows still to fill
+            before = keep is not None  # a window fills from the end (oldest first), the others from row 0
+
+            def pad(t: torch.Tensor, dim: int, value) -> torch.Tensor:
+                shape = list(t.shape)
+                shape[dim] = empty
+                filler = t.new_full(shape, value)
+                return torch.cat([filler, t] if before else [t, filler], dim=dim)
+
+            rows = {name: pad(t, 2, 0) for name, t in state.tensors().items()}
+            positions = pad(positions, 1, -1)
+            if pattern.kind == "pattern":  # a plain f-pattern reads a few of the rows it keeps
+                table = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
+                table[torch.tensor(pattern.offsets(capacity), dtype=torch.long, device=device)] = True
+        start = None if state.start is None else state.start.clone()  # per state: it is written in place
+        return cls(**rows, positions=positions.clone(), seen=torch.tensor(state.seen, device=device), start=start,
+                   capacity=capacity, offsets=offsets, offset_table=table)
+
+    @classmethod
+    def empty(cls, pattern: Pattern | str, names: tuple[str, ...], batch: int, heads: int, dim: int, capacity: int,
+              dtype: torch.dtype = torch.float32, device=None) -> StaticDecodeState:
+        """A state before the first token, with buffers for ``capacity`` tokens: rows (B, H, S, dim) of each of
+        ``names`` (see :attr:`TENSOR_NAMES`), every position -1. A prompt then runs through it one token at a time."""
+        rows = {name: torch.zeros(batch, heads, 0, dim, dtype=dtype, device=device) for name in names}
+        none = DecodeState(**rows, positions=torch.full((batch, 0), -1, dtype=torch.long, device=device))
+        return cls.preallocate(pattern, none, capacity)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every tensor that a decode step changes, by name: the rows, ``positions``, ``seen`` (and ``start`` when
+        set). With :meth:`with_buffers`, a step becomes a function of tensors (export)."""
+        held = {**self.tensors(), "positions": self.positions, "seen": self.seen}
+        return held if self.start is None else {**held, "start": self.start}
+
+    def with_buffers(self, buffers: dict[str, torch.Tensor]) -> StaticDecodeState:
+        """The same layout holding ``buffers`` (as :meth:`buffers` names them) instead of its own."""
+        if buffers.keys() != self.buffers().keys():
+            raise ValueError(f"buffers must be {sorted(self.buffers())}, got {sorted(buffers)}")
+        return replace(self, **buffers)
+
+    def read_mask(self, pattern: Pattern, r: torch.Tensor) -> torch.Tensor:
+        p, rr = self.positions, r[:, None]
+        valid = p >= 0
+        if self.uses_register(pattern):  # a position held by several slots is read once, at its first slot
+            earlier = torch.ones(p.shape[1], p.shape[1], dtype=torch.bool, device=p.device).tril(-1)
+            return valid & ~((p[:, :, None] == p[:, None, :]) & earlier).any(-1)
+        lo = self.trailing_rows(pattern)
+        if lo is not None:
+            return valid & (p >= rr - lo)
+        if self.offset_table is not None:
+            return valid & self.offset_table[(rr - p).clamp(0, self.capacity)]
+        return valid
+
+    def next_position(self, batch: int, device) -> torch.Tensor:
+        r = self.seen.to(device).expand(batch).clone()  # not a view: advance() writes seen in place
+        return r if self.start is None else r - self.start.to(device)
+
+    def advance(self, pattern: Pattern | str, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
+        pattern = get_pattern(pattern)
+        require(self.seen < self.capacity, "a static cache is full", lambda: (
+            f"the static cache is full: it holds max_cache_len = {self.capacity} tokens; generate fewer tokens or "
+            "give generate() a larger max_length"))
+        pos_new = torch.where(r >= 0, r, -1)
+        if self.uses_register(pattern):  # the register's rule (DecodeState._advance_register), on every slot
+            old, rr, fs = self.positions, r[:, None], self.offsets[None]
+            stay = (old >= 0) & (rr + 1 - fs <= old)
+            slots = torch.where(stay, old, torch.cat([rr, old[:, :-1]], dim=1))
+            for name, t in new.items():  # rows follow their slots
+                held = getattr(self, name)
+                moved = torch.cat([t[:, :, None], held[:, :, :-1]], dim=2)
+                held.copy_(torch.where(stay[:, None, :, None], held, moved))
+            self.positions.copy_(torch.where((fs <= rr + 1) & (rr >= 0), slots, -1))
+        elif self.trailing_rows(pattern) is not None:
+            if self.rows():
+                for name, t in new.items():
+                    held = getattr(self, name)
+                    held.copy_(torch.cat([held[:, :, 1:], t[:, :, None]], dim=2))
+                self.positions.copy_(torch.cat([self.positions[:, 1:], pos_new[:, None]], dim=1))
+        else:
+            row = self.seen.view(1)
+            for name, t in new.items():
+                getattr(self, name).index_copy_(2, row, t[:, :, None])
+            self.positions.index_copy_(1, row, pos_new[:, None])
+        self.seen.add_(1)
+
+    def _reach(self, pattern: Pattern, length: int) -> str | None:
+        if length >= int(self.seen):
+            return "none"
+        return "slice" if self.keeps_every_position(pattern) else None
+
+    def crop(self, pattern: Pattern | str, length: int) -> None:
+        """Forget every token after the first ``length``: patterns that keep every position only; the others raise a
+        ValueError (a static state records no history)."""
+        pattern = get_pattern(pattern)
+        reach = self._reach(pattern, length) if length >= 0 else "negative"
+        if reach == "none":
+            return
+        if reach != "slice":
+            raise ValueError(
+                f"a static cache cannot be cropped back to {length} tokens for pattern {pattern.name!r}: the pattern "
+                "drops past positions and a static cache records no earlier states; use the dynamic cache (leave "
+                "cache_implementation unset) for assisted and prompt-lookup decoding")
+        self.positions[:, length:] = -1
+        self.seen.fill_(length)
+
+    def record_history(self, on: bool = True) -> None:
+        """Nothing to record: patterns that keep every position crop by slicing, the others cannot crop."""
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """As :meth:`DecodeState.select_batch`, in place when the batch keeps its size (the buffers stay)."""
+        same = index.numel() == self.batch_size
+        for name in self.TENSOR_NAMES + ("positions", "start"):
+            t = getattr(self, name)
+            if t is not None:
+                picked = t.index_select(0, index.to(t.device))
+                if same:
+                    t.copy_(picked)
+                else:
+                    setattr(self, name, picked)
+
+    def to(self, device=None, dtype: torch.dtype | None = None, non_blocking: bool = False) -> StaticDecodeState:
+        super().to(device, dtype, non_blocking)
+        for name in ("seen", "offsets", "offset_table"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device=device, non_blocking=non_blocking))
+        return self
 
 
 MixerState = DecodeState  # the earlier name, kept for the public API (hf_resolvent.ops.MixerState)
