@@ -1,0 +1,87 @@
+"""scripts/bench_generate.py at toy sizes, run as a user runs it (a subprocess; it forks one child per measurement):
+every row has sane figures, the cache sizes order as the mixers promise, and a child over its time budget becomes
+a skipped row instead of a hang. Timings are checked for sign and consistency only, never for speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO, load_script
+
+TINY = ["--width", "32", "--heads", "2", "--layers", "2", "--vocab", "128", "--new-tokens", "4", "--threads", "1"]
+
+
+def _start(tmp_path, name: str, *extra: str):
+    out = tmp_path / f"{name}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_generate.py"), "--out", str(out), *TINY, *extra]
+    return out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+
+
+def _finish(started) -> tuple[dict, str]:
+    out, proc = started
+    try:
+        stdout, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-5000:]
+    assert out.with_suffix(".png").stat().st_size > 0
+    return json.loads(out.read_text()), stdout
+
+
+def test_generate_rows_cache_sizes_and_time_budget(tmp_path):
+    models = ["gpt2", "mamba2", "attention", "exp2:ce"]
+    # both runs at once (the second only waits for timeouts): the imports dominate either
+    main = _start(tmp_path, "gen", "--contexts", "32", "64", "--models", *models, "--batches", "1", "2",
+                  "--batch-context", "32")
+    late = _start(tmp_path, "late", "--contexts", "32", "64", "--models", "exp2:ce", "--batches",
+                  "--max-seconds", "0.001")
+    result, stdout = _finish(main)
+    rows = result["rows"]
+    at = {(r["model"], r["context"], r["batch"]): r for r in rows}
+    # batch 1 at 32 tokens is the context sweep's run, reused: one row per (model, n, batch)
+    assert len(rows) == len(at) == 3 * len(models)
+    assert set(at) == {(m, n, b) for m in models for n, b in ((32, 1), (64, 1), (32, 2))}
+    for r in rows:
+        assert "skipped" not in r and "error" not in r, r
+        assert r["new_tokens"] == 4 and r["threads"] == 1
+        assert 0 < r["ttft_s"] < r["total_s"]
+        assert r["decode_ms_per_token"] > 0 and r["decode_ms_median"] > 0
+        assert r["total_s"] >= r["ttft_s"] + 3 * r["decode_ms_per_token"] / 1e3 * 0.999
+        assert abs(r["decode_tokens_per_s"] * r["decode_ms_per_token"] / 1e3 - r["batch"]) < 1e-6
+        assert r["peak_rss_mib"] >= r["model_rss_mib"] > 10 and r["params"] > 0
+        assert r["cache_bytes"] > 0
+        assert abs(r["decode_vs_gpt2"] * at[("gpt2", r["context"], r["batch"])]["decode_ms_per_token"]
+                   - r["decode_ms_per_token"]) < 1e-9
+    # GPT-2 keeps keys and values of every token fed: 2 x layers x (n + new - 1) x width float32 per sequence
+    for n, b in ((32, 1), (64, 1), (32, 2)):
+        assert at[("gpt2", n, b)]["cache_bytes"] == 2 * 2 * (n + 3) * 32 * 4 * b
+    # attention grows with the context; exp2:ce and Mamba2 hardly or not at all, and hold less at 64 tokens
+    assert at[("attention", 64, 1)]["cache_bytes"] > 1.8 * at[("attention", 32, 1)]["cache_bytes"]
+    assert at[("exp2:ce", 64, 1)]["cache_bytes"] < at[("attention", 64, 1)]["cache_bytes"] / 2
+    assert at[("mamba2", 64, 1)]["cache_bytes"] == at[("mamba2", 32, 1)]["cache_bytes"]
+    assert at[("attention", 32, 2)]["cache_bytes"] == 2 * at[("attention", 32, 1)]["cache_bytes"]
+    s = result["settings"]
+    assert s["threads"] == 1 and s["contexts"] == [32, 64] and s["mamba2"]["hidden_size"] == 32
+    assert "| 64 | exp2:ce |" in stdout and "batched decode at n = 32" in stdout
+
+    # a budget no child can meet: the first context times out, the longer one is not even started
+    result, stdout = _finish(late)
+    rows = {r["context"]: r for r in result["rows"]}
+    assert set(rows) == {32, 64} and all("ttft_s" not in r for r in rows.values())
+    assert rows[32]["skipped"].startswith("timeout") and rows[64]["skipped"] == "timeout at 32 tokens"
+    assert "skipped: timeout" in stdout
+
+
+def test_predicted_skips_and_same_mixers_as_bench_decode():
+    mod = load_script("bench_generate")
+    assert mod.MIXERS == load_script("bench_decode").MIXERS
+    hist = [dict(context=1024, batch=1, ttft_s=1.0, total_s=2.0, model_rss_mib=400.0, peak_rss_mib=500.0),
+            dict(context=4096, batch=1, ttft_s=16.0, total_s=20.0, model_rss_mib=400.0, peak_rss_mib=800.0)]
+    assert mod.predict_skip(hist, 8192, 1, 600, 100) is None  # 64 + 8 s, 1.2 GiB
+    assert "--max-seconds" in mod.predict_skip(hist, 32768, 1, 600, 100)  # quadratic: 1024 + 32 s
+    assert "--max-gib" in mod.predict_skip(hist, 8192, 1, 600, 0.9)  # (400 + 2 x 300) MiB
+    assert mod.predict_skip(hist, 32768, 8, 600, 100) is None  # no run at batch 8 to go by
