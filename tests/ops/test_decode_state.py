@@ -372,3 +372,23 @@ def test_static_state_selects_a_batch_in_its_buffers(spec):
     assert _read_rows(static, spec, r) == _read_rows(grow, spec, r)
     static.repeat_batch(2)  # another size: new buffers
     assert static.batch_size == 6 and static.start.tolist() == [1, 1, 1, 1, 0, 0]
+
+
+def test_a_state_that_keeps_every_position_appends_without_copying_its_rows():
+    """Appending writes into spare rows of one buffer (reallocated a quarter larger when full), not a copy of every
+    row per token; the rows read are those of the whole sequence, and an earlier view keeps what it showed."""
+    rows = _rows(2, 300, seed=7)
+    state = DecodeState.from_prefill("dense", {k: v[:, :, :100] for k, v in rows.items()})
+    buffers = set()
+    for t in range(100, 300):
+        _stepped("dense", {k: v[:, :, :t + 1] for k, v in rows.items()}, state=state)
+        buffers.add(state.keys_a.data_ptr())
+        if t == 150:
+            earlier, shown = state.values, state.values.clone()
+    assert len(buffers) <= 4  # 100 -> 164 -> 228 -> 292 -> 365 rows of capacity
+    _assert_same(state, DecodeState.from_prefill("dense", rows))
+    assert torch.equal(earlier, shown)
+    state.crop("dense", 120)  # then decoding on overwrites the dropped rows only
+    other = {k: torch.cat([v[:, :, :120], -v[:, :, 120:]], 2) for k, v in rows.items()}
+    _stepped("dense", other, state=state)
+    _assert_same(state, DecodeState.from_prefill("dense", other))

@@ -23,13 +23,18 @@ from .state import DecodeState, MixerState  # MixerState: re-exported, code impo
 __all__ = ["MixerState", "recurrent_mix", "recurrent_mix_tied", "recurrent_step", "recurrent_step_tied"]
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float):
-    """Softmax attention of one query q (B, H, d) over the rows of keys (B, H, S, d) that mask (B, S) lets through:
-    (B, H, e), 0 where no row is."""
+def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float, own=None):
+    """Softmax attention of one query q (B, H, d) over the rows of keys (B, H, S, d) that mask (B, S) lets through,
+    and over the token's own row ``own`` = (key (B, H, d), value (B, H, e)) when given: (B, H, e), 0 where no row
+    is. The own row joins the softmax as one more score, so the held rows are never copied to append it."""
     scores = torch.einsum("bhd,bhsd->bhs", q, keys) * scale
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    return torch.einsum("bhs,bhse->bhe", probs, vals)
+    if own is None:
+        probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+        return torch.einsum("bhs,bhse->bhe", probs, vals)
+    key, value = own
+    probs = torch.softmax(torch.cat([scores, (q * key).sum(-1, keepdim=True) * scale], dim=-1), dim=-1)
+    return torch.einsum("bhs,bhse->bhe", probs[..., :-1], vals) + probs[..., -1:] * value
 
 
 def _held(state: DecodeState, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -50,10 +55,7 @@ def _step_start(state: DecodeState, pattern, q, x, scale):
 def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
     """Mix one token (each input (B, H, d) or (B, H) for g) and advance ``state``. Returns y (B, H, e)."""
     pattern, r, read, scale = _step_start(state, pattern, qa, x, scale)
-    self_row = torch.ones(x.shape[0], 1, dtype=torch.bool, device=x.device)
-    keys_a = torch.cat([_held(state, "keys_a", ka), ka[:, :, None]], dim=2)
-    vals = torch.cat([_held(state, "values", x), x[:, :, None]], dim=2)
-    direct = _attend(qa, keys_a, vals, torch.cat([read, self_row], 1), scale)
+    direct = _attend(qa, _held(state, "keys_a", ka), _held(state, "values", x), read, scale, own=(ka, x))
     new = {"keys_a": ka, "values": x}
     if pattern.has_recurrence:
         g_eff = g * read.any(1, keepdim=True).to(g.dtype)

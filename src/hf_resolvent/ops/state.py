@@ -146,7 +146,9 @@ class DecodeState:
         return -1 if self.positions is None else self.positions.shape[0]
 
     def nbytes(self) -> int:
-        """Bytes held: keys, values, outputs, positions and slot register (``start`` is not counted)."""
+        """Bytes of the rows held: keys, values, outputs, positions and slot register (``start`` is not counted). A
+        state that keeps every position appends into buffers with spare rows (at most a quarter more, plus 64),
+        which are not counted: the figure depends on the tokens seen only."""
         held = list(self.tensors().values()) + [t for t in (self.positions, self.slots) if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
 
@@ -199,6 +201,11 @@ class DecodeState:
     def _append(self, new: dict[str, torch.Tensor], r: torch.Tensor, keep: int | None) -> None:
         """Add the token as the newest row, then keep the last ``keep`` rows (None: all)."""
         pos_new = torch.where(r >= 0, r, -1)[:, None]
+        if keep is None and pos_new.device.type == "cpu":
+            for name, t in new.items():
+                setattr(self, name, _grown(getattr(self, name), t[:, :, None], dim=2))
+            self.positions = _grown(self.positions, pos_new, dim=1)
+            return
         for name, t in new.items():
             old = getattr(self, name)
             cat = t[:, :, None] if old is None else torch.cat([old, t[:, :, None]], dim=2)
@@ -597,6 +604,31 @@ def state_from_sequence(pattern: Pattern | str, tensors: dict[str, torch.Tensor]
                         start: torch.Tensor | None = None) -> DecodeState:
     """:meth:`DecodeState.from_prefill` under its earlier name."""
     return DecodeState.from_prefill(pattern, tensors, start)
+
+
+def _grown(held: torch.Tensor | None, row: torch.Tensor, dim: int) -> torch.Tensor:
+    """``held`` with ``row`` (size 1 along ``dim``) appended, as a view of a buffer with spare rows: the row is written
+    into the spare capacity of ``held``'s buffer when it has some, else into a new buffer a quarter larger, so that
+    appending to a state that keeps every position costs O(1) per token (amortised), not a copy of every row.
+
+    Only the rows past ``held``'s end are written, which no earlier view of the buffer shows; the states of these
+    patterns record no history (they crop by slicing), so no other state shares the buffer. (On CUDA the Triton
+    decode kernel reads contiguous rows: there the rows are concatenated instead.)"""
+    if held is None:
+        return row.clone()
+    size = held.shape[dim]
+    base = held._base
+    if (base is not None and base.shape[dim] > size and held.data_ptr() == base.data_ptr()
+            and held.stride() == base.stride()
+            and all(a == b for i, (a, b) in enumerate(zip(held.shape, base.shape)) if i != dim)):
+        base.narrow(dim, size, 1).copy_(row)
+        return base.narrow(dim, 0, size + 1)
+    shape = list(held.shape)
+    shape[dim] = size + max(size // 4, 64)
+    base = held.new_empty(shape)
+    base.narrow(dim, 0, size).copy_(held)
+    base.narrow(dim, size, 1).copy_(row)
+    return base.narrow(dim, 0, size + 1)
 
 
 def _register(pattern: Pattern, r_last: torch.Tensor) -> torch.Tensor:
