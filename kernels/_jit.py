@@ -85,31 +85,155 @@ def _unit_lower_solve(L, rhs, LOG2_BLOCK: tl.constexpr, TRANS: tl.constexpr, SOL
     return y
 
 
-@triton.jit
-def _slot_source(OFFS, STEPS, k, rel, live, prev, CE: tl.constexpr):
-    """Pattern-relative source of slot k for rows at pattern positions ``rel`` (BLOCK,) int32.
+# ------------------------------------------------------------------------------------------------
+# Addressing: which rows a program owns, tile and row-scalar loads
 
-    Returns (source, ok, raw): ``ok`` marks rows that read slot k (f(k) <= rel, and for
-    cache-efficient patterns not a duplicate of slot k - 1); ``raw`` is the slot's position before
-    de-duplication, to pass as ``prev`` for slot k + 1 (start with -1).
+
+@triton.jit
+def _head_and_start(START, H, AXIS: tl.constexpr):
+    """The (batch, head) index bh of this program (grid axis AXIS) and the left padding s of its sequence.
+
+    bh is int64 because the offsets ``bh * n * w`` can exceed int32 on large inputs.
     """
-    f = tl.load(OFFS + k)
-    ok = live & (rel >= f)
-    if CE:
-        a = tl.load(STEPS + k)
-        u = tl.where(ok, rel + 1 - f, 1)
-        raw = a * ((u + a - 1) // a) - 1
-        src = raw
-        ok = ok & (raw != prev)
+    bh = tl.program_id(AXIS).to(tl.int64)
+    return bh, tl.load(START + bh // H)
+
+
+@triton.jit
+def _row_block(START, H, BLOCK: tl.constexpr):
+    """For a grid (cdiv(n, BLOCK), BH): this program's block index pid, its head bh, the left padding s
+    and the BLOCK positions of the block."""
+    pid = tl.program_id(0)
+    bh, s = _head_and_start(START, H, 1)
+    return pid, bh, s, pid * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def _pattern_rows(rows, n, s):
+    """For positions ``rows``: in range (rmask), pattern position ``rel = rows - s``, and valid
+    (in range and not left padding)."""
+    rmask = rows < n
+    rel = rows - s
+    return rmask, rel, rmask & (rel >= 0)
+
+
+@triton.jit
+def _tile_ptrs(PTR, bh, n, rows, cols, width):
+    """Pointers to elements (rows, cols) of head bh of a contiguous (BH, n, width) tensor.
+
+    The int64 head offset goes into the base pointer first, so the per-element offsets stay int32.
+    """
+    return PTR + bh * n * width + rows[:, None] * width + cols[None, :]
+
+
+@triton.jit
+def _tile_mask(row_ok, cols, width):
+    """Mask of a (rows, cols) tile: rows where ``row_ok`` (None: every row is in range), columns < width."""
+    if row_ok is None:
+        mask = cols[None, :] < width
     else:
-        raw = rel - f
-        src = raw
-    src = tl.where(ok, src, 0)
-    return src, ok, raw
+        mask = row_ok[:, None] & (cols[None, :] < width)
+    return mask
+
+
+@triton.jit
+def _load_tile(PTR, bh, n, rows, row_ok, cols, width):
+    """Tile (rows, cols) of head bh of a (BH, n, width) tensor, 0 outside ``_tile_mask``."""
+    return tl.load(_tile_ptrs(PTR, bh, n, rows, cols, width), mask=_tile_mask(row_ok, cols, width), other=0.0)
+
+
+@triton.jit
+def _row_ptrs(PTR, bh, n, rows):
+    """Pointers to entries ``rows`` of head bh of a contiguous (BH, n) tensor of row scalars."""
+    return PTR + bh * n + rows
+
+
+@triton.jit
+def _load_row_scalars(PTR, bh, n, rows, rmask):
+    """Entries ``rows`` of head bh of a (BH, n) tensor of row scalars, 0 outside rmask."""
+    return tl.load(_row_ptrs(PTR, bh, n, rows), mask=rmask, other=0.0)
+
+
+@triton.jit
+def _gate(G, bh, n, rows, rmask, hasb):
+    """geff of the rows: the gate g (float32) where the row has a recurrent set (hasb), 0 elsewhere."""
+    return tl.where(hasb, _load_row_scalars(G, bh, n, rows, rmask).to(tl.float32), 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Softmax pieces
+
+
+@triton.jit
+def _online_softmax(m, l_sum, s2):
+    """One step of a base-2 online softmax over the columns of the scores s2 (BM, BN).
+
+    Returns the new running max and sum, ``alpha`` that rescales what was accumulated under the old
+    max, and the unnormalised probabilities p. A row whose scores are all -inf so far keeps p = 0
+    (its max is taken as 0 there, so no -inf - -inf = NaN).
+    """
+    m_new = tl.maximum(m, _max(s2, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s2 - m_use[:, None])
+    return m_new, l_sum * alpha + _sum(p, 1), alpha, p
+
+
+@triton.jit
+def _log_sum_exp2(m, l_sum):
+    """Base-2 log-sum-exp of rows from their running max and sum; 0 on rows with nothing to read."""
+    has = l_sum > 0
+    return tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), 0.0)
+
+
+@triton.jit
+def _exp2_where(ok, x):
+    """exp2(x) where ok and exactly 0 elsewhere, whatever x holds there (masked scores, unread lse)."""
+    return tl.exp2(tl.where(ok, x, float("-inf")))
+
+
+@triton.jit
+def _causal(rows, keys, STRICT: tl.constexpr):
+    """(rows, keys) mask of the keys a row reads: keys j < i with STRICT (channel B), j <= i otherwise."""
+    if STRICT:
+        causal = keys[None, :] < rows[:, None]
+    else:
+        causal = keys[None, :] <= rows[:, None]
+    return causal
 
 
 # ------------------------------------------------------------------------------------------------
 # Dense kinds (attention, dense resolvent)
+
+
+@triton.jit
+def _causal_key_range(s, pid, BM: tl.constexpr, BN: tl.constexpr, n):
+    """Start and end of the keys query block pid reads in steps of BN: from the BN-block holding the
+    first non-padding position s to the block's last row (keys past it are all masked)."""
+    return (s // BN) * BN, tl.minimum((pid + 1) * BM, n)
+
+
+@triton.jit
+def _load_key_block(K, V, bh, n, first, BN: tl.constexpr, cd, d, ce, e):
+    """Keys first .. first + BN - 1: their positions, which are in range, and their key (BN, d) and
+    value (BN, e) tiles."""
+    keys = first + tl.arange(0, BN)
+    kmask = keys < n
+    k = _load_tile(K, bh, n, keys, kmask, cd, d)
+    v = _load_tile(V, bh, n, keys, kmask, ce, e)
+    return keys, kmask, k, v
+
+
+@triton.jit
+def _load_query_rows(Q, W, COEF, DELTA, LSE, bh, n, rows, rmask, cd, d, ce, e):
+    """What a block of query rows brings to the backward of a softmax channel: q, W and COEF
+    (dO = COEF W), DELTA = dO . O and the base-2 log-sum-exp."""
+    q = _load_tile(Q, bh, n, rows, rmask, cd, d)
+    w = _load_tile(W, bh, n, rows, rmask, ce, e)
+    coef = _load_row_scalars(COEF, bh, n, rows, rmask)
+    delta = _load_row_scalars(DELTA, bh, n, rows, rmask)
+    lse = _load_row_scalars(LSE, bh, n, rows, rmask)
+    return q, w, coef, delta, lse
 
 
 @triton.jit
@@ -121,41 +245,27 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, START, n, H, d, e, qk_scale2,
     Grid (cdiv(n, BM), BH). Writes O = softmax(q k^T) v (BH, n, e) float32, 0 on padded rows, and the
     base-2 log-sum-exp LSE (BH, n) (0 on rows with nothing to read).
     """
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    s = tl.load(START + bh // H)
-    rows = pid * BM + tl.arange(0, BM)
+    pid, bh, s, rows = _row_block(START, H, BM)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
     rmask = rows < n
-    q = tl.load(Q + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & (cd[None, :] < d), other=0.0)
+    q = _load_tile(Q, bh, n, rows, rmask, cd, d)
     m = tl.full([BM], float("-inf"), tl.float32)
     l_sum = tl.full([BM], 0.0, tl.float32)
     acc = tl.full([BM, BE], 0.0, tl.float32)
-    lo = (s // BN) * BN
-    hi = tl.minimum((pid + 1) * BM, n)
+    lo, hi = _causal_key_range(s, pid, BM, BN, n)
     for j0 in range(lo, hi, BN):
-        keys = j0 + tl.arange(0, BN)
-        kmask = keys < n
-        k = tl.load(K + bh * n * d + keys[:, None] * d + cd[None, :], mask=kmask[:, None] & (cd[None, :] < d),
-                    other=0.0)
-        v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
-                    other=0.0)
+        keys, kmask, k, v = _load_key_block(K, V, bh, n, j0, BN, cd, d, ce, e)
         s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
-        ok = (keys[None, :] <= rows[:, None]) & (keys[None, :] >= s) & kmask[None, :]
+        ok = _causal(rows, keys, False) & (keys[None, :] >= s) & kmask[None, :]
         s2 = tl.where(ok, s2, float("-inf"))
-        m_new = tl.maximum(m, _max(s2, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s2 - m_use[:, None])
-        l_sum = l_sum * alpha + _sum(p, 1)
+        m, l_sum, alpha, p = _online_softmax(m, l_sum, s2)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
-        m = m_new
     has = l_sum > 0
     l_safe = tl.where(has, l_sum, 1.0)
     out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-    tl.store(OUT + bh * n * e + rows[:, None] * e + ce[None, :], out, mask=rmask[:, None] & (ce[None, :] < e))
-    tl.store(LSE + bh * n + rows, tl.where(has, m + tl.log2(l_safe), 0.0), mask=rmask)
+    tl.store(_tile_ptrs(OUT, bh, n, rows, ce, e), out, mask=_tile_mask(rmask, ce, e))
+    tl.store(_row_ptrs(LSE, bh, n, rows), _log_sum_exp2(m, l_sum), mask=rmask)
 
 
 @triton.jit
@@ -172,45 +282,31 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
     DT = Q.dtype.element_ty  # q, k, dS operands: bf16 tensor cores for bf16 inputs
     VT = V.dtype.element_ty  # dO, V, P operands: float32 (tf32) when V is the solved Y
     pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    s = tl.load(START + bh // H)
-    keys = pid * BN + tl.arange(0, BN)
+    bh, s = _head_and_start(START, H, 1)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    kmask = keys < n
+    keys, kmask, k, v = _load_key_block(K, V, bh, n, pid * BN, BN, cd, d, ce, e)
+    v = v.to(VT)
     kvalid = kmask & (keys >= s)
-    k = tl.load(K + bh * n * d + keys[:, None] * d + cd[None, :], mask=kmask[:, None] & (cd[None, :] < d), other=0.0)
-    v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
-                other=0.0).to(VT)
     dk = tl.full([BN, BD], 0.0, tl.float32)
     dv = tl.full([BN, BE], 0.0, tl.float32)
     lo = ((pid * BN) // BM) * BM
     for i0 in range(lo, n, BM):
         rows = i0 + tl.arange(0, BM)
         rmask = rows < n
-        q = tl.load(Q + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & (cd[None, :] < d),
-                    other=0.0)
-        w = tl.load(W + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & (ce[None, :] < e),
-                    other=0.0)
-        coef = tl.load(COEF + bh * n + rows, mask=rmask, other=0.0)
-        delta = tl.load(DELTA + bh * n + rows, mask=rmask, other=0.0)
-        lse = tl.load(LSE + bh * n + rows, mask=rmask, other=0.0)
+        q, w, coef, delta, lse = _load_query_rows(Q, W, COEF, DELTA, LSE, bh, n, rows, rmask, cd, d, ce, e)
         s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
-        if STRICT:
-            causal = keys[None, :] < rows[:, None]
-        else:
-            causal = keys[None, :] <= rows[:, None]
-        ok = causal & kvalid[None, :] & rmask[:, None]
-        p = tl.exp2(tl.where(ok, s2 - lse[:, None], float("-inf")))
+        ok = _causal(rows, keys, STRICT) & kvalid[None, :] & rmask[:, None]
+        p = _exp2_where(ok, s2 - lse[:, None])
         do = (w * coef[:, None]).to(VT)
         if HAS_DV:
             dv += _dot(tl.trans(p).to(VT), do, PREC)
         dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
         dk += _dot(tl.trans(ds).to(DT), q, PREC)
-    tl.store(DK + bh * n * d + keys[:, None] * d + cd[None, :], dk * scale, mask=kmask[:, None] & (cd[None, :] < d))
+    tl.store(_tile_ptrs(DK, bh, n, keys, cd, d), dk * scale, mask=_tile_mask(kmask, cd, d))
     if HAS_DV:
-        tl.store(DV + bh * n * e + keys[:, None] * e + ce[None, :], dv, mask=kmask[:, None] & (ce[None, :] < e))
+        tl.store(_tile_ptrs(DV, bh, n, keys, ce, e), dv, mask=_tile_mask(kmask, ce, e))
 
 
 @triton.jit
@@ -223,40 +319,60 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
     """
     DT = Q.dtype.element_ty  # q, k, dS operands: bf16 tensor cores for bf16 inputs
     VT = V.dtype.element_ty  # dO, V, P operands: float32 (tf32) when V is the solved Y
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    s = tl.load(START + bh // H)
-    rows = pid * BM + tl.arange(0, BM)
+    pid, bh, s, rows = _row_block(START, H, BM)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
     rmask = rows < n
-    q = tl.load(Q + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & (cd[None, :] < d), other=0.0)
-    w = tl.load(W + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & (ce[None, :] < e), other=0.0)
-    coef = tl.load(COEF + bh * n + rows, mask=rmask, other=0.0)
-    delta = tl.load(DELTA + bh * n + rows, mask=rmask, other=0.0)
-    lse = tl.load(LSE + bh * n + rows, mask=rmask, other=0.0)
+    q, w, coef, delta, lse = _load_query_rows(Q, W, COEF, DELTA, LSE, bh, n, rows, rmask, cd, d, ce, e)
     do = (w * coef[:, None]).to(VT)
     dq = tl.full([BM, BD], 0.0, tl.float32)
-    lo = (s // BN) * BN
-    hi = tl.minimum((pid + 1) * BM, n)
+    lo, hi = _causal_key_range(s, pid, BM, BN, n)
     for j0 in range(lo, hi, BN):
-        keys = j0 + tl.arange(0, BN)
-        kmask = keys < n
-        k = tl.load(K + bh * n * d + keys[:, None] * d + cd[None, :], mask=kmask[:, None] & (cd[None, :] < d),
-                    other=0.0)
-        v = tl.load(V + bh * n * e + keys[:, None] * e + ce[None, :], mask=kmask[:, None] & (ce[None, :] < e),
-                    other=0.0).to(VT)
+        keys, kmask, k, v = _load_key_block(K, V, bh, n, j0, BN, cd, d, ce, e)
+        v = v.to(VT)
         s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
-        if STRICT:
-            causal = keys[None, :] < rows[:, None]
-        else:
-            causal = keys[None, :] <= rows[:, None]
-        ok = causal & kmask[None, :] & (keys[None, :] >= s) & rmask[:, None]
-        p = tl.exp2(tl.where(ok, s2 - lse[:, None], float("-inf")))
+        ok = _causal(rows, keys, STRICT) & kmask[None, :] & (keys[None, :] >= s) & rmask[:, None]
+        p = _exp2_where(ok, s2 - lse[:, None])
         dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(DT), k, PREC)
-    tl.store(DQ + bh * n * d + rows[:, None] * d + cd[None, :], dq * scale, mask=rmask[:, None] & (cd[None, :] < d))
+    tl.store(_tile_ptrs(DQ, bh, n, rows, cd, d), dq * scale, mask=_tile_mask(rmask, cd, d))
+
+
+# The sequential solves (dense and sparse) share how a block ends.
+
+
+@triton.jit
+def _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier,
+                         LOG2_BLOCK: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """Solves one block of the forward recurrence and writes its rows of Y and R.
+
+    (I - geff Bt) Y_c = (1 - geff) OA_c + geff earlier, with Bt the block's strictly lower in-block
+    probabilities and ``earlier`` what its rows read from earlier blocks; R_c = earlier + Bt Y_c.
+    """
+    oa = _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
+    rhs = (1.0 - geff)[:, None] * oa + geff[:, None] * earlier
+    y = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, False, SOLVE_PREC)
+    y = tl.where(valid[:, None], y, 0.0)
+    r_read = earlier + _dot(bt, y, SOLVE_PREC)
+    tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), y, mask=_tile_mask(rmask, ce, e))
+    tl.store(_tile_ptrs(R, bh, n, rows, ce, e), r_read, mask=_tile_mask(rmask, ce, e))
+
+
+@triton.jit
+def _store_w_and_row_grads(W_TILE, OA_TILE, R_TILE, tile_mask, DA, DB, DG, bh, n, rows, rmask, w, geff, hasb):
+    """End of a block of a backward solve: writes W of its rows and the row scalars of the
+    attention-style gradients, DA = (1 - geff) W.OA, DB = geff W.R and DG = dL/dg = W.(R - OA) on
+    rows with a recurrent set (0 elsewhere). W_TILE, OA_TILE, R_TILE point at the block's (rows, e)
+    tiles of W, OA and R (each kernel addresses them its own way)."""
+    tl.store(W_TILE, w, mask=tile_mask)
+    oa = tl.load(OA_TILE, mask=tile_mask, other=0.0).to(tl.float32)
+    rr = tl.load(R_TILE, mask=tile_mask, other=0.0)
+    w_oa = _sum(w * oa, 1)
+    w_rr = _sum(w * rr, 1)
+    tl.store(_row_ptrs(DA, bh, n, rows), (1.0 - geff) * w_oa, mask=rmask)
+    tl.store(_row_ptrs(DB, bh, n, rows), geff * w_rr, mask=rmask)
+    tl.store(_row_ptrs(DG, bh, n, rows), tl.where(hasb, w_rr - w_oa, 0.0), mask=rmask)
 
 
 @triton.jit
@@ -273,65 +389,41 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, n, H, d, e, qk_scal
     Writes Y and R = softmax(P^B) Y (BH, n, e) float32 and the base-2 log-sum-exp LSEB (BH, n).
     Memory beyond the inputs: O(n e) per (batch, head); nothing n x n.
     """
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.load(START + bh // H)
+    bh, s = _head_and_start(START, H, 0)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    dmask = cd[None, :] < d
-    emask = ce[None, :] < e
     lo = (s // BLOCK) * BLOCK
     for c0 in range(0, n, BLOCK):
         rows = c0 + ar
-        rmask = rows < n
-        rel = rows - s
-        valid = rmask & (rel >= 0)
+        rmask, rel, valid = _pattern_rows(rows, n, s)
         hasb = rmask & (rel >= 1)
-        q = tl.load(QB + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & dmask, other=0.0)
-        g = tl.load(G + bh * n + rows, mask=rmask, other=0.0).to(tl.float32)
-        geff = tl.where(hasb, g, 0.0)
+        q = _load_tile(QB, bh, n, rows, rmask, cd, d)
+        geff = _gate(G, bh, n, rows, rmask, hasb)
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         l_sum = tl.full([BLOCK], 0.0, tl.float32)
         acc = tl.full([BLOCK, BE], 0.0, tl.float32)
         for j0 in range(lo, c0, BLOCK):
-            keys = j0 + ar
-            k = tl.load(KB + bh * n * d + keys[:, None] * d + cd[None, :], mask=dmask, other=0.0)
-            yv = tl.load(Y + bh * n * e + keys[:, None] * e + ce[None, :], mask=emask, other=0.0)
+            keys = j0 + ar  # an earlier block: every key is < n
+            k = _load_tile(KB, bh, n, keys, None, cd, d)
+            yv = _load_tile(Y, bh, n, keys, None, ce, e)
             s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
             s2 = tl.where(keys[None, :] >= s, s2, float("-inf"))
-            m_new = tl.maximum(m, _max(s2, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_use)
-            p = tl.exp2(s2 - m_use[:, None])
-            l_sum = l_sum * alpha + _sum(p, 1)
+            m, l_sum, alpha, p = _online_softmax(m, l_sum, s2)
             acc = acc * alpha[:, None] + _dot(p, yv, PREC)
-            m = m_new
         # In-block scores (strictly lower), merged into the running normaliser.
-        kc = tl.load(KB + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & dmask, other=0.0)
+        kc = _load_tile(KB, bh, n, rows, rmask, cd, d)
         s2 = _dot(q, tl.trans(kc), PREC) * qk_scale2
         ok = (ar[None, :] < ar[:, None]) & (rows[None, :] >= s) & rmask[None, :]
         s2 = tl.where(ok, s2, float("-inf"))
-        m_new = tl.maximum(m, _max(s2, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s2 - m_use[:, None])
-        l_sum = l_sum * alpha + _sum(p, 1)
+        m, l_sum, alpha, p = _online_softmax(m, l_sum, s2)
         acc = acc * alpha[:, None]
-        m = m_new
         has = l_sum > 0
         inv_l = tl.where(has, 1.0 / tl.where(has, l_sum, 1.0), 0.0)
         earlier = acc * inv_l[:, None]
         bt = p * inv_l[:, None]
-        oa = tl.load(OA + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
-                     other=0.0).to(tl.float32)
-        rhs = (1.0 - geff)[:, None] * oa + geff[:, None] * earlier
-        y = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, False, SOLVE_PREC)
-        y = tl.where(valid[:, None], y, 0.0)
-        r_read = earlier + _dot(bt, y, SOLVE_PREC)
-        out_mask = rmask[:, None] & emask
-        tl.store(Y + bh * n * e + rows[:, None] * e + ce[None, :], y, mask=out_mask)
-        tl.store(R + bh * n * e + rows[:, None] * e + ce[None, :], r_read, mask=out_mask)
-        tl.store(LSEB + bh * n + rows, tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), 0.0), mask=rmask)
+        _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
+        tl.store(_row_ptrs(LSEB, bh, n, rows), _log_sum_exp2(m, l_sum), mask=rmask)
         # Later blocks of this program read these rows of Y back from global memory.
         tl.debug_barrier()
 
@@ -344,17 +436,13 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, n, 
 
     Grid (BH,). For block c (positions j): rhs = dY_c + sum over later blocks r of B_rc^T W_r, with
     B_rc = geff_i exp2(s2_ij - LSEB_i) recomputed from the scores (nothing n x n is stored); then
-    W_c = (I - B_cc)^-T rhs with the transposed in-block solve. Also writes the row
-    scalars of the attention-style gradients: DA = (1 - geff) W.OA, DB = geff W.R, and
-    DG = dL/dg = W.(R - OA) on rows with a recurrent set (0 elsewhere).
+    W_c = (I - B_cc)^-T rhs with the transposed in-block solve. Also writes the row scalars of the
+    attention-style gradients (``_store_w_and_row_grads``).
     """
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.load(START + bh // H)
+    bh, s = _head_and_start(START, H, 0)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    dmask = cd[None, :] < d
-    emask = ce[None, :] < e
     nblk = (n + BLOCK - 1) // BLOCK
     for it in range(0, nblk):
         c0 = (nblk - 1 - it) * BLOCK
@@ -362,45 +450,70 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, n, 
         cmask = cols < n
         cvalid = cmask & (cols >= s)
         hasb_c = cmask & (cols - s >= 1)
-        kc = tl.load(KB + bh * n * d + cols[:, None] * d + cd[None, :], mask=cmask[:, None] & dmask, other=0.0)
-        rhs = tl.load(DY + bh * n * e + cols[:, None] * e + ce[None, :], mask=cvalid[:, None] & emask,
-                      other=0.0).to(tl.float32)
+        kc = _load_tile(KB, bh, n, cols, cmask, cd, d)
+        rhs = _load_tile(DY, bh, n, cols, cvalid, ce, e).to(tl.float32)
         for r0 in range(c0 + BLOCK, n, BLOCK):
             rows = r0 + ar
             rmask = rows < n
             hasb_r = rmask & (rows - s >= 1)
-            qr = tl.load(QB + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & dmask, other=0.0)
-            lse_r = tl.load(LSEB + bh * n + rows, mask=rmask, other=0.0)
-            geff_r = tl.where(hasb_r, tl.load(G + bh * n + rows, mask=rmask, other=0.0).to(tl.float32), 0.0)
-            w_later = tl.load(W + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
-                              other=0.0)
+            qr = _load_tile(QB, bh, n, rows, rmask, cd, d)
+            lse_r = _load_row_scalars(LSEB, bh, n, rows, rmask)
+            geff_r = _gate(G, bh, n, rows, rmask, hasb_r)
+            w_later = _load_tile(W, bh, n, rows, rmask, ce, e)
             s2 = _dot(qr, tl.trans(kc), PREC) * qk_scale2
             ok = cvalid[None, :] & hasb_r[:, None]
-            pb = tl.exp2(tl.where(ok, s2 - lse_r[:, None], float("-inf"))) * geff_r[:, None]
+            pb = _exp2_where(ok, s2 - lse_r[:, None]) * geff_r[:, None]
             rhs += _dot(tl.trans(pb), w_later, PREC)
-        qc = tl.load(QB + bh * n * d + cols[:, None] * d + cd[None, :], mask=cmask[:, None] & dmask, other=0.0)
-        lse_c = tl.load(LSEB + bh * n + cols, mask=cmask, other=0.0)
-        geff_c = tl.where(hasb_c, tl.load(G + bh * n + cols, mask=cmask, other=0.0).to(tl.float32), 0.0)
+        qc = _load_tile(QB, bh, n, cols, cmask, cd, d)
+        lse_c = _load_row_scalars(LSEB, bh, n, cols, cmask)
+        geff_c = _gate(G, bh, n, cols, cmask, hasb_c)
         s2 = _dot(qc, tl.trans(kc), PREC) * qk_scale2
         ok = (ar[None, :] < ar[:, None]) & cvalid[None, :] & hasb_c[:, None]
-        bt = tl.exp2(tl.where(ok, s2 - lse_c[:, None], float("-inf")))
+        bt = _exp2_where(ok, s2 - lse_c[:, None])
         w = _unit_lower_solve(geff_c[:, None] * bt, rhs, LOG2_BLOCK, True, SOLVE_PREC)
         w = tl.where(cvalid[:, None], w, 0.0)
-        tl.store(W + bh * n * e + cols[:, None] * e + ce[None, :], w, mask=cmask[:, None] & emask)
-        oa = tl.load(OA + bh * n * e + cols[:, None] * e + ce[None, :], mask=cmask[:, None] & emask,
-                     other=0.0).to(tl.float32)
-        rr = tl.load(R + bh * n * e + cols[:, None] * e + ce[None, :], mask=cmask[:, None] & emask, other=0.0)
-        w_oa = _sum(w * oa, 1)
-        w_rr = _sum(w * rr, 1)
-        tl.store(DA + bh * n + cols, (1.0 - geff_c) * w_oa, mask=cmask)
-        tl.store(DB + bh * n + cols, geff_c * w_rr, mask=cmask)
-        tl.store(DG + bh * n + cols, tl.where(hasb_c, w_rr - w_oa, 0.0), mask=cmask)
+        _store_w_and_row_grads(_tile_ptrs(W, bh, n, cols, ce, e), _tile_ptrs(OA, bh, n, cols, ce, e),
+                               _tile_ptrs(R, bh, n, cols, ce, e), _tile_mask(cmask, ce, e),
+                               DA, DB, DG, bh, n, cols, cmask, w, geff_c, hasb_c)
         # Earlier blocks of this program read these rows of W back from global memory.
         tl.debug_barrier()
 
 
 # ------------------------------------------------------------------------------------------------
 # Sparse kinds (local attention, banded, diagonal, translation-invariant and cache-efficient f)
+
+
+@triton.jit
+def _slot_source(OFFS, STEPS, k, rel, live, prev, s, CE: tl.constexpr):
+    """Source position of slot k for rows at pattern positions ``rel`` (BLOCK,) int32, left padding s.
+
+    Returns (source, ok, raw): ``ok`` marks rows that read slot k (f(k) <= rel, and for
+    cache-efficient patterns not a duplicate of slot k - 1); ``source`` is s + the pattern-relative
+    source (s where not ok, a safe address); ``raw`` is the slot's pattern position before
+    de-duplication, to pass as ``prev`` for slot k + 1 (start with -1).
+    """
+    f = tl.load(OFFS + k)
+    ok = live & (rel >= f)
+    if CE:
+        a = tl.load(STEPS + k)
+        u = tl.where(ok, rel + 1 - f, 1)
+        raw = a * ((u + a - 1) // a) - 1
+        src = raw
+        ok = ok & (raw != prev)
+    else:
+        raw = rel - f
+        src = raw
+    src = tl.where(ok, src, 0)
+    return src + s, ok, raw
+
+
+@triton.jit
+def _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d):
+    """The channel-B queries (float32), log-sum-exps and geff of a block of rows."""
+    q = _load_tile(QB, bh, n, rows, rmask, cd, d).to(tl.float32)
+    lse = _load_row_scalars(LSEB, bh, n, rows, rmask)
+    geff = _gate(G, bh, n, rows, rmask, hasb)
+    return q, lse, geff
 
 
 @triton.jit
@@ -415,43 +528,29 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
     (0 where there is none), which the sequential solve then uses as a fixed normaliser.
     O(K (d + e)) work per row.
     """
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    s = tl.load(START + bh // H)
-    rows = pid * BM + tl.arange(0, BM)
-    rmask = rows < n
-    rel = rows - s
-    valid = rmask & (rel >= 0)
+    _, bh, s, rows = _row_block(START, H, BM)
+    rmask, rel, valid = _pattern_rows(rows, n, s)
     ce = tl.arange(0, BE)
-    emask = ce[None, :] < e
     if HAS_A:
         ca = tl.arange(0, BDA)
-        amask = ca[None, :] < da
-        qa = tl.load(QA + bh * n * da + rows[:, None] * da + ca[None, :], mask=rmask[:, None] & amask,
-                     other=0.0).to(tl.float32)
-        ka = tl.load(KA + bh * n * da + rows[:, None] * da + ca[None, :], mask=rmask[:, None] & amask,
-                     other=0.0).to(tl.float32)
+        qa = _load_tile(QA, bh, n, rows, rmask, ca, da).to(tl.float32)
+        ka = _load_tile(KA, bh, n, rows, rmask, ca, da).to(tl.float32)
         m = _sum(qa * ka, 1) * qk_scale2
         l_sum = tl.full([BM], 1.0, tl.float32)
-        acc = tl.load(X + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
-                      other=0.0).to(tl.float32)
+        acc = _load_tile(X, bh, n, rows, rmask, ce, e).to(tl.float32)
     if HAS_B:
         cb = tl.arange(0, BDB)
-        bmask = cb[None, :] < db
-        qb = tl.load(QB + bh * n * db + rows[:, None] * db + cb[None, :], mask=rmask[:, None] & bmask,
-                     other=0.0).to(tl.float32)
+        qb = _load_tile(QB, bh, n, rows, rmask, cb, db).to(tl.float32)
         mb = tl.full([BM], float("-inf"), tl.float32)
         lb = tl.full([BM], 0.0, tl.float32)
     prev = tl.full([BM], -1, tl.int32)
     for k in range(0, NSLOT):
-        src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
-        src = src + s
+        src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
         if HAS_A:
-            kk = tl.load(KA + bh * n * da + src[:, None] * da + ca[None, :], mask=ok[:, None] & amask,
-                         other=0.0).to(tl.float32)
-            xk = tl.load(X + bh * n * e + src[:, None] * e + ce[None, :], mask=ok[:, None] & emask,
-                         other=0.0).to(tl.float32)
+            kk = _load_tile(KA, bh, n, src, ok, ca, da).to(tl.float32)
+            xk = _load_tile(X, bh, n, src, ok, ce, e).to(tl.float32)
             sk = tl.where(ok, _sum(qa * kk, 1) * qk_scale2, float("-inf"))
+            # m starts at the row's own score, finite: no -inf guard as in _online_softmax.
             m_new = tl.maximum(m, sk)
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sk - m_new)
@@ -459,8 +558,7 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
             acc = acc * alpha[:, None] + p[:, None] * xk
             m = m_new
         if HAS_B:
-            kk = tl.load(KB + bh * n * db + src[:, None] * db + cb[None, :], mask=ok[:, None] & bmask,
-                         other=0.0).to(tl.float32)
+            kk = _load_tile(KB, bh, n, src, ok, cb, db).to(tl.float32)
             sk = tl.where(ok, _sum(qb * kk, 1) * qk_scale2, float("-inf"))
             mb_new = tl.maximum(mb, sk)
             m_use = tl.where(mb_new == float("-inf"), 0.0, mb_new)
@@ -468,11 +566,10 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
             mb = mb_new
     if HAS_A:
         out = tl.where(valid[:, None], acc / l_sum[:, None], 0.0)
-        tl.store(OA + bh * n * e + rows[:, None] * e + ce[None, :], out, mask=rmask[:, None] & emask)
-        tl.store(LSEA + bh * n + rows, m + tl.log2(l_sum), mask=rmask)
+        tl.store(_tile_ptrs(OA, bh, n, rows, ce, e), out, mask=_tile_mask(rmask, ce, e))
+        tl.store(_row_ptrs(LSEA, bh, n, rows), m + tl.log2(l_sum), mask=rmask)
     if HAS_B:
-        has = lb > 0
-        tl.store(LSEB + bh * n + rows, tl.where(has, mb + tl.log2(tl.where(has, lb, 1.0)), 0.0), mask=rmask)
+        tl.store(_row_ptrs(LSEB, bh, n, rows), _log_sum_exp2(mb, lb), mask=rmask)
 
 
 @triton.jit
@@ -486,46 +583,28 @@ def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, OFFS, STEPS, NSLOT
     in the dense kernel. F0 = f(0): rows with rel < F0 have no recurrent set (geff = 0).
     Writes Y and R = softmax(P^B) Y (BH, n, e) float32. O(n (BLOCK + K) e) work.
     """
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.load(START + bh // H)
+    bh, s = _head_and_start(START, H, 0)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    dmask = cd[None, :] < d
-    emask = ce[None, :] < e
     for c0 in range(0, n, BLOCK):
         rows = c0 + ar
-        rmask = rows < n
-        rel = rows - s
-        valid = rmask & (rel >= 0)
+        rmask, rel, valid = _pattern_rows(rows, n, s)
         hasb = valid & (rel >= F0)
-        q = tl.load(QB + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & dmask,
-                    other=0.0).to(tl.float32)
-        lse = tl.load(LSEB + bh * n + rows, mask=rmask, other=0.0)
-        geff = tl.where(hasb, tl.load(G + bh * n + rows, mask=rmask, other=0.0).to(tl.float32), 0.0)
+        q, lse, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d)
         earlier = tl.full([BLOCK, BE], 0.0, tl.float32)
         bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
         prev = tl.full([BLOCK], -1, tl.int32)
         for k in range(0, NSLOT):
-            src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
-            src = src + s
-            kk = tl.load(KB + bh * n * d + src[:, None] * d + cd[None, :], mask=ok[:, None] & dmask,
-                         other=0.0).to(tl.float32)
-            p = tl.exp2(tl.where(ok, _sum(q * kk, 1) * qk_scale2 - lse, float("-inf")))
+            src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
+            kk = _load_tile(KB, bh, n, src, ok, cd, d).to(tl.float32)
+            p = _exp2_where(ok, _sum(q * kk, 1) * qk_scale2 - lse)
             early = ok & (src < c0)
-            yk = tl.load(Y + bh * n * e + src[:, None] * e + ce[None, :], mask=early[:, None] & emask, other=0.0)
+            yk = _load_tile(Y, bh, n, src, early, ce, e)
             earlier += tl.where(early, p, 0.0)[:, None] * yk
             inside = ok & (src >= c0)
             bt += tl.where((ar[None, :] == (src - c0)[:, None]) & inside[:, None], p[:, None], 0.0)
-        oa = tl.load(OA + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
-                     other=0.0).to(tl.float32)
-        rhs = (1.0 - geff)[:, None] * oa + geff[:, None] * earlier
-        y = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, False, SOLVE_PREC)
-        y = tl.where(valid[:, None], y, 0.0)
-        r_read = earlier + _dot(bt, y, SOLVE_PREC)
-        out_mask = rmask[:, None] & emask
-        tl.store(Y + bh * n * e + rows[:, None] * e + ce[None, :], y, mask=out_mask)
-        tl.store(R + bh * n * e + rows[:, None] * e + ce[None, :], r_read, mask=out_mask)
+        _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
         tl.debug_barrier()
 
 
@@ -541,61 +620,43 @@ def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, STA
     (atomic adds: two rows may share a source). Block c's right-hand side is dY_c + GACC_c, and
     W_c = (I - B_cc)^-T rhs. Row scalars DA, DB, DG as in the dense backward solve.
     """
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.load(START + bh // H)
+    bh, s = _head_and_start(START, H, 0)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    dmask = cd[None, :] < d
-    emask = ce[None, :] < e
     nblk = (n + BLOCK - 1) // BLOCK
     for it in range(0, nblk):
         c0 = (nblk - 1 - it) * BLOCK
         rows = c0 + ar
-        rmask = rows < n
-        rel = rows - s
-        valid = rmask & (rel >= 0)
+        rmask, rel, valid = _pattern_rows(rows, n, s)
         hasb = valid & (rel >= F0)
-        q = tl.load(QB + bh * n * d + rows[:, None] * d + cd[None, :], mask=rmask[:, None] & dmask,
-                    other=0.0).to(tl.float32)
-        lse = tl.load(LSEB + bh * n + rows, mask=rmask, other=0.0)
-        geff = tl.where(hasb, tl.load(G + bh * n + rows, mask=rmask, other=0.0).to(tl.float32), 0.0)
+        q, lse, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d)
+        # One (int64) offset tile serves the block's five (rows, e) tiles: dY, GACC, W, OA, R.
         row_e = bh * n * e + rows[:, None] * e + ce[None, :]
-        rhs = tl.load(DY + row_e, mask=valid[:, None] & emask, other=0.0).to(tl.float32)
+        rhs = tl.load(DY + row_e, mask=_tile_mask(valid, ce, e), other=0.0).to(tl.float32)
         # GACC was written with atomics (at L2): bypass L1, which may hold a stale line shared with a
         # row of the next block when rows are not a multiple of 128 bytes.
-        rhs += tl.load(GACC + row_e, mask=rmask[:, None] & emask, other=0.0, cache_modifier=".cg")
+        rhs += tl.load(GACC + row_e, mask=_tile_mask(rmask, ce, e), other=0.0, cache_modifier=".cg")
         bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
         prev = tl.full([BLOCK], -1, tl.int32)
         for k in range(0, NSLOT):
-            src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
-            src = src + s
+            src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
             inside = ok & (src >= c0)
-            kk = tl.load(KB + bh * n * d + src[:, None] * d + cd[None, :], mask=inside[:, None] & dmask,
-                         other=0.0).to(tl.float32)
-            p = tl.exp2(tl.where(inside, _sum(q * kk, 1) * qk_scale2 - lse, float("-inf")))
+            kk = _load_tile(KB, bh, n, src, inside, cd, d).to(tl.float32)
+            p = _exp2_where(inside, _sum(q * kk, 1) * qk_scale2 - lse)
             bt += tl.where(ar[None, :] == (src - c0)[:, None], p[:, None], 0.0)
         w = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, True, SOLVE_PREC)
         w = tl.where(valid[:, None], w, 0.0)
-        tl.store(W + row_e, w, mask=rmask[:, None] & emask)
-        oa = tl.load(OA + row_e, mask=rmask[:, None] & emask, other=0.0).to(tl.float32)
-        rr = tl.load(R + row_e, mask=rmask[:, None] & emask, other=0.0)
-        w_oa = _sum(w * oa, 1)
-        w_rr = _sum(w * rr, 1)
-        tl.store(DA + bh * n + rows, (1.0 - geff) * w_oa, mask=rmask)
-        tl.store(DB + bh * n + rows, geff * w_rr, mask=rmask)
-        tl.store(DG + bh * n + rows, tl.where(hasb, w_rr - w_oa, 0.0), mask=rmask)
+        _store_w_and_row_grads(W + row_e, OA + row_e, R + row_e, _tile_mask(rmask, ce, e),
+                               DA, DB, DG, bh, n, rows, rmask, w, geff, hasb)
         # Scatter B_ij W_i to the sources j of earlier blocks.
         prev = tl.full([BLOCK], -1, tl.int32)
         for k in range(0, NSLOT):
-            src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
-            src = src + s
+            src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
             early = ok & (src < c0)
-            kk = tl.load(KB + bh * n * d + src[:, None] * d + cd[None, :], mask=early[:, None] & dmask,
-                         other=0.0).to(tl.float32)
-            p = tl.exp2(tl.where(early, _sum(q * kk, 1) * qk_scale2 - lse, float("-inf")))
-            tl.atomic_add(GACC + bh * n * e + src[:, None] * e + ce[None, :], (geff * p)[:, None] * w,
-                          mask=early[:, None] & emask)
+            kk = _load_tile(KB, bh, n, src, early, cd, d).to(tl.float32)
+            p = _exp2_where(early, _sum(q * kk, 1) * qk_scale2 - lse)
+            tl.atomic_add(_tile_ptrs(GACC, bh, n, src, ce, e), (geff * p)[:, None] * w, mask=_tile_mask(early, ce, e))
         tl.debug_barrier()
 
 
@@ -611,80 +672,70 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
     dO = geff W, V = Y (channel B). dQ rows are written directly; dK and dX of the sources receive
     atomic adds (DKA, DX, DKB float32, zero on entry).
     """
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    s = tl.load(START + bh // H)
-    rows = pid * BM + tl.arange(0, BM)
-    rmask = rows < n
-    rel = rows - s
-    valid = rmask & (rel >= 0)
+    _, bh, s, rows = _row_block(START, H, BM)
+    rmask, rel, valid = _pattern_rows(rows, n, s)
     ce = tl.arange(0, BE)
-    emask = ce[None, :] < e
-    w = tl.load(W + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask, other=0.0)
+    w = _load_tile(W, bh, n, rows, rmask, ce, e)
     if HAS_B:
         hasb = valid & (rel >= F0)
-        geff = tl.where(hasb, tl.load(G + bh * n + rows, mask=rmask, other=0.0).to(tl.float32), 0.0)
         cb = tl.arange(0, BDB)
-        bmask = cb[None, :] < db
-        qb = tl.load(QB + bh * n * db + rows[:, None] * db + cb[None, :], mask=rmask[:, None] & bmask,
-                     other=0.0).to(tl.float32)
-        lseb = tl.load(LSEB + bh * n + rows, mask=rmask, other=0.0)
-        delta_b = tl.load(DB + bh * n + rows, mask=rmask, other=0.0)
+        qb, lseb, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cb, db)
+        delta_b = _load_row_scalars(DB, bh, n, rows, rmask)
         dqb = tl.full([BM, BDB], 0.0, tl.float32)
     else:
         geff = tl.full([BM], 0.0, tl.float32)
     if HAS_A:
         ca = tl.arange(0, BDA)
-        amask = ca[None, :] < da
-        qa = tl.load(QA + bh * n * da + rows[:, None] * da + ca[None, :], mask=rmask[:, None] & amask,
-                     other=0.0).to(tl.float32)
-        lsea = tl.load(LSEA + bh * n + rows, mask=rmask, other=0.0)
-        delta_a = tl.load(DA + bh * n + rows, mask=rmask, other=0.0)
+        qa = _load_tile(QA, bh, n, rows, rmask, ca, da).to(tl.float32)
+        lsea = _load_row_scalars(LSEA, bh, n, rows, rmask)
+        delta_a = _load_row_scalars(DA, bh, n, rows, rmask)
         do_a = w * (1.0 - geff)[:, None]
-        ka = tl.load(KA + bh * n * da + rows[:, None] * da + ca[None, :], mask=rmask[:, None] & amask,
-                     other=0.0).to(tl.float32)
-        xs = tl.load(X + bh * n * e + rows[:, None] * e + ce[None, :], mask=rmask[:, None] & emask,
-                     other=0.0).to(tl.float32)
-        p0 = tl.exp2(tl.where(valid, _sum(qa * ka, 1) * qk_scale2 - lsea, float("-inf")))
+        ka = _load_tile(KA, bh, n, rows, rmask, ca, da).to(tl.float32)
+        xs = _load_tile(X, bh, n, rows, rmask, ce, e).to(tl.float32)
+        p0 = _exp2_where(valid, _sum(qa * ka, 1) * qk_scale2 - lsea)
         ds0 = p0 * (_sum(do_a * xs, 1) - delta_a)
         dqa = ds0[:, None] * ka
-        tl.atomic_add(DKA + bh * n * da + rows[:, None] * da + ca[None, :], ds0[:, None] * qa * scale,
-                      mask=valid[:, None] & amask)
-        tl.atomic_add(DX + bh * n * e + rows[:, None] * e + ce[None, :], p0[:, None] * do_a,
-                      mask=valid[:, None] & emask)
+        tl.atomic_add(_tile_ptrs(DKA, bh, n, rows, ca, da), ds0[:, None] * qa * scale, mask=_tile_mask(valid, ca, da))
+        tl.atomic_add(_tile_ptrs(DX, bh, n, rows, ce, e), p0[:, None] * do_a, mask=_tile_mask(valid, ce, e))
     prev = tl.full([BM], -1, tl.int32)
     for k in range(0, NSLOT):
-        src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, CE)
-        src = src + s
+        src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
         if HAS_A:
-            kk = tl.load(KA + bh * n * da + src[:, None] * da + ca[None, :], mask=ok[:, None] & amask,
-                         other=0.0).to(tl.float32)
-            xk = tl.load(X + bh * n * e + src[:, None] * e + ce[None, :], mask=ok[:, None] & emask,
-                         other=0.0).to(tl.float32)
-            p = tl.exp2(tl.where(ok, _sum(qa * kk, 1) * qk_scale2 - lsea, float("-inf")))
+            kk = _load_tile(KA, bh, n, src, ok, ca, da).to(tl.float32)
+            xk = _load_tile(X, bh, n, src, ok, ce, e).to(tl.float32)
+            p = _exp2_where(ok, _sum(qa * kk, 1) * qk_scale2 - lsea)
             ds = p * (_sum(do_a * xk, 1) - delta_a)
             dqa += ds[:, None] * kk
-            tl.atomic_add(DKA + bh * n * da + src[:, None] * da + ca[None, :], ds[:, None] * qa * scale,
-                          mask=ok[:, None] & amask)
-            tl.atomic_add(DX + bh * n * e + src[:, None] * e + ce[None, :], p[:, None] * do_a,
-                          mask=ok[:, None] & emask)
+            tl.atomic_add(_tile_ptrs(DKA, bh, n, src, ca, da), ds[:, None] * qa * scale, mask=_tile_mask(ok, ca, da))
+            tl.atomic_add(_tile_ptrs(DX, bh, n, src, ce, e), p[:, None] * do_a, mask=_tile_mask(ok, ce, e))
         if HAS_B:
-            kk = tl.load(KB + bh * n * db + src[:, None] * db + cb[None, :], mask=ok[:, None] & bmask,
-                         other=0.0).to(tl.float32)
-            yk = tl.load(Y + bh * n * e + src[:, None] * e + ce[None, :], mask=ok[:, None] & emask, other=0.0)
-            p = tl.exp2(tl.where(ok, _sum(qb * kk, 1) * qk_scale2 - lseb, float("-inf")))
+            kk = _load_tile(KB, bh, n, src, ok, cb, db).to(tl.float32)
+            yk = _load_tile(Y, bh, n, src, ok, ce, e)
+            p = _exp2_where(ok, _sum(qb * kk, 1) * qk_scale2 - lseb)
             ds = p * (geff * _sum(w * yk, 1) - delta_b)
             dqb += ds[:, None] * kk
-            tl.atomic_add(DKB + bh * n * db + src[:, None] * db + cb[None, :], ds[:, None] * qb * scale,
-                          mask=ok[:, None] & bmask)
+            tl.atomic_add(_tile_ptrs(DKB, bh, n, src, cb, db), ds[:, None] * qb * scale, mask=_tile_mask(ok, cb, db))
     if HAS_A:
-        tl.store(DQA + bh * n * da + rows[:, None] * da + ca[None, :], dqa * scale, mask=rmask[:, None] & amask)
+        tl.store(_tile_ptrs(DQA, bh, n, rows, ca, da), dqa * scale, mask=_tile_mask(rmask, ca, da))
     if HAS_B:
-        tl.store(DQB + bh * n * db + rows[:, None] * db + cb[None, :], dqb * scale, mask=rmask[:, None] & bmask)
+        tl.store(_tile_ptrs(DQB, bh, n, rows, cb, db), dqb * scale, mask=_tile_mask(rmask, cb, db))
 
 
 # ------------------------------------------------------------------------------------------------
 # Decode
+
+
+@triton.jit
+def _load_head_vector(PTR, bh, cols, width):
+    """The (width,) vector of head bh of a (BH, width) tensor as float32, 0 past width."""
+    return tl.load(PTR + bh * width + cols, mask=cols < width, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_cache_rows(PTR, bh, S, slots, read, cols, width):
+    """Rows ``slots`` of head bh of a (BH, S, width) cache as float32, 0 where not read or past width."""
+    return tl.load(PTR + (bh * S + slots[:, None]) * width + cols[None, :],
+                   mask=read[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -696,7 +747,7 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
 
     Grid (BH,). Cache tensors are (B, H, S, w) contiguous, POS (B, S) the pattern position of each row
     (-1: not readable), RPOS (B,) the new token's pattern position r (negative on padding). Which
-    rows are read (``ops.recurrent._read_mask``): MODE 0 every row with POS >= 0; MODE 1 rows with
+    rows are read (``ops.DecodeState.read_mask``): MODE 0 every row with POS >= 0; MODE 1 rows with
     POS >= r - W_LO (local attention, banded); MODE 2 rows with r - POS in OFFS[:NSLOT] (plain f-pattern).
     Channel A reads those rows plus the token itself (its key KA, value X); channel B those rows
     (keys CKB, outputs CO). Online softmax over blocks of BS rows, float32.
@@ -709,19 +760,17 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
     r = tl.load(RPOS + b)
     ce = tl.arange(0, BE)
     emask = ce < e
-    x = tl.load(X + bh * e + ce, mask=emask, other=0.0).to(tl.float32)
+    x = _load_head_vector(X, bh, ce, e)
     if HAS_A:
         ca = tl.arange(0, BDA)
-        amask = ca < da
-        qa = tl.load(QA + bh * da + ca, mask=amask, other=0.0).to(tl.float32)
-        ka = tl.load(KA + bh * da + ca, mask=amask, other=0.0).to(tl.float32)
+        qa = _load_head_vector(QA, bh, ca, da)
+        ka = _load_head_vector(KA, bh, ca, da)
         m = _sum(qa * ka, 0) * qk_scale2
         l_sum = tl.full((), 1.0, tl.float32)
         acc = x
     if HAS_B:
         cb = tl.arange(0, BDB)
-        bmask = cb < db
-        qb = tl.load(QB + bh * db + cb, mask=bmask, other=0.0).to(tl.float32)
+        qb = _load_head_vector(QB, bh, cb, db)
         mb = tl.full((), float("-inf"), tl.float32)
         lb = tl.full((), 0.0, tl.float32)
         accb = tl.full([BE], 0.0, tl.float32)
@@ -738,11 +787,10 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
                 hit = hit | ((r - pos) == tl.load(OFFS + k))
             read = read & hit
         if HAS_A:
-            kk = tl.load(CKA + (bh * S + sl[:, None]) * da + ca[None, :], mask=read[:, None] & amask[None, :],
-                         other=0.0).to(tl.float32)
-            vv = tl.load(CV + (bh * S + sl[:, None]) * e + ce[None, :], mask=read[:, None] & emask[None, :],
-                         other=0.0).to(tl.float32)
+            kk = _load_cache_rows(CKA, bh, S, sl, read, ca, da)
+            vv = _load_cache_rows(CV, bh, S, sl, read, ce, e)
             sc = tl.where(read, _sum(qa[None, :] * kk, 1) * qk_scale2, float("-inf"))
+            # m starts at the token's own score, finite: no -inf guard as in channel B.
             m_new = tl.maximum(m, _max(sc, 0))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sc - m_new)
@@ -750,10 +798,8 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
             acc = acc * alpha + _sum(p[:, None] * vv, 0)
             m = m_new
         if HAS_B:
-            kk = tl.load(CKB + (bh * S + sl[:, None]) * db + cb[None, :], mask=read[:, None] & bmask[None, :],
-                         other=0.0).to(tl.float32)
-            vv = tl.load(CO + (bh * S + sl[:, None]) * e + ce[None, :], mask=read[:, None] & emask[None, :],
-                         other=0.0).to(tl.float32)
+            kk = _load_cache_rows(CKB, bh, S, sl, read, cb, db)
+            vv = _load_cache_rows(CO, bh, S, sl, read, ce, e)
             sc = tl.where(read, _sum(qb[None, :] * kk, 1) * qk_scale2, float("-inf"))
             mb_new = tl.maximum(mb, _max(sc, 0))
             m_use = tl.where(mb_new == float("-inf"), 0.0, mb_new)
