@@ -220,11 +220,7 @@ def plot(result: dict, path: Path) -> None:
         ax2.plot(ctx, [r["cache_bytes"] / 2**20 for r in mine], label=name, **style)
     s = result["settings"]
     for ax, ylabel in ((ax1, "ms per token (median)"), (ax2, "cache MiB")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+        T.log_axes(ax, "context (tokens)", ylabel)
     ax2.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"decode, batch 1, width {s['width']}, {s['layers']} layers, {s['heads']} heads, "
                  f"vocab {s['vocab']}, {s['threads']} threads, float32")

@@ -463,11 +463,7 @@ def plot(result: dict, path: Path) -> None:
         ax2.plot(ctx, [r["ttft_s"] for r in mine], label=name, **style)
     s = result["settings"]
     for ax, ylabel in ((ax1, "decode ms per token"), (ax2, "time to first token (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt length (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+        T.log_axes(ax, "prompt length (tokens)", ylabel)
     if rows:
         ax1.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"generate(), batch 1, {s['new_tokens']} new tokens, width {s['width']}, {s['layers']} layers, "

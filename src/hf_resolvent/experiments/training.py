@@ -493,6 +493,15 @@ def write_result(out: str | os.PathLike, result: dict, plot) -> Path:
     return png
 
 
+def log_axes(ax, xlabel: str, ylabel: str) -> None:
+    """The benchmark figures' axes: log-2 x, log y, labels and a light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> None:
     """Training loss (and validation loss points) against step, as a PNG."""
     import matplotlib
