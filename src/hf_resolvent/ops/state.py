@@ -214,11 +214,7 @@ class DecodeState:
         self.positions = pos if keep is None else pos[:, -keep:]
 
     def _advance_register(self, pattern: Pattern, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
-        """Slot rule (docs/DESIGN.md section 2.1), then hold the distinct positions of the new register.
-
-        In 0-indexed positions, after token r the slots for token r + 1 are p'_0 = r and, for k >= 1,
-        p'_k = p_k if r + 1 - f(k) <= p_k else p_{k-1}, valid once f(k) <= r + 1.
-        """
+        """Slot rule (:func:`_register_step`), then hold the distinct positions of the new register."""
         device = r.device
         batch = r.shape[0]
         fs = torch.tensor(pattern.offsets(int(r.max().item()) + 2), dtype=torch.long, device=device)
@@ -226,11 +222,7 @@ class DecodeState:
         old = self.slots if self.slots is not None else torch.full((batch, 0), -1, dtype=torch.long, device=device)
         if old.shape[1] < K:
             old = torch.cat([old, old.new_full((batch, K - old.shape[1]), -1)], dim=1)
-        rr = r[:, None]
-        stay = (old >= 0) & (rr + 1 - fs[None] <= old)
-        shifted = torch.cat([rr, old[:, :-1]], dim=1)
-        slots = torch.where(stay, old, shifted)
-        slots = torch.where((fs[None] <= rr + 1) & (rr >= 0), slots, -1)
+        slots, _ = _register_step(old, r, fs)
         positions = _distinct_desc(slots)
 
         # Each kept position is either the new token or a row already held: gather from both.
@@ -531,15 +523,13 @@ class StaticDecodeState(DecodeState):
             f"the static cache is full: it holds max_cache_len = {self.capacity} tokens; generate fewer tokens or "
             "give generate() a larger max_length"))
         pos_new = torch.where(r >= 0, r, -1)
-        if self.uses_register(pattern):  # the register's rule (DecodeState._advance_register), on every slot
-            old, rr, fs = self.positions, r[:, None], self.offsets[None]
-            stay = (old >= 0) & (rr + 1 - fs <= old)
-            slots = torch.where(stay, old, torch.cat([rr, old[:, :-1]], dim=1))
+        if self.uses_register(pattern):  # the register's rule, on every slot of the capacity
+            slots, stay = _register_step(self.positions, r, self.offsets)
             for name, t in new.items():  # rows follow their slots
                 held = getattr(self, name)
                 moved = torch.cat([t[:, :, None], held[:, :, :-1]], dim=2)
                 held.copy_(torch.where(stay[:, None, :, None], held, moved))
-            self.positions.copy_(torch.where((fs <= rr + 1) & (rr >= 0), slots, -1))
+            self.positions.copy_(slots)
         elif self.trailing_rows(pattern) is not None:
             if self.rows():
                 for name, t in new.items():
@@ -562,7 +552,9 @@ class StaticDecodeState(DecodeState):
         """Forget every token after the first ``length``: patterns that keep every position only; the others raise a
         ValueError (a static state records no history)."""
         pattern = get_pattern(pattern)
-        reach = self._reach(pattern, length) if length >= 0 else "negative"
+        if length < 0:
+            raise ValueError(f"crop length must be >= 0, got {length}")
+        reach = self._reach(pattern, length)
         if reach == "none":
             return
         if reach != "slice":
@@ -629,6 +621,17 @@ def _grown(held: torch.Tensor | None, row: torch.Tensor, dim: int) -> torch.Tens
     base.narrow(dim, 0, size).copy_(held)
     base.narrow(dim, size, 1).copy_(row)
     return base.narrow(dim, 0, size + 1)
+
+
+def _register_step(old: torch.Tensor, r: torch.Tensor, fs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot rule (docs/DESIGN.md section 2.1) for one token: the register (B, K) for token r + 1 from the register
+    ``old`` (B, K) for token r (B,), with offsets fs (K,); and ``stay`` (B, K), the slots that keep their position
+    (the others take slot k - 1's, slot 0 the token r). In 0-indexed positions p'_0 = r and, for k >= 1,
+    p'_k = p_k if r + 1 - f(k) <= p_k else p_{k-1}, valid (else -1) once f(k) <= r + 1."""
+    rr, fs = r[:, None], fs[None]
+    stay = (old >= 0) & (rr + 1 - fs <= old)
+    slots = torch.where(stay, old, torch.cat([rr, old[:, :-1]], dim=1))
+    return torch.where((fs <= rr + 1) & (rr >= 0), slots, -1), stay
 
 
 def _register(pattern: Pattern, r_last: torch.Tensor) -> torch.Tensor:
