@@ -9,8 +9,15 @@ of the validation split the model was trained with (or ``--data``) with strided 
 ``--max-length`` tokens every ``--stride`` tokens, each token scored once with at least
 ``max_length - stride`` tokens of context (the method of the ``transformers`` perplexity guide). It prints
 sample generations and writes ``eval_results.json`` into the folder. In ``--out`` (default: ``eval/`` next to
-the first model folder, e.g. ``runs/eval``) it writes the comparison: ``eval.json``, ``eval.md`` and ``perplexity_vs_complexity.png`` (perplexity against the
-per-token time and decode-cache class of each mixer, one point per model, as in the papers).
+the first model folder, e.g. ``runs/eval``) it writes the comparison: ``eval.json``, ``eval.md`` and
+``perplexity_vs_complexity.png`` (perplexity against the per-token time and decode-cache class of each mixer,
+one point per model, as in the papers).
+
+References: ``--references`` (default: the repository's ``bench/sweep/sweep.json``, written by
+scripts/sweep.py) holds GPT-2 and attention trained at one budget. Where an evaluated model was trained at that
+same budget (shape, context, steps, batch, learning-rate schedule, corpus and tokenizer: ``training_budget``),
+their strided perplexities join the table and the figure as references, so that a single run (the README's
+first command trains the sweep's ``dense`` run) is seen beside them; otherwise the output says why not.
 
 Perplexity is computed here from the model's own next-token loss rather than with ``evaluate.load("perplexity")``:
 that metric downloads its script from the Hub and re-loads the model by Hub id, so it fails offline and cannot
@@ -33,6 +40,10 @@ import torch.nn.functional as F
 
 from hf_resolvent import data as hdata
 from hf_resolvent.experiments import training as T
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_REFERENCES = REPO / "bench" / "sweep" / "sweep.json"
+REFERENCE_MODELS = ("gpt2", "attention")  # the sweep's rows drawn beside a run of the same budget
 
 DEFAULT_PROMPTS = {
     hdata.STDLIB: ["The", "Return a new", "This module provides"],
@@ -57,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="folder for the comparison table and figure (default: eval/ next to the first model)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--references", default=str(DEFAULT_REFERENCES),
+                   help="a scripts/sweep.py sweep.json whose GPT-2 and attention rows are drawn beside models "
+                        "trained at its budget ('none': no references)")
     return p
 
 
@@ -167,6 +181,7 @@ def evaluate_model(model_dir: Path, args, device: torch.device, log=print) -> di
     meta = json.loads((data_dir / "meta.json").read_text())
     split = hdata.TokenShards(data_dir, args.split)
     run_cfg = json.loads((model_dir / "run_config.json").read_text()) if (model_dir / "run_config.json").exists() else {}
+    budget = T.training_budget(run_cfg, meta) if run_cfg else None
     max_length = args.max_length or run_cfg.get("data", {}).get("seq_len") or 512
     if len(split) < max_length + 1:
         raise hdata.DataError(f"the {args.split} split of {data_dir} has {len(split):,} tokens, fewer than one window "
@@ -191,9 +206,33 @@ def evaluate_model(model_dir: Path, args, device: torch.device, log=print) -> di
     cx = T.complexity_of(label) or {}
     result = {"model": str(model_dir), "name": model_dir.name, "mixer": label,
               "params": T.count_parameters(model), "data": meta.get("data"), "split": args.split, **ppl,
-              "time_per_token": cx.get("time_per_token"), "cache": cx.get("cache"), "samples": samples}
+              "time_per_token": cx.get("time_per_token"), "cache": cx.get("cache"), "budget": budget,
+              "samples": samples}
     hdata.atomic_write_json(model_dir / "eval_results.json", result)
     return result
+
+
+def reference_rows(results: list[dict], path: str) -> tuple[list[dict], str]:
+    """The GPT-2 and attention rows (first seed) of the sweep at ``path``, when an evaluated model was trained
+    at the sweep's budget, as evaluate rows marked ``reference``; and a line saying what was done."""
+    if path == "none":
+        return [], "no references (--references none)"
+    if not Path(path).exists():
+        return [], f"no references: {path} does not exist (scripts/sweep.py writes it)"
+    sweep = json.loads(Path(path).read_text())
+    budget = sweep["settings"].get("budget")
+    if budget is None:
+        return [], f"no references: {path} does not record its training budget (an older scripts/sweep.py wrote it)"
+    if not any(r.get("budget") == budget for r in results):
+        theirs = ", ".join(f"{k} {v}" for k, v in budget.items() if k != "corpus_sha256")
+        return [], (f"no references from {path}: no model here was trained at its budget ({theirs}, corpus "
+                    f"{str(budget['corpus_sha256'])[:12]})")
+    seed = min(r["seed"] for r in sweep["rows"])
+    rows = [{"model": path, "name": f"{r['model']} ({Path(path).parent.name} reference)", "mixer": r["model"],
+             "params": r["params"], "perplexity": r["strided_ppl"], "loss": math.log(r["strided_ppl"]),
+             "tokens": None, "time_per_token": r["time_per_token"], "cache": r["cache"], "reference": True}
+            for r in sweep["rows"] if r["model"] in REFERENCE_MODELS and r["seed"] == seed and r.get("strided_ppl")]
+    return rows, f"references from {path}: {', '.join(r['mixer'] for r in rows)} (seed {seed}), trained at this budget"
 
 
 def plot_comparison(results: list[dict], path: Path) -> None:
@@ -216,15 +255,20 @@ def plot_comparison(results: list[dict], path: Path) -> None:
             placed[x] = k + 1
             jitter = (k % 5 - 2) * 0.06
             marker = "s" if r["mixer"] in ("gpt2", "attention", "local_attention:8") else "o"
-            ax.scatter(x + jitter, r["perplexity"], marker=marker, s=40)
-            ax.annotate(r["mixer"], (x + jitter, r["perplexity"]), textcoords="offset points", xytext=(4, 3),
-                        fontsize=8)
+            if r.get("reference"):
+                ax.scatter(x + jitter, r["perplexity"], marker=marker, s=40, facecolors="none", edgecolors="grey")
+                label = f"{r['mixer']} (reference)"
+            else:
+                ax.scatter(x + jitter, r["perplexity"], marker=marker, s=40)
+                label = r["mixer"]
+            ax.annotate(label, (x + jitter, r["perplexity"]), textcoords="offset points", xytext=(4, 3), fontsize=8)
         ax.set_xticks(range(len(order)), order)
         ax.set_xlim(-0.5, len(order) - 0.5)
         ax.set_xlabel(f"{title} class")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation perplexity")
-    fig.suptitle("Perplexity vs per-token complexity (squares: attention-only mixers, circles: resolvent)")
+    fig.suptitle("Perplexity vs per-token complexity (squares: attention-only mixers, circles: resolvent; hollow "
+                 "grey: references trained at the same budget)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -234,8 +278,9 @@ def markdown_table(results: list[dict]) -> str:
     lines = ["| model | mixer | params | time / token | cache | val loss | perplexity | tokens |",
              "|---|---|---:|---|---|---:|---:|---:|"]
     for r in sorted(results, key=lambda r: r["perplexity"]):
+        tokens = f"{r['tokens']:,}" if r.get("tokens") else "n/a"
         lines.append(f"| {r['name']} | `{r['mixer']}` | {r['params']:,} | {r.get('time_per_token') or 'n/a'} | "
-                     f"{r.get('cache') or 'n/a'} | {r['loss']:.4f} | {r['perplexity']:.2f} | {r['tokens']:,} |")
+                     f"{r.get('cache') or 'n/a'} | {r['loss']:.4f} | {r['perplexity']:.2f} | {tokens} |")
     return "\n".join(lines) + "\n"
 
 
@@ -255,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out) if args.out else Path(args.models[0]).resolve().parent / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    hdata.atomic_write_json(out / "eval.json", {"rows": results})
-    table = markdown_table(results)
+    references, said = reference_rows(results, args.references)
+    print(f"[evaluate] {said}")
+    hdata.atomic_write_json(out / "eval.json", {"rows": results, "references": references})
+    table = markdown_table(results + references)
     (out / "eval.md").write_text(table)
-    plot_comparison(results, out / "perplexity_vs_complexity.png")
+    plot_comparison(results + references, out / "perplexity_vs_complexity.png")
     print(table)
     print(f"[evaluate] wrote {out / 'eval.json'}, {out / 'eval.md'} and {out / 'perplexity_vs_complexity.png'}")
     return 0

@@ -360,6 +360,8 @@ def data_dir_of(args) -> Path:
 
 
 def sweep(args, argv: list[str], log=print) -> dict:
+    from hf_resolvent.experiments import training as T
+
     preset, runs = plan(args)
     name = "quick" if args.quick else args.preset
     root = Path(args.runs_dir or f"runs/sweep/{name}")
@@ -388,12 +390,13 @@ def sweep(args, argv: list[str], log=print) -> dict:
                 "shape": ", ".join(f"{k} {v}" for k, v in preset["shape"].items() if k != "n_positions"),
                 "seq_len": preset["seq_len"], "steps": preset["steps"], "batch": preset["batch"],
                 "lr": preset["lr"], "warmup": preset["warmup"], "tokens": trained[0][3]["tokens"],
-                "windows": rows[0]["windows"], "data": trained[0][3].get("data"), "runs_dir": str(root)}
+                "windows": rows[0]["windows"], "data": trained[0][3].get("data"), "runs_dir": str(root),
+                # what a run must share to be drawn beside these (scripts/evaluate.py's references)
+                "budget": T.training_budget(json.loads((trained[0][2] / "run_config.json").read_text()),
+                                            json.loads((data_dir / "meta.json").read_text()))}
     result = {"command": "python scripts/sweep.py " + " ".join(shlex.quote(a) for a in argv), "settings": settings,
               "rows": rows, "seeds": seed_summary(rows, list(args.seeds))}
-    from hf_resolvent.experiments.training import write_result
-
-    write_result(out / "sweep.json", result, plot)  # atomic JSON, then sweep.png beside it
+    T.write_result(out / "sweep.json", result, plot)  # atomic JSON, then sweep.png beside it
     table = markdown(result)
     (out / "sweep.md").write_text(table)
     log(table)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -98,3 +99,45 @@ def test_bad_requests_fail_clearly(tiny_data, tmp_path, capsys):
                        str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--run-timeout", "120"]) == 2
     err = capsys.readouterr().err
     assert "training attention (seed 0) failed" in err and "pretrain.py" in err
+
+
+def test_evaluate_draws_the_sweeps_references_beside_a_run_of_the_same_budget(quick, tmp_path, capsys):
+    root, result = quick
+    evaluate = load_script("evaluate")
+    assert result["settings"]["budget"]["steps"] == 6 and result["settings"]["budget"]["corpus_sha256"]
+    run = root / "runs" / "exp2_ce-seed0"
+    assert (run / "config.json").exists()
+    refs = str(root / "out" / "sweep.json")
+    assert evaluate.main([str(run), "--samples", "0", "--references", refs, "--out", str(tmp_path / "same")]) == 0
+    said = capsys.readouterr().out
+    ev = json.loads((tmp_path / "same" / "eval.json").read_text())
+    attention = next(r for r in result["rows"] if r["model"] == "attention" and r["seed"] == 0)
+    assert [r["mixer"] for r in ev["references"]] == ["attention"]  # the quick sweep has no gpt2
+    assert ev["references"][0]["perplexity"] == attention["strided_ppl"]
+    assert "references from" in said and "attention (seed 0)" in said
+    assert "attention (out reference)" in (tmp_path / "same" / "eval.md").read_text()
+
+    # the same run with another recorded budget (fault injected into its run_config.json): no references, and why
+    other = tmp_path / "other-budget"
+    shutil.copytree(run, other)
+    cfg = json.loads((other / "run_config.json").read_text())
+    cfg["train"]["max_steps"] = 7
+    (other / "run_config.json").write_text(json.dumps(cfg))
+    assert evaluate.main([str(other), "--samples", "0", "--references", refs, "--out", str(tmp_path / "o")]) == 0
+    said = capsys.readouterr().out
+    assert json.loads((tmp_path / "o" / "eval.json").read_text())["references"] == []
+    assert "no model here was trained at its budget" in said and "steps 6" in said
+    assert evaluate.main([str(run), "--samples", "0", "--references", "none", "--out", str(tmp_path / "n")]) == 0
+    assert "no references (--references none)" in capsys.readouterr().out
+
+
+def test_the_hour_preset_trains_the_tiny_config(tmp_path):
+    """The README's first command (``--config tiny``) trains at the hour preset's budget, so evaluate.py draws the
+    committed sweep's GPT-2 and attention beside it."""
+    from hf_resolvent.experiments import training as T
+
+    tiny, hour = T.load_config("tiny"), sweep.PRESETS["hour"]
+    assert tiny["model"]["overrides"] == hour["shape"] and tiny["data"]["seq_len"] == hour["seq_len"]
+    assert (tiny["train"]["max_steps"], tiny["train"]["batch_size"], tiny["train"]["lr"],
+            tiny["train"]["warmup_steps"], tiny["train"]["seed"]) == (hour["steps"], hour["batch"], hour["lr"],
+                                                                      hour["warmup"], 0)

@@ -248,6 +248,20 @@ def model_label(model_cfg: dict) -> str:
     return ",".join(mixer) if isinstance(mixer, (list, tuple)) else str(mixer)
 
 
+
+def training_budget(run_config: dict, data_meta: dict) -> dict:
+    """What two runs must share for their perplexities to be compared: the model shape (without the position
+    table's size), context, steps, batch, learning-rate schedule, and the data (corpus, split and tokenizer).
+    ``run_config`` is a run's ``run_config.json`` (scripts/pretrain.py), ``data_meta`` the ``meta.json`` of the
+    data it trained on; the mixer and the seed are what such a comparison varies."""
+    shape = {k: v for k, v in run_config["model"].get("overrides", {}).items() if k != "n_positions"}
+    train = run_config["train"]
+    return {"shape": shape, "seq_len": run_config["data"]["seq_len"], "steps": train["max_steps"],
+            "batch": train["batch_size"], "lr": train["lr"], "warmup": train["warmup_steps"],
+            "min_lr_ratio": train.get("min_lr_ratio"),
+            **{k: data_meta.get(k) for k in ("corpus_sha256", "tokenizer", "seed", "val_fraction")}}
+
+
 # order of the per-token classes on the figure's x axis
 COMPLEXITY_ORDER = ["O(1)", "O(w)", "O(log n)", "O(sqrt n)", "O(n)"]
 
