@@ -21,7 +21,7 @@ __all__ = ["ResolventConfig", "parse_mixer_spec", "GATE_INITS", "MIXER_IMPLS", "
 # Gate initialisations, see ResolventConfig. A float in (0, 1) is accepted too.
 GATE_INITS = ("mamba2", "closed")
 # The choices of hf_resolvent.ops.dispatch.IMPLS (a test holds the two equal; this file ships without ops).
-MIXER_IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "reference", "recurrent")
+MIXER_IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "graph", "reference", "recurrent")
 # "closed" starts with g = exp(-16) ~ 1.1e-7 for every token: the layer is its direct channel A (plus ~1e-7),
 # yet the gate keeps a non-zero gradient in log space (d log g / d A_log = -16), so fine-tuning can open it.
 CLOSED_GATE_VALUE = math.exp(-16.0)
@@ -124,7 +124,8 @@ class ResolventConfig(PretrainedConfig):
         mixer_impl: which code runs the mixers, passed as ``impl`` to the ops (``hf_resolvent/ops/dispatch.py``):
             ``"auto"`` (default: the environment variable ``HF_RESOLVENT_MIXER_IMPL`` if set, else the Triton
             kernels for CUDA tensors, the compiled CPU kernels on CPU, PyTorch elsewhere), ``"torch"``, ``"cpu"``,
-            ``"triton"``, ``"parallel"`` (never Triton), ``"reference"`` or ``"recurrent"``. A runtime choice:
+            ``"triton"``, ``"parallel"`` (never Triton), ``"graph"`` (what ``torch.compile`` runs), ``"reference"``
+            or ``"recurrent"``. A runtime choice:
             override it with ``from_pretrained(..., mixer_impl=...)``.
     """
 

@@ -281,8 +281,8 @@ class ResolventBlock(GradientCheckpointingLayer):
 # forms and the PyTorch code of the parallel form. They import each other, and patterns.py, as flat siblings
 # (``from .x import``), so a saved folder gets verbatim copies; tests/models/test_save_load.py loads one in a
 # process without hf_resolvent. The backends (hf_resolvent.backends) are not shipped: there dispatch runs PyTorch.
-_SHIPPED_OPS = ("common", "dense", "dispatch", "flash", "mixer", "parallel", "recurrent", "reference", "slots",
-                "solve", "state", "threads")
+_SHIPPED_OPS = ("common", "dense", "dispatch", "flash", "graph", "mixer", "parallel", "recurrent", "reference",
+                "slots", "solve", "state", "threads")
 
 # The entry a saved folder gets in place of resolvent_ops.py. The relative imports are assembled in
 # write_ops_bundle: transformers scans this file for lines that start with one.
@@ -490,10 +490,14 @@ def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.T
         if length != n:
             raise ValueError(f"attention_mask has {length} columns but the input has {n} positions")
         count = mask.sum(1)
-        if (count == 0).any():
-            raise ValueError("attention_mask has a sequence without any real token (all padding); remove it")
         lead = (mask.long().cumsum(1) == 0).sum(1)
         contiguous = (columns[None] >= lead[:, None]) & (columns[None] < (lead + count)[:, None])
+        if torch.compiler.is_compiling():  # a graph keeps its shapes: left and right padding only, no branch on values
+            problem = "attention_mask has holes or an all-padding sequence, which a compiled forward cannot regroup"
+            require((count > 0).all() & (contiguous == mask).all(), problem, lambda: problem)
+            return lead, None
+        if (count == 0).any():
+            raise ValueError("attention_mask has a sequence without any real token (all padding); remove it")
         if not torch.equal(contiguous, mask):  # holes: no later row reads a hidden position
             return n - count, _Regroup.right_aligned(mask)
         return (lead if bool(lead.any()) else None), None
@@ -564,6 +568,10 @@ def _packed_documents(position_ids: torch.Tensor, start: torch.Tensor | None) ->
     new = torch.ones_like(real)
     new[:, 1:] = (position_ids[:, 1:] <= position_ids[:, :-1]) | ~real[:, :-1]  # a restart, or the first token
     new &= real
+    if torch.compiler.is_compiling():  # a graph cannot split rows into documents: one document per row
+        problem = "position_ids restart inside a row (packed documents), which a compiled forward cannot split"
+        require(new.sum() == batch, problem, lambda: problem)
+        return None
     if int(new.sum()) == batch:  # one document per row (host sync, like the position check)
         return None
     if start is not None and bool(start.any()):

@@ -111,3 +111,16 @@ def test_a_static_state_decodes_with_the_pytorch_step_and_refuses_triton():
     assert dispatch.choose_decode("auto", x, static) == "recurrent"
     with pytest.raises(RuntimeError, match="impl='triton': the Triton decode kernel reads the growing decode state"):
         dispatch.choose_decode("triton", x, static)
+
+
+def test_a_graph_takes_the_graph_form(monkeypatch):
+    """Inside torch.compile / torch.export the eager parallel form's slices and kernels do not trace: "auto",
+    "parallel" and "torch" run the graph form there, and a named form that traces runs as named."""
+    x = torch.empty(1, 2, 4, 8)
+    assert dispatch.choose("graph", x) == "graph"  # also eagerly, by name
+    assert dispatch.choose("torch", x) == "torch"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for impl in ("auto", "parallel", "torch", "graph"):
+        assert dispatch.choose(impl, x) == "graph", impl
+    for impl in ("reference", "recurrent"):
+        assert dispatch.choose(impl, x) == impl

@@ -1,4 +1,4 @@
-"""Tests of hf_resolvent.ops: the reference, parallel and recurrent forms agree (plain and tied variants),
+"""Tests of hf_resolvent.ops: the reference, parallel, graph and recurrent forms agree (plain and tied variants),
 left padding, gradients, boundedness, the decode state of cache-efficient patterns, and input errors.
 
 Shapes: B batch, H heads, n positions, d key width, e value width.
@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from hf_resolvent.ops import (
     MixerState,
+    graph_mix,
+    graph_mix_tied,
     mixer_matrices,
     parallel_mix,
     parallel_mix_tied,
@@ -43,7 +45,7 @@ SPECS = {
     "callable:ce": get_pattern(cubic_plus_one, cache_efficient=True),
 }
 RESOLVENT = [k for k in SPECS if get_pattern(SPECS[k]).has_recurrence]
-FORMS = ("reference", "parallel", "recurrent")
+FORMS = ("reference", "parallel", "graph", "recurrent")
 TOL = 1e-5  # float32 agreement
 
 
@@ -90,7 +92,7 @@ def test_three_forms_agree(key, cpu_path):
         inp = make_mixer_inputs(batch=2, heads=3, n=n, d=8, e=5, seed=n)
         out = {impl: mix(spec, inp, impl) for impl in FORMS}
         assert out["reference"].shape == (2, 3, n, 5) and out["reference"].dtype == torch.float32
-        for impl in ("parallel", "recurrent"):
+        for impl in FORMS[1:]:
             assert out[impl].dtype == torch.float32
             assert_close(out[impl], out["reference"], f"{impl} vs reference, n = {n}")
 
@@ -122,13 +124,13 @@ def test_parallel_chunk_boundaries(key, cpu_path):
         for s, inp in ((None, clean), (start, padded)):
             qb, kb, g = (inp["qb"], inp["kb"], inp["g"]) if pattern.has_recurrence else (None, None, None)
             ref = reference_mix(inp["qa"], inp["ka"], qb, kb, inp["x"], g, pattern, start=s, scale=0.3)
-            par = parallel_mix(inp["qa"], inp["ka"], qb, kb, inp["x"], g, pattern, start=s, scale=0.3, chunk=chunk)
-            assert_close(par, ref, f"parallel (chunk {chunk}, n {n}, start {s}) vs reference")
-            if pattern.has_recurrence:
-                ref_t = reference_mix_tied(qb, kb, inp["x"], g, inp["d_skip"], pattern, start=s, scale=0.3)
-                par_t = parallel_mix_tied(qb, kb, inp["x"], g, inp["d_skip"], pattern, start=s, scale=0.3,
-                                          chunk=chunk)
-                assert_close(par_t, ref_t, f"tied parallel (chunk {chunk}, n {n}, start {s}) vs reference")
+            for name, form, tied in (("parallel", parallel_mix, parallel_mix_tied), ("graph", graph_mix, graph_mix_tied)):
+                par = form(inp["qa"], inp["ka"], qb, kb, inp["x"], g, pattern, start=s, scale=0.3, chunk=chunk)
+                assert_close(par, ref, f"{name} (chunk {chunk}, n {n}, start {s}) vs reference")
+                if pattern.has_recurrence:
+                    ref_t = reference_mix_tied(qb, kb, inp["x"], g, inp["d_skip"], pattern, start=s, scale=0.3)
+                    par_t = tied(qb, kb, inp["x"], g, inp["d_skip"], pattern, start=s, scale=0.3, chunk=chunk)
+                    assert_close(par_t, ref_t, f"tied {name} (chunk {chunk}, n {n}, start {s}) vs reference")
 
 
 @pytest.mark.parametrize("key", RESOLVENT)
@@ -137,7 +139,7 @@ def test_tied_forms_agree(key):
     for n, pad in ((64, 9), (97, 31)):
         inp = make_mixer_inputs(batch=2, heads=3, n=n, d=8, e=5, seed=3 * n)
         out = {impl: mix_tied(spec, inp, impl) for impl in FORMS}
-        for impl in ("parallel", "recurrent"):
+        for impl in FORMS[1:]:
             assert_close(out[impl], out["reference"], f"tied {impl} vs reference, n = {n}")
         inp, alone, start = padded_case(n, pad, seed=n + 5)
         ref = mix_tied(spec, inp, "reference", start=start)
@@ -229,6 +231,16 @@ def _grads(fn, inputs, names):
 
 @pytest.mark.parametrize("key", list(SPECS))
 def test_parallel_gradients_equal_reference_gradients(key, cpu_path):
+    check_gradients(key, parallel_mix, parallel_mix_tied)
+
+
+@pytest.mark.parametrize("key", list(SPECS))
+def test_graph_gradients_equal_reference_gradients(key):
+    """The graph form has no backward of its own: autograd's, through gathers and triangular solves."""
+    check_gradients(key, graph_mix, graph_mix_tied)
+
+
+def check_gradients(key, form, form_tied):
     pattern = get_pattern(SPECS[key])
     inp, _, start = padded_case(21, 5, seed=4)
     inp = {k: v.double() for k, v in inp.items()}
@@ -244,7 +256,7 @@ def test_parallel_gradients_equal_reference_gradients(key, cpu_path):
             return lambda t: impl_fn(t["qa"], t["ka"], None, None, t["x"], None, pattern, start=start, **kw)
 
     ref = _grads(run(reference_mix), inp, names)
-    par = _grads(run(parallel_mix, chunk=8), inp, names)
+    par = _grads(run(form, chunk=8), inp, names)
     for k in names:
         assert ref[k] is not None and par[k] is not None, k
         assert_close(par[k], ref[k], f"gradient of {k}", tol=1e-10)
@@ -253,7 +265,7 @@ def test_parallel_gradients_equal_reference_gradients(key, cpu_path):
         names = ["qb", "kb", "x", "g", "d_skip"]
         args = lambda t: (t["qb"], t["kb"], t["x"], t["g"], t["d_skip"], pattern)  # noqa: E731
         ref = _grads(lambda t: reference_mix_tied(*args(t), start=start), inp, names)
-        par = _grads(lambda t: parallel_mix_tied(*args(t), start=start, chunk=8), inp, names)
+        par = _grads(lambda t: form_tied(*args(t), start=start, chunk=8), inp, names)
         for k in names:
             assert_close(par[k], ref[k], f"tied gradient of {k}", tol=1e-10)
 

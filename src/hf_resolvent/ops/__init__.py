@@ -1,10 +1,12 @@
 """The resolvent mixer as functions: Y = (I - B)^-1 A X for a pattern (docs/DESIGN.md sections 1 and 3).
 
-Three forms compute the same function and are tested against each other:
+Four forms compute the same function and are tested against each other:
 
 - ``reference``: materialised A and B and one triangular solve (O(n^2) memory, tests only);
 - ``parallel``: block forward substitution (training and prefill), in PyTorch (``dense``, ``slots``, ``solve``,
   ``flash``) or on a backend's kernels;
+- ``graph``: the same block forward substitution in tensor operations alone (``graph``), which ``torch.compile``
+  and ``torch.export`` trace;
 - ``recurrent``: one token at a time from a :class:`DecodeState` (decode; ``MixerState`` is its earlier name), or
   from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, compiled decoding).
 
@@ -16,6 +18,7 @@ chooses from ``impl`` (argument, then ``HF_RESOLVENT_MIXER_IMPL``): the compiled
 from __future__ import annotations
 
 from .dispatch import IMPLS
+from .graph import graph_mix, graph_mix_tied
 from .mixer import decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied
 from .parallel import parallel_mix, parallel_mix_tied
 from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
@@ -29,6 +32,8 @@ __all__ = [
     "StaticDecodeState",
     "decode_step",
     "decode_step_tied",
+    "graph_mix",
+    "graph_mix_tied",
     "mixer_matrices",
     "parallel_mix",
     "parallel_mix_tied",

@@ -46,8 +46,8 @@ def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None
             raise ValueError(f"start must be an integer tensor (torch.long) of shape (batch,), got {got}")
         if start.dim() != 1 or start.shape[0] != batch:
             raise ValueError(f"start must be (batch,) = ({batch},), got {tuple(start.shape)}")
-        if (start < 0).any() or (start >= n).any():
-            raise ValueError(f"start (leading padding per sequence) must lie in [0, n) = [0, {n})")
+        require((start >= 0).all() & (start < n).all(), "start (leading padding per sequence) must lie in [0, n)",
+                lambda: f"start (leading padding per sequence) must lie in [0, n) = [0, {n})")
 
 
 def require(ok: torch.Tensor, problem: str, message) -> None:

@@ -11,6 +11,8 @@
                  they cannot run (tensors on another device, no C++ compiler, ``HF_RESOLVENT_CPU_KERNELS=0``)
 ``"triton"``     the Triton kernels (:mod:`hf_resolvent.backends.triton`); an error where they cannot run
 ``"parallel"``   the parallel form as ``"auto"`` runs it, but never on Triton
+``"graph"``      the graph form (:mod:`.graph`): the parallel form in tensor operations alone, which
+                 ``torch.compile`` and ``torch.export`` trace into one graph
 ``"reference"``  materialised matrices and one triangular solve (an oracle for tests: O(n^2) memory)
 ``"recurrent"``  one token at a time through the recurrent form (an oracle for tests)
 ===============  ==========================================================================================
@@ -19,7 +21,8 @@ Precedence: the first source that names something other than ``"auto"`` wins: th
 passes ``config.mixer_impl``), then the environment variable ``HF_RESOLVENT_MIXER_IMPL``. ``HF_RESOLVENT_CPU_KERNELS=0``
 keeps the CPU kernels from being built at all.
 
-Inside ``torch.compile`` ``"auto"`` and ``"parallel"`` run the PyTorch code, which the compiler traces.
+Inside ``torch.compile`` and ``torch.export``, ``"auto"``, ``"parallel"`` and ``"torch"`` run the graph form: the
+eager parallel form's slices, buffers and C++ kernels do not trace.
 
 Decoding has two backends: the Triton decode kernel (``"triton"``, and ``"auto"`` for CUDA tensors) and the PyTorch
 recurrent step (every other choice; there is no compiled CPU decode step).
@@ -38,7 +41,7 @@ import torch
 
 from .state import StaticDecodeState
 
-IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "reference", "recurrent")
+IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "graph", "reference", "recurrent")
 ENV = "HF_RESOLVENT_MIXER_IMPL"
 
 # Only the library's own copy of this module reaches the backends; a saved folder's copy has another name.
@@ -89,15 +92,18 @@ def triton():
 
 
 def choose(impl: str | None, x: torch.Tensor) -> str:
-    """The code that runs a mixer call on tensors like ``x``: "reference", "recurrent", "triton", "cpu" or "torch"."""
+    """The code that runs a mixer call on tensors like ``x``: "reference", "recurrent", "triton", "graph", "cpu" or
+    "torch"."""
     impl = resolve(impl)
-    if impl in ("reference", "recurrent", "triton", "torch"):
+    if impl in ("reference", "recurrent", "triton", "graph"):
         return impl
-    if torch.compiler.is_compiling():  # the graph takes the PyTorch code; the C++ operators have no meta kernels
+    if torch.compiler.is_compiling():  # a graph takes the graph form; the C++ operators have no meta kernels
         if impl == "cpu":
             raise RuntimeError("impl='cpu' cannot run inside torch.compile (the C++ kernels are opaque to it); use "
-                               "impl='auto' or 'torch', which compile the PyTorch code")
-        return "torch"
+                               "impl='auto' or 'graph', which compile the PyTorch code")
+        return "graph"
+    if impl == "torch":
+        return impl
     if impl == "auto" and x.is_cuda and triton_ready():
         return "triton"
     cpu = backend("cpu")

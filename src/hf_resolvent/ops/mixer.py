@@ -9,6 +9,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from .dispatch import choose, choose_decode, torch_only, triton
+from .graph import graph_mix, graph_mix_tied
 from .parallel import parallel_mix, parallel_mix_tied
 from .patterns import get_pattern
 from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
@@ -27,7 +28,7 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
         g: (B, H, n) gate in (0, 1): A = (1 - g) A~, B = g B~; unused for attention patterns.
         pattern: a spec such as ``"exp2:ce"`` or a :class:`~hf_resolvent.patterns.Pattern`.
         impl: which code runs it (:mod:`.dispatch`): ``"auto"``, ``"torch"``, ``"cpu"``, ``"triton"``,
-            ``"parallel"``, ``"reference"`` or ``"recurrent"``.
+            ``"parallel"``, ``"graph"``, ``"reference"`` or ``"recurrent"``.
         start: optional (B,) number of leading padding positions per sequence (left padding).
         scale: score scale, default d ** -0.5.
 
@@ -40,6 +41,8 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
         return reference_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
     if path == "recurrent":
         return recurrent_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+    if path == "graph":
+        return graph_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
     if path == "triton":
         return triton().triton_mix(qa, ka, qb, kb, x, g, pattern, start=start, scale=scale)
     with torch_only() if path == "torch" else nullcontext():
@@ -54,6 +57,8 @@ def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl: str = "auto", start=None,
         return reference_mix_tied(qb, kb, x, g, d, pattern, start, scale)
     if path == "recurrent":
         return recurrent_mix_tied(qb, kb, x, g, d, pattern, start, scale)
+    if path == "graph":
+        return graph_mix_tied(qb, kb, x, g, d, pattern, start, scale)
     if path == "triton":
         return triton().triton_mix_tied(qb, kb, x, g, d, pattern, start=start, scale=scale)
     with torch_only() if path == "torch" else nullcontext():
