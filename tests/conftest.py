@@ -133,3 +133,36 @@ def tiny_run_args(data_dir, out, *extra) -> list[str]:
 def mixer_inputs():
     """Factory fixture: ``mixer_inputs(batch=..., n=..., ...)`` -> dict of inputs (see make_mixer_inputs)."""
     return make_mixer_inputs
+
+
+# One tiny model per mixer family: the generation, compile and export tests run each.
+FAMILIES = {
+    "attention": "attention",
+    "local": "local_attention:4",
+    "dense": "dense",
+    "banded": "banded:3",
+    "diagonal": "diagonal",
+    "sparse": "exp2",
+    "ce": "exp2:ce",
+    "square-ce": "square:ce",
+    "tied": "exp2:ce+tied",
+    "hybrid": ["exp2:ce", "dense+tied", "attention"],
+}
+
+VOCAB = 61
+
+
+def family_model(family: str, seed: int = 0, **kw):
+    """A tiny causal LM of a mixer family of FAMILIES (2 layers, or one per mixer of a hybrid), in eval mode."""
+    import hf_resolvent as hr
+
+    mixer = FAMILIES[family]
+    fields = dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=len(mixer) if isinstance(mixer, list) else 2,
+                  n_head=2, bos_token_id=0, eos_token_id=None, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                  initializer_range=0.3)  # wide enough that greedy decoding does not settle on one token
+    fields.update(kw)
+    torch.manual_seed(seed)
+    model = hr.ResolventForCausalLM(hr.ResolventConfig(mixer=mixer, **fields)).eval()
+    # A generated pad token would read as a hole in the mask that generate() derives from the ids when it continues.
+    model.generation_config.suppress_tokens = [fields["pad_token_id"]]
+    return model

@@ -1,15 +1,18 @@
-"""A model's decode step as a function of tensors, for ``torch.export`` and ONNX.
+"""A model's prefill and decode step as functions of tensors, for ``torch.export`` and ONNX.
 
-A decode step reads and writes every layer's decode state. :class:`ResolventDecodeStep` makes those states plain
+A forward reads and writes every layer's decode state. :class:`ResolventDecodeStep` makes those states plain
 inputs and outputs: it lays them out as a static cache (:class:`~hf_resolvent.ops.StaticDecodeState`, shapes fixed
 by the batch size and ``max_cache_len``) and maps
 
-    (input_ids (B, 1), *state) -> (logits (B, 1, vocab), *next_state)
+    (input_ids (B, n), *state) -> (logits (B, n, vocab), *next_state)
 
-with the tensors of each layer's state in :attr:`ResolventDecodeStep.state_names` order. A prompt runs through the
-same step one token at a time, from :meth:`ResolventDecodeStep.initial_state`: the recurrent form, which gives the
-logits and states of the parallel prefill (docs/DESIGN.md section 3.3). So one exported graph serves the prompt
-and the new tokens, for every mixer. Batches without padding only (left padding is a ``generate()`` feature).
+with the tensors of each layer's state in :attr:`ResolventDecodeStep.state_names` order. Exported with n = 1 it is
+the decode step (:func:`export_decode_step`); with the prompt's length and :meth:`ResolventDecodeStep.initial_state`
+it is the prefill (:func:`export_prefill`: the parallel form, traced as its graph form), whose state the decode
+step continues from. ONNX has no triangular solve, so :func:`export_onnx` writes the decode step alone, and a
+prompt runs through it one token at a time from the initial state: the recurrent form, which gives the logits and
+states of the parallel prefill (docs/DESIGN.md section 3.3). Batches without padding only (left padding is a
+``generate()`` feature).
 
     step = ResolventDecodeStep(model, batch_size=1, max_cache_len=256)
     program = torch.export.export(step, step.example_inputs())        # or export_onnx(model, "step.onnx", ...)
@@ -24,7 +27,7 @@ from torch import nn
 
 from .cache_resolvent import ResolventCache
 
-__all__ = ["ResolventDecodeStep", "export_decode_step", "export_onnx"]
+__all__ = ["ResolventDecodeStep", "export_decode_step", "export_onnx", "export_prefill"]
 
 
 class ResolventDecodeStep(nn.Module):
@@ -49,14 +52,14 @@ class ResolventDecodeStep(nn.Module):
         """The states before the first token (fresh tensors), in :attr:`state_names` order."""
         return tuple(t.clone() for state in self._layout for t in state.buffers().values())
 
-    def example_inputs(self) -> tuple[torch.Tensor, ...]:
-        """(input_ids, *initial_state()): the arguments of :meth:`forward`, for tracing."""
+    def example_inputs(self, length: int = 1) -> tuple[torch.Tensor, ...]:
+        """(input_ids (B, length), *initial_state()): the arguments of :meth:`forward`, for tracing."""
         batch = self._layout[0].batch_size
-        return (torch.zeros(batch, 1, dtype=torch.long, device=self._layout[0].positions.device),
+        return (torch.zeros(batch, length, dtype=torch.long, device=self._layout[0].positions.device),
                 *self.initial_state())
 
     def forward(self, input_ids: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(input_ids (B, 1), *state) -> (logits (B, 1, vocab), *next_state); the inputs are not written."""
+        """(input_ids (B, n), *state) -> (logits (B, n, vocab), *next_state); the inputs are not written."""
         if len(state) != len(self.state_names):
             raise ValueError(f"expected {len(self.state_names)} state tensors ({', '.join(self.state_names)}), "
                              f"got {len(state)}")
@@ -74,6 +77,18 @@ def export_decode_step(model: nn.Module, batch_size: int = 1,
     step = ResolventDecodeStep(model, batch_size, max_cache_len).eval()
     with torch.no_grad():
         return torch.export.export(step, step.example_inputs(), strict=False)
+
+
+def export_prefill(model: nn.Module, length: int, batch_size: int = 1,
+                   max_cache_len: int | None = None) -> torch.export.ExportedProgram:
+    """``torch.export`` of the prefill of ``length`` tokens: ``program.module()(ids (B, length), *initial_state)``
+    gives the logits and the state that :func:`export_decode_step`'s program (same ``batch_size`` and
+    ``max_cache_len``) continues from."""
+    step = ResolventDecodeStep(model, batch_size, max_cache_len).eval()
+    if not 1 <= length <= step.max_cache_len:
+        raise ValueError(f"length must lie in [1, max_cache_len = {step.max_cache_len}], got {length}")
+    with torch.no_grad():
+        return torch.export.export(step, step.example_inputs(length), strict=False)
 
 
 def export_onnx(model: nn.Module, path: str | Path, batch_size: int = 1, max_cache_len: int | None = None) -> Path:

@@ -1,6 +1,7 @@
-"""Export of the decode step (hf_resolvent.export): torch.export and ONNX with onnxruntime, for a stack that holds
-every kind of decode state. A prompt runs through the exported step one token at a time, then 16 new tokens; every
-logit is held to the model's own full forward over the same tokens."""
+"""Export (hf_resolvent.export): the prefill and the decode step with torch.export, the decode step in ONNX with
+onnxruntime, for a stack that holds every kind of decode state. A prompt runs through the exported prefill (or
+through the exported step one token at a time), then 16 new tokens; every logit is held to the model's own full
+forward over the same tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import hf_resolvent as hr
-from hf_resolvent.export import ResolventDecodeStep, export_decode_step, export_onnx
+from hf_resolvent.export import ResolventDecodeStep, export_decode_step, export_onnx, export_prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -53,6 +54,21 @@ def test_torch_export_of_the_decode_step_runs_prompt_and_new_tokens():
     torch.testing.assert_close(eager, want[:, :-1], atol=1e-5, rtol=1e-5)
     assert step.state_names[:6] == ["layer0.keys_a", "layer0.keys_b", "layer0.values", "layer0.outputs",
                                     "layer0.positions", "layer0.seen"]
+
+
+def test_torch_export_of_the_prefill_then_the_decode_step():
+    """The prefill program (the parallel form's graph) leaves the state the decode-step program continues from."""
+    model = tiny_model()
+    seq, want = tokens_and_logits(model)
+    prefill = export_prefill(model, 6, batch_size=2, max_cache_len=32).module()
+    step = export_decode_step(model, batch_size=2, max_cache_len=32).module()
+    with torch.no_grad():
+        out = prefill(seq[:, :6], *ResolventDecodeStep(model, batch_size=2, max_cache_len=32).initial_state())
+        rest = run_steps(step, seq[:, 6:], out[1:])
+    torch.testing.assert_close(out[0], want[:, :6], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rest, want[:, 6:-1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"length must lie in \[1, max_cache_len = 32\], got 33"):
+        export_prefill(model, 33, max_cache_len=32)
 
 
 def test_the_step_leaves_its_inputs_and_checks_their_count():

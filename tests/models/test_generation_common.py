@@ -11,41 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import FAMILIES, VOCAB
+from conftest import family_model as tiny_model
 from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_resolvent as hr
 
-FAMILIES = {
-    "attention": "attention",
-    "local": "local_attention:4",
-    "dense": "dense",
-    "banded": "banded:3",
-    "diagonal": "diagonal",
-    "sparse": "exp2",
-    "ce": "exp2:ce",
-    "square-ce": "square:ce",
-    "tied": "exp2:ce+tied",
-    "hybrid": ["exp2:ce", "dense+tied", "attention"],
-}
-
 pytestmark = [pytest.mark.usefixtures("one_thread_module"),
               pytest.mark.parametrize("family", list(FAMILIES))]
-
-VOCAB = 61
-
-
-def tiny_model(family: str, seed: int = 0, **kw) -> hr.ResolventForCausalLM:
-    mixer = FAMILIES[family]
-    fields = dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=len(mixer) if isinstance(mixer, list) else 2,
-                  n_head=2, bos_token_id=0, eos_token_id=None, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                  initializer_range=0.3)  # wide enough that greedy decoding does not settle on one token
-    fields.update(kw)
-    torch.manual_seed(seed)
-    model = hr.ResolventForCausalLM(hr.ResolventConfig(mixer=mixer, **fields)).eval()
-    # A generated pad token would read as a hole in the mask that generate() derives from the ids when it continues.
-    model.generation_config.suppress_tokens = [fields["pad_token_id"]]
-    return model
-
 
 def prompt(batch: int = 2, n: int = 7, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
