@@ -521,3 +521,13 @@ def test_bad_impl_and_pattern_errors():
         mix("exp3", inp, "parallel")
     with pytest.raises(ValueError, match="window"):
         mix("banded:0", inp, "reference")
+
+
+@pytest.mark.parametrize("key", [k for k in SPECS if not get_pattern(SPECS[k]).is_dense])
+def test_graph_form_sources_are_the_patterns_own_table(key):
+    """The graph form rebuilds the sources from the slots' closed form (no numpy in a graph): the pattern's table."""
+    from hf_resolvent.ops.graph import _source_table
+
+    pattern = get_pattern(SPECS[key])
+    for n in (1, 2, 5, 64, 97, 300):
+        assert torch.equal(_source_table(pattern, n, "cpu"), pattern.source_index(n).T), n
