@@ -293,7 +293,7 @@ def test_long_and_mqar_presets_resolve():
     for preset in ("cpu", "cpu-long", "paper"):
         cfg = mod.resolve_preset("mqar", preset)
         spec = mod.task_spec("mqar", cfg)
-        assert spec.vocab.size <= 8192 and 64 <= spec.max_len <= 256 and 4 <= spec.max_pairs <= 64
+        assert spec.vocab.size <= 8192 and 32 <= spec.max_len <= 256 and 4 <= spec.max_pairs <= 64
         assert max(cfg["eval_pairs"]) == spec.max_pairs
     assert mod.resolve_preset("mqar", "cpu")["layers"] == 2 and 64 <= mod.resolve_preset("mqar", "cpu")["d"] <= 128
     assert mod.resolve_preset("mqar", "paper")["steps"] == 20_000
