@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import check_inputs, row_valid_mask
+from .parallel import _promote
 from .patterns import Pattern, get_pattern
 from .slots import _pattern_slots
 
@@ -149,11 +150,6 @@ def _solve(qb, kb, g, rhs, pattern: Pattern, start, scale, chunk: int) -> torch.
         y = torch.linalg.solve_triangular(eye - block, acc, upper=False)
         solved = torch.cat([solved, y], dim=2)
     return solved
-
-
-def _promote(*ts):
-    dtype = torch.promote_types(next(t for t in ts if t is not None).dtype, torch.float32)
-    return [None if t is None else t.to(dtype) for t in ts]
 
 
 def graph_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk: int = GRAPH_CHUNK) -> torch.Tensor:
