@@ -248,7 +248,6 @@ def model_label(model_cfg: dict) -> str:
     return ",".join(mixer) if isinstance(mixer, (list, tuple)) else str(mixer)
 
 
-
 def training_budget(run_config: dict, data_meta: dict) -> dict:
     """What two runs must share for their perplexities to be compared: the model shape (without the position
     table's size), context, steps, batch, learning-rate schedule, and the data (corpus, split and tokenizer).
