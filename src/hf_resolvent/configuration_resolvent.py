@@ -130,7 +130,7 @@ class ResolventConfig(PretrainedConfig):
     """
 
     model_type = "resolvent"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     attribute_map = {
         "hidden_size": "n_embd",
         "max_position_embeddings": "n_positions",

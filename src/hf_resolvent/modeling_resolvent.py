@@ -24,6 +24,7 @@ This file is copied into saved model folders (remote code): it imports only ``to
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -112,6 +113,20 @@ def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = t.shape[-1] // 2
     rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
     return (t.float() * cos + rotated.float() * sin).to(t.dtype)
+
+
+# transformers 5.24 renamed the cache argument of forward() and generate(), and the output field, from
+# ``past_key_values`` to ``cache``. The supported releases lie on both sides of the rename (pyproject.toml): forward()
+# takes either name, and the generate() hooks and outputs below use the installed release's.
+CACHE_NAME = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
+def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+    """The cache given to forward() under either name (see :data:`CACHE_NAME`)."""
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("got two different caches, as past_key_values and as cache; pass one (cache= on "
+                         "transformers >= 5.24, past_key_values= before)")
+    return cache if cache is not None else past_key_values
 
 
 def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -430,7 +445,7 @@ class ResolventPreTrainedModel(PreTrainedModel):
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ResolventBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     # Not "stateful" in generate()'s sense: every layer's cache can be rolled back over the tokens it recorded
     # (ResolventCacheLayer.activate_past_recording), so assisted and prompt-lookup decoding work for every mixer.
     _is_stateful = False
@@ -622,7 +637,8 @@ class ResolventModel(ResolventPreTrainedModel):
 
     Forward inputs follow GPT-2/Llama: ``input_ids`` (B, n) or ``inputs_embeds`` (B, n, width),
     ``attention_mask`` (B, n) or (B, cached + n), ``position_ids`` (B or 1, n) (default: counted from each
-    sequence's first real token), ``past_key_values`` (a :class:`ResolventCache`), ``use_cache`` (default
+    sequence's first real token), ``cache`` or ``past_key_values`` (a :class:`ResolventCache`, under either name:
+    :data:`CACHE_NAME`), ``use_cache`` (default
     ``config.use_cache`` in eval mode, False in training mode), ``output_hidden_states``.
     """
 
@@ -655,8 +671,10 @@ class ResolventModel(ResolventPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        cache: Cache | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast | tuple:
+        past_key_values = _one_cache(past_key_values, cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids (B, n) and inputs_embeds (B, n, width)")
         if output_attentions:
@@ -755,7 +773,7 @@ class ResolventModel(ResolventPreTrainedModel):
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **{CACHE_NAME: past_key_values if use_cache else None},
             hidden_states=all_hidden_states,
         )
         return output if return_dict else output.to_tuple()
@@ -797,6 +815,7 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple:
         if return_dict is None:
@@ -805,7 +824,7 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            past_key_values=_one_cache(past_key_values, cache),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
@@ -825,7 +844,7 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
         output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: outputs[CACHE_NAME] if CACHE_NAME in outputs else None},
             hidden_states=outputs.hidden_states,
         )
         return output if return_dict else output.to_tuple()
@@ -834,16 +853,16 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
                                       max_cache_length=None, *args, **kwargs):
         """generate() hook: make a :class:`ResolventCache` (instead of a ``DynamicCache``), static for
         ``cache_implementation="static"``."""
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_NAME)
         if cache is not None:
             if generation_config.cache_implementation is not None:
-                raise ValueError("pass either cache_implementation or past_key_values to generate(), not both")
+                raise ValueError(f"pass either cache_implementation or {CACHE_NAME} to generate(), not both")
             if not isinstance(cache, ResolventCache):
                 if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-                    cache = model_kwargs["past_key_values"] = ResolventCache(self.config)
+                    cache = model_kwargs[CACHE_NAME] = ResolventCache(self.config)
                 else:
                     raise ValueError(
-                        f"past_key_values must be a ResolventCache, got {type(cache).__name__}; continue from the "
+                        f"{CACHE_NAME} must be a ResolventCache, got {type(cache).__name__}; continue from the "
                         "cache that a previous generate()/forward returned"
                     )
             cache._is_user_defined = True
@@ -858,15 +877,17 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
             )
         # static: sized by generate() for the prompt and every new token, as transformers sizes its StaticCache
         max_cache_len = max_cache_length if implementation == "static" else None
-        model_kwargs["past_key_values"] = ResolventCache(self.config, max_cache_len=max_cache_len)
+        model_kwargs[CACHE_NAME] = ResolventCache(self.config, max_cache_len=max_cache_len)
         if generation_config.is_assistant:  # an assistant's drafts are rolled back: as transformers does for its caches
-            model_kwargs["past_key_values"].activate_past_recording()
+            model_kwargs[CACHE_NAME].activate_past_recording()
 
-    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values=None, cache=None,
+                                  **kwargs):
         """generate() hook for compileable (static) caches, which would get a 4-D mask: the 2-D mask for the prompt,
         and none for decode steps, whose positions the cache already knows (each sequence's left padding is recorded
         at prefill; generate() only appends real tokens). Without a mask, a compiled decode step has one shape."""
-        return attention_mask if past_key_values is None or past_key_values.get_seq_length() == 0 else None
+        cache = _one_cache(past_key_values, cache)
+        return attention_mask if cache is None or cache.get_seq_length() == 0 else None
 
     # ----------------------------------------------------------------------------------------------
     @classmethod

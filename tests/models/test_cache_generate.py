@@ -314,3 +314,20 @@ def test_text_generation_pipeline():
     assert len(out) == 2 and out[0][0]["generated_text"].startswith("the cat sat")
     alone = pipe("the cat sat", max_new_tokens=5, do_sample=False)
     assert alone[0]["generated_text"] == out[0][0]["generated_text"]
+
+
+def test_forward_takes_the_cache_under_either_name():
+    """transformers 5.24 renamed forward()'s and generate()'s cache argument from past_key_values to cache; the model
+    takes both (the supported releases lie on both sides), continues the same way under either, refuses two different
+    caches at once, and returns the cache under the installed release's name."""
+    model = tiny_model("exp2:ce")
+    ids = torch.randint(1, 61, (1, 9), generator=torch.Generator().manual_seed(0))
+    full = model(ids).logits[:, -1]
+    for name in ("cache", "past_key_values"):
+        cache = hr.ResolventCache(model.config)
+        model(ids[:, :8], **{name: cache}, use_cache=True)
+        out = model(ids[:, 8:], **{name: cache}, use_cache=True)
+        torch.testing.assert_close(out.logits[:, -1], full, atol=1e-5, rtol=1e-5)
+        assert out[hr.modeling_resolvent.CACHE_NAME] is cache
+    with pytest.raises(ValueError, match="got two different caches, as past_key_values and as cache; pass one"):
+        model(ids, cache=hr.ResolventCache(model.config), past_key_values=hr.ResolventCache(model.config))
