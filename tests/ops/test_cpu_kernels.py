@@ -102,6 +102,58 @@ def test_compiled_path_is_taken_and_matches_the_reference(spec, kernels):
     torch.testing.assert_close(y, reference_mix(qa, ka, qb, kb, x, g, spec), atol=1e-5, rtol=1e-5)
 
 
+DECODE_CASES = [(spec, False) for spec in ("attention", "local_attention:4")] + [
+    (spec, tied) for spec in ("dense", "banded:3", "exp2", "exp2:ce", "square:ce") for tied in (False, True)]
+
+
+@pytest.mark.parametrize("spec,tied", DECODE_CASES)
+def test_compiled_decode_step_matches_the_pytorch_step(spec, tied):
+    """Token by token from an empty state, a batch with left padding: the compiled step gives the PyTorch step's
+    outputs and leaves the same state (rows, positions) after every token, in float32 and float64."""
+    from hf_resolvent.ops.recurrent import recurrent_step, recurrent_step_tied
+    from hf_resolvent.ops.state import DecodeState
+
+    for dtype, tol in ((torch.float32, 1e-6), (F64, 1e-13)):
+        gen = torch.Generator().manual_seed(5)
+        qa, ka, qb, kb, x = (torch.randn(3, 2, 40, 8, generator=gen, dtype=dtype) for _ in range(5))
+        g, d = (torch.rand(3, 2, 40, generator=gen, dtype=dtype) for _ in range(2))
+        start = torch.tensor([0, 4, 11])
+        states = {path: DecodeState(start=start) for path in ("cpu", "torch")}
+        for t in range(40):
+            ys = {}
+            for path, state in states.items():
+                with dispatch.torch_only() if path == "torch" else torch.profiler.profile() as prof:
+                    if tied:
+                        ys[path] = recurrent_step_tied(state, qb[:, :, t], kb[:, :, t], x[:, :, t], g[:, :, t],
+                                                       d[:, :, t], spec)
+                    else:
+                        ys[path] = recurrent_step(state, qa[:, :, t], ka[:, :, t], qb[:, :, t], kb[:, :, t],
+                                                  x[:, :, t], g[:, :, t], spec)
+                if path == "cpu":
+                    assert "hf_resolvent::decode_step" in {e.name for e in prof.events()}
+            torch.testing.assert_close(ys["cpu"], ys["torch"], atol=tol, rtol=tol)
+            assert torch.equal(states["cpu"].positions, states["torch"].positions)
+            for name, held in states["torch"].tensors().items():
+                torch.testing.assert_close(states["cpu"].tensors()[name], held, atol=tol, rtol=tol)
+
+
+def test_compiled_decode_step_checks_its_inputs():
+    ops = cpu.operators()
+    q, x = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+    held_k, held_x = torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 5)
+    read, r = torch.ones(2, 6, dtype=torch.bool), torch.tensor([6, 6])
+    y, _ = ops.decode_step(q, q, None, None, x, None, None, held_k, held_x, None, None, read, r, 0.5)
+    assert y.shape == (2, 3, 5)
+    with pytest.raises(RuntimeError, match=r"read must be a \(B, S\) bool tensor with B = 2"):
+        ops.decode_step(q, q, None, None, x, None, None, held_k, held_x, None, None, read[:1], r, 0.5)
+    with pytest.raises(RuntimeError, match=r"held rows must be \(B, H, S, .\) = \(2, 3, 6, .\)"):
+        ops.decode_step(q, q, None, None, x, None, None, held_k[:, :, :5], held_x, None, None, read, r, 0.5)
+    with pytest.raises(RuntimeError, match="the recurrent channel needs the gate g"):
+        ops.decode_step(q, q, q, q, x, None, None, held_k, held_x, held_k, held_x, read, r, 0.5)
+    with pytest.raises(RuntimeError, match="keys_a must have x's dtype Float, got Double"):
+        ops.decode_step(q, q, None, None, x, None, None, held_k.double(), held_x, None, None, read, r, 0.5)
+
+
 def test_kernels_check_their_inputs():
     ops = cpu.operators()
     n = 6

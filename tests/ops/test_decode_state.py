@@ -121,6 +121,34 @@ def test_from_prefill_equals_step_by_step(spec):
                 assert all(t.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() for v in rows.values())
 
 
+def test_layers_advancing_the_same_token_share_one_register_plan():
+    """The bookkeeping of a register state (slots, positions, which rows move) is worked out once per token for
+    all the layers of a cache; each layer still gathers its own rows, and a state in another place (a different
+    register, another pattern, a callable of the same name) gets its own plan."""
+    rows = _rows(2, 9)
+    layers = [DecodeState.from_prefill("exp2:ce", rows) for _ in range(3)]
+    token = {k: v[:, :, 0] for k, v in _rows(2, 1, seed=1).items()}
+    for state in layers:
+        state.advance("exp2:ce", token, state.next_position(2, "cpu"))
+    assert layers[0].positions is layers[1].positions is layers[2].positions
+    assert layers[0].keys_a is not layers[1].keys_a
+    _assert_same(layers[2], _stepped("exp2:ce", {k: torch.cat([v, token[k][:, :, None]], 2) for k, v in rows.items()}))
+
+    def f(k):
+        return 2**k
+
+    def g(k):
+        return k * k + 1
+
+    doubling, squares = (get_pattern(fn, cache_efficient=True) for fn in (f, g))
+    g.__name__ = "f"
+    squares = get_pattern(g, cache_efficient=True)
+    assert doubling.name == squares.name
+    rows = _rows(1, 30, seed=2)
+    for pattern in (doubling, squares, doubling):
+        _assert_same(_stepped(pattern, rows), DecodeState.from_prefill(pattern, rows))
+
+
 def test_from_prefill_refuses_bad_inputs():
     rows = _rows(2, 5)
     with pytest.raises(ValueError, match="may only hold"):

@@ -94,13 +94,25 @@ def test_a_named_backend_that_cannot_run_is_an_error_not_a_fallback(monkeypatch)
                                atol=1e-5, rtol=1e-5)  # "auto" falls back: it named nothing
 
 
-def test_decoding_runs_the_recurrent_step_except_on_triton():
+def test_decoding_runs_the_recurrent_step_except_on_triton(monkeypatch):
+    """On CPU the recurrent step runs its compiled twin unless impl="torch" asks for PyTorch alone; a named "cpu"
+    that cannot run is an error, not a fallback."""
     qa, ka, qb, kb, x, g = _inputs(n=1)
-    for impl in ("auto", "torch", "cpu", "parallel", "reference"):
+    for impl in ("auto", "cpu", "parallel", "reference"):
         assert dispatch.choose_decode(impl, x) == "recurrent"
-    y = decode_step(DecodeState(), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0], "exp2",
-                    impl="cpu")
-    assert y.shape == (1, 2, 8)
+    assert dispatch.choose_decode("torch", x) == "torch"
+    token = (qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0])
+    ran = {}
+    for impl in ("cpu", "torch"):
+        with torch.profiler.profile() as prof:
+            y = decode_step(DecodeState(), *token, "exp2", impl=impl)
+        assert y.shape == (1, 2, 8)
+        ran[impl] = "hf_resolvent::decode_step" in {e.name for e in prof.events()}
+    assert ran == {"cpu": True, "torch": False}
+    monkeypatch.setattr(cpu, "_state", {"ok": False})  # as after a failed build
+    with pytest.raises(RuntimeError, match="compiled CPU kernels are not available here"):
+        decode_step(DecodeState(), *token, "exp2", impl="cpu")
+    assert decode_step(DecodeState(), *token, "exp2").shape == (1, 2, 8)  # "auto" falls back: it named nothing
 
 
 def test_a_static_state_decodes_with_the_pytorch_step_and_refuses_triton():

@@ -98,7 +98,7 @@ def test_three_forms_agree(key, cpu_path):
 
 
 @pytest.mark.parametrize("key", list(SPECS))
-def test_three_forms_agree_with_left_padding(key):
+def test_three_forms_agree_with_left_padding(key, cpu_path):
     """Left padding: the padded sequence equals the sequence alone on its real rows, padded rows are 0."""
     spec = SPECS[key]
     for n, pad in ((64, 13), (97, 40)):
@@ -134,7 +134,7 @@ def test_parallel_chunk_boundaries(key, cpu_path):
 
 
 @pytest.mark.parametrize("key", RESOLVENT)
-def test_tied_forms_agree(key):
+def test_tied_forms_agree(key, cpu_path):
     spec = SPECS[key]
     for n, pad in ((64, 9), (97, 31)):
         inp = make_mixer_inputs(batch=2, heads=3, n=n, d=8, e=5, seed=3 * n)

@@ -24,8 +24,9 @@ keeps the CPU kernels from being built at all.
 Inside ``torch.compile`` and ``torch.export``, ``"auto"``, ``"parallel"`` and ``"torch"`` run the graph form: the
 eager parallel form's slices, buffers and C++ kernels do not trace.
 
-Decoding has two backends: the Triton decode kernel (``"triton"``, and ``"auto"`` for CUDA tensors) and the PyTorch
-recurrent step (every other choice; there is no compiled CPU decode step).
+Decoding runs the Triton decode kernel (``"triton"``, and ``"auto"`` for CUDA tensors), or else the recurrent step,
+whose arithmetic takes the compiled CPU kernel where the parallel form would take the CPU kernels (``"torch"``: its
+PyTorch code alone; ``"cpu"``: an error where the kernel cannot run).
 
 The backends live in the installed library. The flat copy of the ops modules that ``save_pretrained`` ships for
 ``trust_remote_code`` has none: there ``"auto"`` runs PyTorch and ``"cpu"`` or ``"triton"`` is an error.
@@ -120,8 +121,9 @@ def choose(impl: str | None, x: torch.Tensor) -> str:
 
 
 def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
-    """The decode step's code for tensors like ``x`` and a layer's ``state``: "triton" or "recurrent" (see the module
-    docstring). A preallocated state (static cache) and a compiled graph take the PyTorch step."""
+    """The decode step's code for tensors like ``x`` and a layer's ``state``: "triton", or the recurrent step as
+    "recurrent" (its compiled CPU twin where :func:`compiled_for` allows it) or "torch" (its PyTorch code alone). A
+    preallocated state (static cache) and a compiled graph take the recurrent step."""
     impl = resolve(impl)
     static = isinstance(state, StaticDecodeState)
     if impl == "triton" and static:
@@ -130,6 +132,10 @@ def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
     if impl == "triton" or (impl == "auto" and x.is_cuda and not static and not torch.compiler.is_compiling()
                             and triton_ready()):
         return "triton"
+    if impl == "torch":
+        return "torch"
+    if impl == "cpu":
+        choose(impl, x)  # raises where the compiled CPU kernels cannot run
     return "recurrent"
 
 

@@ -74,20 +74,25 @@ def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "
         x: (B, H, e) its value; g: (B, H) its gate (None for attention patterns).
         pattern: spec or Pattern.
         impl: as for :func:`resolvent_mix`; the Triton decode kernel runs for ``"triton"`` (and ``"auto"`` on CUDA
-            tensors, outside compiled graphs), the PyTorch ``recurrent_step`` for every other choice and for a
-            :class:`~.state.StaticDecodeState`.
+            tensors, outside compiled graphs), ``recurrent_step`` for every other choice and for a
+            :class:`~.state.StaticDecodeState` (on its compiled CPU kernel where it can, in PyTorch alone for
+            ``"torch"``).
         scale: score scale, default d ** -0.5.
 
     Returns:
         y (B, H, e), 0 for sequences still in their left padding.
     """
-    if choose_decode(impl, x, state) == "triton":
+    path = choose_decode(impl, x, state)
+    if path == "triton":
         return triton().triton_decode_step(state, qa, ka, qb, kb, x, g, pattern, scale=scale)
-    return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale)
+    with torch_only() if path == "torch" else nullcontext():
+        return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale)
 
 
 def decode_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
     """Tied variant of :func:`decode_step`: qb, kb (B, H, d), x (B, H, e), g and d (B, H) -> y (B, H, e)."""
-    if choose_decode(impl, x, state) == "triton":
+    path = choose_decode(impl, x, state)
+    if path == "triton":
         return triton().triton_decode_step_tied(state, qb, kb, x, g, d, pattern, scale=scale)
-    return recurrent_step_tied(state, qb, kb, x, g, d, pattern, scale)
+    with torch_only() if path == "torch" else nullcontext():
+        return recurrent_step_tied(state, qb, kb, x, g, d, pattern, scale)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .common import check_inputs
+from .dispatch import compiled_for, compiled_ops
 from .patterns import get_pattern
 from .state import DecodeState, MixerState  # MixerState: re-exported, code imported it from here
 
@@ -52,19 +53,38 @@ def _step_start(state: DecodeState, pattern, q, x, scale):
     return pattern, r, read, q.shape[-1] ** -0.5 if scale is None else scale
 
 
+def _mix(state: DecodeState, read, r, scale, qa, ka, qb, kb, x, g, d):
+    """The token's output y (B, H, e) and the row the state stores as ``outputs`` (y before the padding mask;
+    the tied variant's z, masked), from the held rows that ``read`` (B, S) lets through. The compiled CPU kernel
+    (``backends/cpu/csrc/decode_cpu.cpp``) does this arithmetic in one call where :func:`~.dispatch.compiled_for`
+    allows it; the PyTorch code below is its reference."""
+    held = [getattr(state, name) if q is not None else None  # the rows of the channels this step uses
+            for name, q in (("keys_a", qa), ("values", qa), ("keys_b", qb), ("outputs", qb))]
+    if compiled_for(x, *(t for t in (qa, ka, qb, kb, g, d, *held) if t is not None)):
+        return compiled_ops().decode_step(qa, ka, qb, kb, x, g, d, *held, read, r, scale)
+    valid = (r >= 0).to(x.dtype)[:, None, None]
+    if d is not None:  # tied: z = g B~ z[P^B] + (1 - g) x, y = z - d x
+        g_eff = g * read.any(1, keepdim=True).to(g.dtype)
+        recur = _attend(qb, _held(state, "keys_b", kb), _held(state, "outputs", x), read, scale)
+        z = (g_eff[..., None] * recur + (1 - g_eff)[..., None] * x) * valid
+        return (z - d[..., None] * x) * valid, z
+    y = _attend(qa, _held(state, "keys_a", ka), _held(state, "values", x), read, scale, own=(ka, x))
+    if qb is not None:
+        g_eff = g * read.any(1, keepdim=True).to(g.dtype)
+        recur = _attend(qb, _held(state, "keys_b", kb), _held(state, "outputs", x), read, scale)
+        y = (1 - g_eff)[..., None] * y + g_eff[..., None] * recur
+    return y * valid, y
+
+
 def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
     """Mix one token (each input (B, H, d) or (B, H) for g) and advance ``state``. Returns y (B, H, e)."""
     pattern, r, read, scale = _step_start(state, pattern, qa, x, scale)
-    direct = _attend(qa, _held(state, "keys_a", ka), _held(state, "values", x), read, scale, own=(ka, x))
+    has_b = pattern.has_recurrence
+    y, stored = _mix(state, read, r, scale, qa, ka, qb if has_b else None, kb if has_b else None, x,
+                     g if has_b else None, None)
     new = {"keys_a": ka, "values": x}
-    if pattern.has_recurrence:
-        g_eff = g * read.any(1, keepdim=True).to(g.dtype)
-        recur = _attend(qb, _held(state, "keys_b", kb), _held(state, "outputs", x), read, scale)
-        y = (1 - g_eff)[..., None] * direct + g_eff[..., None] * recur
-        new.update(keys_b=kb, outputs=y)
-    else:
-        y = direct
-    y = y * (r >= 0).to(y.dtype)[:, None, None]
+    if has_b:
+        new.update(keys_b=kb, outputs=stored)
     state.advance(pattern, new, r)
     return y
 
@@ -72,12 +92,9 @@ def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None
 def recurrent_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
     """Tied variant, one token: z_t = g softmax(qb . kb[P^B]) z[P^B] + (1 - g) x_t, y_t = z_t - d_t x_t."""
     pattern, r, read, scale = _step_start(state, pattern, qb, x, scale)
-    g_eff = g * read.any(1, keepdim=True).to(g.dtype)
-    recur = _attend(qb, _held(state, "keys_b", kb), _held(state, "outputs", x), read, scale)
-    z = g_eff[..., None] * recur + (1 - g_eff)[..., None] * x
-    valid = (r >= 0).to(z.dtype)[:, None, None]
-    state.advance(pattern, {"keys_b": kb, "outputs": z * valid}, r)
-    return (z - d[..., None] * x) * valid
+    y, z = _mix(state, read, r, scale, None, None, qb, kb, x, g, d)
+    state.advance(pattern, {"keys_b": kb, "outputs": z}, r)
+    return y
 
 
 def _promote(*ts):

@@ -40,6 +40,8 @@ Shapes: B batch, H heads, S rows held, K slots, d key width, e value width, n to
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
@@ -215,26 +217,11 @@ class DecodeState:
 
     def _advance_register(self, pattern: Pattern, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
         """Slot rule (:func:`_register_step`), then hold the distinct positions of the new register."""
-        device = r.device
-        batch = r.shape[0]
-        fs = torch.tensor(pattern.offsets(int(r.max().item()) + 2), dtype=torch.long, device=device)
-        K = fs.numel()
-        old = self.slots if self.slots is not None else torch.full((batch, 0), -1, dtype=torch.long, device=device)
-        if old.shape[1] < K:
-            old = torch.cat([old, old.new_full((batch, K - old.shape[1]), -1)], dim=1)
-        slots, _ = _register_step(old, r, fs)
-        positions = _distinct_desc(slots)
-
-        # Each kept position is either the new token or a row already held: gather from both.
-        old_pos = self.positions if self.positions is not None else positions.new_full((batch, 0), -1)
-        held = torch.cat([old_pos, r[:, None]], dim=1)  # (B, S + 1); the new token is the last row
-        match = (positions[:, :, None] == held[:, None, :]) & (positions[:, :, None] >= 0)
-        src = match.to(torch.int8).argmax(-1)  # (B, W); padding rows take row 0, never read
-        for name, t in new.items():
+        slots, positions, src = _register_plan(pattern, self.slots, self.positions, r)
+        for name, t in new.items():  # each kept position is the new token (last of `both`) or a row already held
             old_t = getattr(self, name)
             both = t[:, :, None] if old_t is None else torch.cat([old_t, t[:, :, None]], dim=2)
-            index = src[:, None, :, None].expand(-1, both.shape[1], -1, both.shape[-1])
-            setattr(self, name, both.gather(2, index))
+            setattr(self, name, both.gather(2, src[:, None, :, None].expand(-1, both.shape[1], -1, both.shape[-1])))
         self.slots = slots
         self.positions = positions
 
@@ -632,6 +619,44 @@ def _register_step(old: torch.Tensor, r: torch.Tensor, fs: torch.Tensor) -> tupl
     stay = (old >= 0) & (rr + 1 - fs <= old)
     slots = torch.where(stay, old, torch.cat([rr, old[:, :-1]], dim=1))
     return torch.where((fs <= rr + 1) & (rr >= 0), slots, -1), stay
+
+
+_PLANS: OrderedDict = OrderedDict()  # memo of _register_plan, most recent last
+_PLANS_KEPT = 64
+_PLANS_LOCK = threading.Lock()  # caches may decode in several threads
+
+
+def _register_plan(pattern: Pattern, slots: torch.Tensor | None, positions: torch.Tensor | None,
+                   r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's step of a register state's bookkeeping: the register (B, K) after the token at positions r (B,),
+    the distinct positions it holds (B, W), newest first, and src (B, W), the row of [held rows, the token] that each
+    comes from (padding rows take row 0 and are never read).
+
+    Every layer of a cache holds the same register and takes the same token, so the plan is memoised by its inputs'
+    values: the layers after the first reuse the tensors of the first (states never write into a tensor they hold,
+    so sharing them is safe)."""
+    key = (pattern, r.device, *(None if t is None else tuple(t.flatten().tolist()) + tuple(t.shape)
+                                for t in (slots, positions, r)))
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan
+    batch, device = r.shape[0], r.device
+    fs = torch.tensor(pattern.offsets(int(r.max().item()) + 2), dtype=torch.long, device=device)
+    old = slots if slots is not None else torch.full((batch, 0), -1, dtype=torch.long, device=device)
+    if old.shape[1] < fs.numel():
+        old = torch.cat([old, old.new_full((batch, fs.numel() - old.shape[1]), -1)], dim=1)
+    new_slots, _ = _register_step(old, r, fs)
+    new_positions = _distinct_desc(new_slots)
+    held = torch.cat([positions if positions is not None else new_positions.new_full((batch, 0), -1), r[:, None]], 1)
+    match = (new_positions[:, :, None] == held[:, None, :]) & (new_positions[:, :, None] >= 0)
+    plan = new_slots, new_positions, match.to(torch.int8).argmax(-1)
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        if len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return plan
 
 
 def _register(pattern: Pattern, r_last: torch.Tensor) -> torch.Tensor:
