@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import json
 import math
 import os
@@ -109,10 +110,13 @@ class ResolventRotaryEmbedding(nn.Module):
 
 
 def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, n, d) queries or keys by the tables of :class:`ResolventRotaryEmbedding` (rotate-half)."""
+    """Rotate queries or keys (..., d) by the tables of :class:`ResolventRotaryEmbedding`, broadcast to them
+    (rotate-half)."""
+    # rotate_half(t) = (-t2, t1) is the roll (t2, t1) with the first half's sign flipped: the sign goes into the
+    # table, so a rotation is three passes over t (roll, mul, addcmul), not five
     half = t.shape[-1] // 2
-    rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
-    return (t.float() * cos + rotated.float() * sin).to(t.dtype)
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return torch.addcmul(t.float() * cos, t.roll(half, dims=-1).float(), signed_sin).to(t.dtype)
 
 
 # transformers 5.24 renamed the cache argument of forward() and generate(), and the output field, from
@@ -162,6 +166,9 @@ class ResolventMixer(nn.Module):
             self.parts = ("x", "qb", "kb")
         else:
             self.parts = ("qa", "ka", "x", "qb", "kb")
+        # runs of consecutive parts that RoPE rotates (queries and keys) or not (x): one rotation per run
+        self.part_runs = [(tuple(names), rotate) for rotate, names in
+                          itertools.groupby(self.parts, key=lambda name: name != "x")]
         width, inner = config.n_embd, config.n_head * config.head_dim
         self.in_proj = nn.Linear(width, len(self.parts) * inner)
         self.out_proj = nn.Linear(inner, width)
@@ -203,14 +210,15 @@ class ResolventMixer(nn.Module):
         ``layer_cache``: this layer's :class:`~hf_resolvent.cache_resolvent.ResolventCacheLayer` or None."""
         batch, n, width = hidden_states.shape
         proj = self.in_proj(hidden_states).view(batch, n, len(self.parts), self.num_heads, self.head_dim)
-        # unbind, not proj[:, :, i]: its backward is one stack, where each index's backward zero-fills a
-        # proj-sized gradient that autograd then sums (figures: bench/NOTES.md)
-        t = {name: part.transpose(1, 2) for name, part in zip(self.parts, proj.unbind(2))}  # (B, H, n, hd)
-        if rope is not None:
-            cos, sin = rope
-            for name in ("qa", "ka", "qb", "kb"):
-                if name in t:
-                    t[name] = apply_rope(t[name], cos, sin)
+        if rope is not None:  # (B, 1, n, hd) -> (B, n, 1, 1, hd), as proj's runs of parts
+            rope = tuple(table.transpose(1, 2).unsqueeze(2) for table in rope)
+        # split and unbind, not proj[:, :, i]: their backwards are one cat and one stack, where each index's backward
+        # zero-fills a proj-sized gradient that autograd then sums (figures: bench/NOTES.md)
+        t = {}  # name -> (B, H, n, hd)
+        for (names, rotate), run in zip(self.part_runs, proj.split([len(names) for names, _ in self.part_runs], 2)):
+            if rotate and rope is not None:
+                run = apply_rope(run, *rope)
+            t.update(zip(names, (part.transpose(1, 2) for part in run.unbind(2))))
         g = self.gate(hidden_states) if self.recurrent else None
         d = (1 - g) * torch.sigmoid(self.skip_proj(hidden_states)).transpose(1, 2) if self.tied else None
         state = None if layer_cache is None else layer_cache.state
@@ -241,8 +249,8 @@ class ResolventMixer(nn.Module):
         return {"keys_a": t["ka"], "values": t["x"], "keys_b": t["kb"], "outputs": y}
 
     def _decode(self, state, t, g, d, n: int, impl: str) -> torch.Tensor:
-        """Run the decode step (Triton or PyTorch, see ``config.mixer_impl``) over the n new tokens from ``state``
-        (advanced in place): (B, H, n, e)."""
+        """Run the decode step (Triton, or C++ or PyTorch on CPU: ``config.mixer_impl``) over the n new tokens from
+        ``state`` (advanced in place): (B, H, n, e)."""
         ys = []
         for i in range(n):
             if self.tied:
@@ -264,7 +272,10 @@ class ResolventMLP(nn.Module):
         inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
         self.c_fc = nn.Linear(config.n_embd, inner)
         self.c_proj = nn.Linear(inner, config.n_embd)
-        self.act = ACT2FN[config.activation_function]
+        # gelu_new (GPT-2's tanh approximation) as PyTorch's fused op: the same function to rounding, one pass over
+        # the activations instead of eight
+        name = "gelu_pytorch_tanh" if config.activation_function == "gelu_new" else config.activation_function
+        self.act = ACT2FN[name]
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
