@@ -32,7 +32,9 @@ records the time of each step (it is called right after each step's forward, so 
   ``generate``'s own per-step work (token choice, stopping checks, cache and mask updates);
   ``decode_tokens_per_s`` is batch x 1000 / that; ``decode_ms_median`` is the median single step;
 - ``peak_rss_mib``: the child's peak resident memory (``VmHWM``: model, prompt, prefill activations, cache),
-  ``model_rss_mib`` its resident memory after building the model and warming up;
+  ``model_rss_mib`` its resident memory after building the model and warming up; the table also gives their
+  difference, the peak above the model: what prompt, activations and cache add, apart from the process (PyTorch,
+  ``transformers``, the weights) that every model pays;
 - ``cache_bytes``: bytes held by the cache ``generate`` returns (``ResolventCache.nbytes()``; for GPT-2 and
   Mamba2 the sum of the tensors their ``DynamicCache`` layers hold).
 
@@ -394,7 +396,8 @@ def run(args) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """``ttft_vs_gpt2``, ``decode_vs_gpt2`` and ``cache_vs_gpt2``: a row's figure over GPT-2's at the same n, batch."""
+    """``ttft_vs_gpt2``, ``decode_vs_gpt2``, ``cache_vs_gpt2`` and ``added_vs_gpt2`` (peak RSS above the model's own
+    resident memory): a row's figure over GPT-2's at the same n and batch."""
     ref = {(r["context"], r["batch"]): r for r in rows if r["model"] == GPT2 and "ttft_s" in r}
     for r in rows:
         g = ref.get((r["context"], r["batch"]))
@@ -403,6 +406,13 @@ def add_ratios(rows: list[dict]) -> None:
         r["ttft_vs_gpt2"] = r["ttft_s"] / g["ttft_s"]
         r["decode_vs_gpt2"] = r["decode_ms_per_token"] / g["decode_ms_per_token"]
         r["cache_vs_gpt2"] = r["cache_bytes"] / g["cache_bytes"]
+        r["added_vs_gpt2"] = _added_mib(r) / max(_added_mib(g), 1e-9)
+
+
+def _added_mib(r: dict) -> float:
+    """Peak resident memory above the model's own (prompt, activations, cache): what the mixer decides, apart from the
+    process (PyTorch, transformers, weights) that every model pays."""
+    return r["peak_rss_mib"] - r["model_rss_mib"]
 
 
 def _ratio(r: dict, key: str) -> str:
@@ -414,12 +424,13 @@ def table(result: dict) -> str:
     out = [f"prompts of n tokens, batch 1, {s['new_tokens']} new tokens, {s['threads']} thread(s); "
            "(x) = ratio to gpt2 at the same n",
            "| n | model | time to first token s (x) | decode ms/token (x) | decode tok/s | peak RSS MiB | "
-           "cache MiB (x) |", "|---:|---|---:|---:|---:|---:|---:|"]
+           "peak above the model MiB (x) | cache MiB (x) |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
     single = [r for r in rows if r["batch"] == 1]
     for r in sorted(single, key=lambda r: r["context"]):
         out.append(_line(r, [f"{r.get('ttft_s', 0):.3f}{_ratio(r, 'ttft_vs_gpt2')}",
                              f"{r.get('decode_ms_per_token', 0):.2f}{_ratio(r, 'decode_vs_gpt2')}",
                              f"{r.get('decode_tokens_per_s', 0):.1f}", f"{r.get('peak_rss_mib', 0):.0f}",
+                             f"{_added_mib(r) if 'ttft_s' in r else 0:.0f}{_ratio(r, 'added_vs_gpt2')}",
                              f"{r.get('cache_bytes', 0) / MIB:.3f}{_ratio(r, 'cache_vs_gpt2')}"]))
     batched = sorted((r for r in rows if r["context"] == s["batch_context"] and r["batch"] in s["batches"]),
                      key=lambda r: (r["batch"], 0))

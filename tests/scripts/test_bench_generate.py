@@ -54,8 +54,10 @@ def test_generate_rows_cache_sizes_and_time_budget(tmp_path):
         assert abs(r["decode_tokens_per_s"] * r["decode_ms_per_token"] / 1e3 - r["batch"]) < 1e-6
         assert r["peak_rss_mib"] >= r["model_rss_mib"] > 10 and r["params"] > 0
         assert r["cache_bytes"] > 0
-        assert abs(r["decode_vs_gpt2"] * at[("gpt2", r["context"], r["batch"])]["decode_ms_per_token"]
-                   - r["decode_ms_per_token"]) < 1e-9
+        g = at[("gpt2", r["context"], r["batch"])]
+        assert abs(r["decode_vs_gpt2"] * g["decode_ms_per_token"] - r["decode_ms_per_token"]) < 1e-9
+        added = r["peak_rss_mib"] - r["model_rss_mib"]
+        assert abs(r["added_vs_gpt2"] * max(g["peak_rss_mib"] - g["model_rss_mib"], 1e-9) - added) < 1e-6
     # GPT-2 keeps keys and values of every token fed: 2 x layers x (n + new - 1) x width float32 per sequence
     for n, b in ((32, 1), (64, 1), (32, 2)):
         assert at[("gpt2", n, b)]["cache_bytes"] == 2 * 2 * (n + 3) * 32 * 4 * b
@@ -67,6 +69,7 @@ def test_generate_rows_cache_sizes_and_time_budget(tmp_path):
     s = result["settings"]
     assert s["threads"] == 1 and s["contexts"] == [32, 64] and s["mamba2"]["hidden_size"] == 32
     assert "| 64 | exp2:ce |" in stdout and "batched decode at n = 32" in stdout
+    assert "peak above the model MiB (x)" in stdout
 
     # a budget no child can meet: the first context times out, the longer one is not even started
     result, stdout = _finish(late)
