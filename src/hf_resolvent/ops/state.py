@@ -276,18 +276,9 @@ class DecodeState:
         if reach == "none":
             return
         if reach is None:
-            recorded = 0 if self.history is None else len(self.history)
-            raise ValueError(
-                f"the decode state of pattern {pattern.name!r} cannot be cropped back {self.seen - length} token(s): the "
-                f"pattern drops past positions (that is what keeps its cache small), and the states of only the last "
-                f"{recorded} tokens were recorded. Record them first (cache.activate_past_recording(), which "
-                "generate() does for assisted and prompt-lookup decoding), or re-run the prompt."
-            )
+            raise ValueError(self._why_not_cropped(pattern, length))
         if reach == "slice":
-            for name, t in self.tensors().items():
-                setattr(self, name, t[:, :, :length])
-            self.positions = self.positions[:, :length]
-            self.seen = length
+            self._slice(length)
             return
         if reach == "history":
             earlier = self.history[length - self.seen]  # the state before token `length`
@@ -298,6 +289,20 @@ class DecodeState:
         for f in fields(self):
             if f.name not in ("history", "prefill_rows"):
                 setattr(self, f.name, getattr(earlier, f.name))
+
+    def _slice(self, length: int) -> None:
+        """Keep the first ``length`` rows (patterns that keep every position: row i is token i)."""
+        for name, t in self.tensors().items():
+            setattr(self, name, t[:, :, :length])
+        self.positions = self.positions[:, :length]
+        self.seen = length
+
+    def _why_not_cropped(self, pattern: Pattern, length: int) -> str:
+        recorded = 0 if self.history is None else len(self.history)
+        return (f"the decode state of pattern {pattern.name!r} cannot be cropped back {self.seen - length} token(s): "
+                f"the pattern drops past positions (that is what keeps its cache small), and the states of only the "
+                f"last {recorded} tokens were recorded. Record them first (cache.activate_past_recording(), which "
+                "generate() does for assisted and prompt-lookup decoding), or re-run the prompt.")
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the sequences ``index`` (B',) in that order (repeats allowed): beam-search reordering, batch
@@ -535,22 +540,15 @@ class StaticDecodeState(DecodeState):
             return "none"
         return "slice" if self.keeps_every_position(pattern) else None
 
-    def crop(self, pattern: Pattern | str, length: int) -> None:
-        """Forget every token after the first ``length``: patterns that keep every position only; the others raise a
-        ValueError (a static state records no history)."""
-        pattern = get_pattern(pattern)
-        if length < 0:
-            raise ValueError(f"crop length must be >= 0, got {length}")
-        reach = self._reach(pattern, length)
-        if reach == "none":
-            return
-        if reach != "slice":
-            raise ValueError(
-                f"a static cache cannot be cropped back to {length} tokens for pattern {pattern.name!r}: the pattern "
-                "drops past positions and a static cache records no earlier states; use the dynamic cache (leave "
-                "cache_implementation unset) for assisted and prompt-lookup decoding")
+    # crop (DecodeState's): patterns that keep every position only, in place; the others raise (no history here)
+    def _slice(self, length: int) -> None:
         self.positions[:, length:] = -1
         self.seen.fill_(length)
+
+    def _why_not_cropped(self, pattern: Pattern, length: int) -> str:
+        return (f"a static cache cannot be cropped back to {length} tokens for pattern {pattern.name!r}: the pattern "
+                "drops past positions and a static cache records no earlier states; use the dynamic cache (leave "
+                "cache_implementation unset) for assisted and prompt-lookup decoding")
 
     def record_history(self, on: bool = True) -> None:
         """Nothing to record: patterns that keep every position crop by slicing, the others cannot crop."""
