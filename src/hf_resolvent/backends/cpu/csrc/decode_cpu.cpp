@@ -61,35 +61,34 @@ Rows<T> rows(const std::optional<at::Tensor>& t, int64_t dims, const char* name)
 
 // softmax over the held rows that `rd` lets through (scores q . keys[s] * scale) and, when own_key is given, the
 // token's own row; acc = the weighted sum of vals (and own_val). Returns false when no row at all was weighed.
-template <typename T, typename A>
+template <typename T>
 bool attend(const T* q, const Rows<T>& keys, const Rows<T>& vals, int64_t b, int64_t h, const bool* rd,
-            int64_t rstride, int64_t S, int64_t dk, int64_t e, A scale, const T* own_key, const T* own_val,
-            std::vector<A>& score, std::vector<A>& acc) {
-  A m = -std::numeric_limits<A>::infinity();
-  A own = 0;
+            int64_t rstride, int64_t S, int64_t dk, int64_t e, T scale, const T* own_key, const T* own_val,
+            std::vector<T>& score, std::vector<T>& acc) {
+  T m = -std::numeric_limits<T>::infinity();
+  T own = 0;
   if (own_key != nullptr) {
-    own = static_cast<A>(dot(q, own_key, dk)) * scale;
+    own = dot(q, own_key, dk) * scale;
     m = own;
   }
   for (int64_t s = 0; s < S; ++s) {
     if (!rd[s * rstride]) continue;
-    score[s] = static_cast<A>(dot(q, keys.at(b, h, s), dk)) * scale;
+    score[s] = dot(q, keys.at(b, h, s), dk) * scale;
     m = std::max(m, score[s]);
   }
-  if (m == -std::numeric_limits<A>::infinity()) return false;
-  std::fill(acc.begin(), acc.end(), A(0));
-  A total = 0;
+  if (m == -std::numeric_limits<T>::infinity()) return false;
+  std::fill(acc.begin(), acc.end(), T(0));
+  T total = 0;
   if (own_key != nullptr) {
-    const A p = std::exp(own - m);
+    const T p = std::exp(own - m);
     total += p;
-    for (int64_t c = 0; c < e; ++c) acc[c] += p * static_cast<A>(own_val[c]);
+    axpy(acc.data(), p, own_val, e);
   }
   for (int64_t s = 0; s < S; ++s) {
     if (!rd[s * rstride]) continue;
-    const A p = std::exp(score[s] - m);
+    const T p = std::exp(score[s] - m);
     total += p;
-    const T* v = vals.at(b, h, s);
-    for (int64_t c = 0; c < e; ++c) acc[c] += p * static_cast<A>(v[c]);
+    axpy(acc.data(), p, vals.at(b, h, s), e);
   }
   for (int64_t c = 0; c < e; ++c) acc[c] /= total;
   return true;
@@ -135,7 +134,6 @@ std::tuple<at::Tensor, at::Tensor> decode_step(
 
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decode_step", [&] {
     using T = scalar_t;
-    using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
     const auto Qa = rows<T>(qa, 3, "qa"), Ka = rows<T>(ka, 3, "ka"), Qb = rows<T>(qb, 3, "qb"),
                Kb = rows<T>(kb, 3, "kb"), X = rows<T>(x, 3, "x");
     const auto KA = rows<T>(keys_a, 4, "keys_a"), V = rows<T>(values, 4, "values"),
@@ -146,32 +144,27 @@ std::tuple<at::Tensor, at::Tensor> decode_step(
     // one (batch, head) pair is S dot products: run pairs on the intra-op threads only when there is work to share
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, S * (da + db + 2 * e)));
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-      std::vector<A> score(S), direct(e), recur(e);
+      std::vector<T> score(S), direct(e), recur(e);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / H, h = i % H;
         const bool* rb = rd + b * rs0;
         const T* xv = X.at(b, h);
-        if (has_a)
-          attend<T, A>(Qa.at(b, h), KA, V, b, h, rb, rs1, S, da, e, static_cast<A>(scale), Ka.at(b, h), xv, score,
-                       direct);
-        A geff = 0;
-        if (has_b) {
-          const bool any = attend<T, A>(Qb.at(b, h), KB, O, b, h, rb, rs1, S, db, e, static_cast<A>(scale), nullptr,
-                                        nullptr, score, recur);
-          if (any) geff = static_cast<A>(*G.at(b, h));
-        }
+        if (has_a) attend<T>(Qa.at(b, h), KA, V, b, h, rb, rs1, S, da, e, scale, Ka.at(b, h), xv, score, direct);
+        T geff = 0;  // g where the token reads a held row, else 0
+        if (has_b && attend<T>(Qb.at(b, h), KB, O, b, h, rb, rs1, S, db, e, scale, nullptr, nullptr, score, recur))
+          geff = *G.at(b, h);
         const bool valid = rp[b] >= 0;
         T* yo = yp + i * e;
         T* zo = zp + i * e;
         for (int64_t c = 0; c < e; ++c) {
           if (tied) {
-            const A zc = geff * recur[c] + (1 - geff) * static_cast<A>(xv[c]);
-            zo[c] = valid ? static_cast<T>(zc) : T(0);
-            yo[c] = valid ? static_cast<T>(zc - static_cast<A>(*D.at(b, h)) * static_cast<A>(xv[c])) : T(0);
+            const T zc = geff * recur[c] + (1 - geff) * xv[c];
+            zo[c] = valid ? zc : T(0);
+            yo[c] = valid ? zc - *D.at(b, h) * xv[c] : T(0);
           } else {
-            const A yc = has_b ? (1 - geff) * direct[c] + geff * recur[c] : direct[c];
-            zo[c] = static_cast<T>(yc);
-            yo[c] = valid ? static_cast<T>(yc) : T(0);
+            const T yc = has_b ? (1 - geff) * direct[c] + geff * recur[c] : direct[c];
+            zo[c] = yc;
+            yo[c] = valid ? yc : T(0);
           }
         }
       }
