@@ -144,6 +144,11 @@ def test_compiled_decode_step_checks_its_inputs():
     read, r = torch.ones(2, 6, dtype=torch.bool), torch.tensor([6, 6])
     y, _ = ops.decode_step(q, q, None, None, x, None, None, held_k, held_x, None, None, read, r, 0.5)
     assert y.shape == (2, 3, 5)
+    strided = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, x, held_k, held_x)]
+    assert strided[2].stride(-1) != 1  # rows whose last dimension is not contiguous are copied, not refused
+    y_strided, _ = ops.decode_step(strided[0], strided[0], None, None, strided[1], None, None, *strided[2:], None,
+                                   None, read, r, 0.5)
+    torch.testing.assert_close(y_strided, y)
     with pytest.raises(RuntimeError, match=r"read must be a \(B, S\) bool tensor with B = 2"):
         ops.decode_step(q, q, None, None, x, None, None, held_k, held_x, None, None, read[:1], r, 0.5)
     with pytest.raises(RuntimeError, match=r"held rows must be \(B, H, S, .\) = \(2, 3, 6, .\)"):

@@ -9,8 +9,8 @@
 //
 // Shapes: B batch, H heads, S rows held, d key width, e value width. The token's tensors are (B, H, d) or
 // (B, H, e), g and d (B, H); held rows (B, H, S, .) (strided: the growing state appends into a larger
-// buffer); read (B, S) bool; r (B,) int64 positions, negative inside the left padding. Every tensor of rows needs
-// a unit stride along its last dimension.
+// buffer); read (B, S) bool; r (B,) int64 positions, negative inside the left padding. A tensor of rows without a
+// unit stride along its last dimension is copied first.
 //
 //   untied: y = (1 - g') softmax(qa . [ka_held, ka]) [values, x] + g' softmax(qb . kb_held) outputs_held
 //   tied:   z = g' softmax(qb . kb_held) outputs_held + (1 - g') x,  y = z - d x
@@ -94,12 +94,23 @@ bool attend(const T* q, const Rows<T>& keys, const Rows<T>& vals, int64_t b, int
   return true;
 }
 
+// t itself when its last dimension has a unit stride (the model's views do), else a contiguous copy
+std::optional<at::Tensor> unit_stride(const std::optional<at::Tensor>& t) {
+  if (!t.has_value() || !t->defined() || t->dim() < 3 || t->stride(-1) == 1) return t;
+  return t->contiguous();
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_step(
-    const std::optional<at::Tensor>& qa, const std::optional<at::Tensor>& ka, const std::optional<at::Tensor>& qb,
-    const std::optional<at::Tensor>& kb, const at::Tensor& x, const std::optional<at::Tensor>& g,
-    const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& keys_a,
-    const std::optional<at::Tensor>& values, const std::optional<at::Tensor>& keys_b,
-    const std::optional<at::Tensor>& outputs, const at::Tensor& read, const at::Tensor& r, double scale) {
+    const std::optional<at::Tensor>& qa_in, const std::optional<at::Tensor>& ka_in,
+    const std::optional<at::Tensor>& qb_in, const std::optional<at::Tensor>& kb_in, const at::Tensor& x_in,
+    const std::optional<at::Tensor>& g, const std::optional<at::Tensor>& d,
+    const std::optional<at::Tensor>& keys_a_in, const std::optional<at::Tensor>& values_in,
+    const std::optional<at::Tensor>& keys_b_in, const std::optional<at::Tensor>& outputs_in, const at::Tensor& read,
+    const at::Tensor& r, double scale) {
+  const auto qa = unit_stride(qa_in), ka = unit_stride(ka_in), qb = unit_stride(qb_in), kb = unit_stride(kb_in);
+  const auto keys_a = unit_stride(keys_a_in), values = unit_stride(values_in), keys_b = unit_stride(keys_b_in),
+             outputs = unit_stride(outputs_in);
+  const at::Tensor x = x_in.dim() == 3 && x_in.stride(-1) != 1 ? x_in.contiguous() : x_in;
   TORCH_CHECK(x.dim() == 3, "decode_step: x must be (B, H, e), got ", x.sizes());
   const int64_t B = x.size(0), H = x.size(1), e = x.size(2);
   const bool has_a = qa.has_value() && qa->defined();
