@@ -293,8 +293,10 @@ class ResolventBlock(GradientCheckpointingLayer):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = ResolventMLP(config)
 
-    def forward(self, hidden_states, rope=None, start=None, past_key_values=None, use_cache=False):
-        layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+    def forward(self, hidden_states, rope=None, start=None, past_key_values=None, use_cache=False, cache=None):
+        # the model passes the cache under CACHE_NAME: the name GradientCheckpointingLayer clears while it recomputes
+        cache = _one_cache(past_key_values, cache)
+        layer_cache = None if cache is None else cache.layers[self.layer_idx]
         hidden_states = hidden_states + self.mixer(self.ln_1(hidden_states), rope, start, layer_cache)
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
@@ -772,8 +774,8 @@ class ResolventModel(ResolventPreTrainedModel):
         for block in self.h:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states = block(hidden_states, rope=rope, start=start, past_key_values=past_key_values,
-                                  use_cache=use_cache)
+            hidden_states = block(hidden_states, rope=rope, start=start, use_cache=use_cache,
+                                  **{CACHE_NAME: past_key_values})
         hidden_states = self.ln_f(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
