@@ -151,8 +151,16 @@ def test_compiled_decode_step_checks_its_inputs():
     torch.testing.assert_close(y_strided, y)
     with pytest.raises(RuntimeError, match=r"read must be a \(B, S\) bool tensor with B = 2"):
         ops.decode_step(q, q, None, None, x, None, None, held_k, held_x, None, None, read[:1], r, 0.5)
-    with pytest.raises(RuntimeError, match=r"held rows must be \(B, H, S, .\) = \(2, 3, 6, .\)"):
+    with pytest.raises(RuntimeError, match=r"keys_a must be \[2, 3, 6, 4\], got \[2, 3, 5, 4\]"):
         ops.decode_step(q, q, None, None, x, None, None, held_k[:, :, :5], held_x, None, None, read, r, 0.5)
+    with pytest.raises(RuntimeError, match=r"values must be \[2, 3, 6, 5\], got \[2, 3, 6, 4\]"):
+        ops.decode_step(q, q, None, None, x, None, None, held_k, held_k, None, None, read, r, 0.5)
+    with pytest.raises(RuntimeError, match=r"ka must be \[2, 3, 4\], got \[2, 3, 3\]"):
+        ops.decode_step(q, q[..., :3], None, None, x, None, None, held_k, held_x, None, None, read, r, 0.5)
+    with pytest.raises(RuntimeError, match=r"g must be \[2, 3\], got \[2\]"):
+        ops.decode_step(q, q, q, q, x, torch.rand(2), None, held_k, held_x, held_k, held_x, read, r, 0.5)
+    with pytest.raises(RuntimeError, match="qb needs its key kb"):
+        ops.decode_step(q, q, q, None, x, torch.rand(2, 3), None, held_k, held_x, held_k, held_x, read, r, 0.5)
     with pytest.raises(RuntimeError, match="the recurrent channel needs the gate g"):
         ops.decode_step(q, q, q, q, x, None, None, held_k, held_x, held_k, held_x, read, r, 0.5)
     with pytest.raises(RuntimeError, match="keys_a must have x's dtype Float, got Double"):

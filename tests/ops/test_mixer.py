@@ -133,6 +133,19 @@ def test_parallel_chunk_boundaries(key, cpu_path):
                     assert_close(par_t, ref_t, f"tied {name} (chunk {chunk}, n {n}, start {s}) vs reference")
 
 
+@pytest.mark.parametrize("spec", ["dense", "exp2:ce", "banded:3"])
+def test_recurrent_gradients_equal_reference_gradients(spec, cpu_path):
+    """The compiled decode step has no backward: a step whose inputs need gradients takes the PyTorch code."""
+    inp = make_mixer_inputs(batch=2, heads=2, n=23, d=8, e=5, seed=7, dtype=torch.float64)
+    grads = {}
+    for impl in ("reference", "recurrent"):
+        leaves = {k: v.clone().requires_grad_() for k, v in inp.items()}
+        mix(spec, leaves, impl).sum().backward()
+        grads[impl] = {k: v.grad for k, v in leaves.items() if k != "d_skip"}
+    for k, g in grads["reference"].items():
+        assert_close(grads["recurrent"][k], g, f"d{k}", tol=1e-10)
+
+
 @pytest.mark.parametrize("key", RESOLVENT)
 def test_tied_forms_agree(key, cpu_path):
     spec = SPECS[key]

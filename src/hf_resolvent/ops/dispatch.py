@@ -34,6 +34,7 @@ The backends live in the installed library. The flat copy of the ops modules tha
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import os
 from contextlib import contextmanager
@@ -48,7 +49,9 @@ ENV = "HF_RESOLVENT_MIXER_IMPL"
 # Only the library's own copy of this module reaches the backends; a saved folder's copy has another name.
 _IN_LIBRARY = __name__ == "hf_resolvent.ops.dispatch"
 _modules: dict[str, object] = {}
-_torch_only = [False]  # inside torch_only(): the compiled CPU kernels are not used
+# inside torch_only(): the compiled CPU kernels are not used (per thread and task, so that concurrent decodes with
+# different choices do not see each other's)
+_torch_only = contextvars.ContextVar("hf_resolvent_torch_only", default=False)
 
 
 def resolve(impl: str | None) -> str:
@@ -132,28 +135,27 @@ def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
     if impl == "triton" or (impl == "auto" and x.is_cuda and not static and not torch.compiler.is_compiling()
                             and triton_ready()):
         return "triton"
-    if impl == "torch":
+    if impl == "torch" and not torch.compiler.is_compiling():  # a graph runs no compiled kernel anyway
         return "torch"
     if impl == "cpu":
-        choose(impl, x)  # raises where the compiled CPU kernels cannot run
+        choose(impl, x)  # raises where the compiled CPU kernels cannot run (inside a graph too, as for the forward)
     return "recurrent"
 
 
 @contextmanager
 def torch_only():
     """Run the enclosed code without the compiled CPU kernels (``impl="torch"``; tests compare the two paths)."""
-    before = _torch_only[0]
-    _torch_only[0] = True
+    token = _torch_only.set(True)
     try:
         yield
     finally:
-        _torch_only[0] = before
+        _torch_only.reset(token)
 
 
 def compiled_for(*tensors: torch.Tensor) -> bool:
     """True when the parallel form's functions take the compiled CPU kernels for these tensors (float32 or float64
     on the CPU, kernels built, not inside :func:`torch_only`); they take their PyTorch code otherwise."""
-    if _torch_only[0] or torch.compiler.is_compiling():  # the C++ operators have no meta kernels for a graph
+    if torch.compiler.is_compiling() or _torch_only.get():  # the C++ operators have no meta kernels for a graph
         return False
     cpu = backend("cpu")
     return cpu is not None and cpu.supports(*tensors) and cpu.available()

@@ -57,10 +57,11 @@ def _mix(state: DecodeState, read, r, scale, qa, ka, qb, kb, x, g, d):
     """The token's output y (B, H, e) and the row the state stores as ``outputs`` (y before the padding mask;
     the tied variant's z, masked), from the held rows that ``read`` (B, S) lets through. The compiled CPU kernel
     (``backends/cpu/csrc/decode_cpu.cpp``) does this arithmetic in one call where :func:`~.dispatch.compiled_for`
-    allows it; the PyTorch code below is its reference."""
+    allows it and no gradient is asked for (the kernel has no backward); the PyTorch code below is its reference."""
     held = [getattr(state, name) if q is not None else None  # the rows of the channels this step uses
             for name, q in (("keys_a", qa), ("values", qa), ("keys_b", qb), ("outputs", qb))]
-    if compiled_for(x, *(t for t in (qa, ka, qb, kb, g, d, *held) if t is not None)):
+    given = [t for t in (qa, ka, qb, kb, x, g, d, *held) if t is not None]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in given)) and compiled_for(*given):
         return compiled_ops().decode_step(qa, ka, qb, kb, x, g, d, *held, read, r, scale)
     valid = (r >= 0).to(x.dtype)[:, None, None]
     if d is not None:  # tied: z = g B~ z[P^B] + (1 - g) x, y = z - d x

@@ -60,24 +60,27 @@ Rows<T> rows(const std::optional<at::Tensor>& t, int64_t dims, const char* name)
 }
 
 // softmax over the held rows that `rd` lets through (scores q . keys[s] * scale) and, when own_key is given, the
-// token's own row; acc = the weighted sum of vals (and own_val). Returns false when no row at all was weighed.
+// token's own row; acc = the weighted sum of vals (and own_val). Returns false, with acc = 0, when no row at all
+// was weighed (a NaN score is weighed and spreads, as in PyTorch).
 template <typename T>
 bool attend(const T* q, const Rows<T>& keys, const Rows<T>& vals, int64_t b, int64_t h, const bool* rd,
             int64_t rstride, int64_t S, int64_t dk, int64_t e, T scale, const T* own_key, const T* own_val,
             std::vector<T>& score, std::vector<T>& acc) {
+  std::fill(acc.begin(), acc.end(), T(0));
   T m = -std::numeric_limits<T>::infinity();
   T own = 0;
+  bool any = own_key != nullptr;
   if (own_key != nullptr) {
     own = dot(q, own_key, dk) * scale;
     m = own;
   }
   for (int64_t s = 0; s < S; ++s) {
     if (!rd[s * rstride]) continue;
+    any = true;
     score[s] = dot(q, keys.at(b, h, s), dk) * scale;
-    m = std::max(m, score[s]);
+    m = std::isnan(score[s]) ? score[s] : std::max(m, score[s]);
   }
-  if (m == -std::numeric_limits<T>::infinity()) return false;
-  std::fill(acc.begin(), acc.end(), T(0));
+  if (!any) return false;
   T total = 0;
   if (own_key != nullptr) {
     const T p = std::exp(own - m);
@@ -125,17 +128,33 @@ std::tuple<at::Tensor, at::Tensor> decode_step(
   TORCH_CHECK(r.dim() == 1 && r.size(0) == B && r.scalar_type() == at::kLong && r.is_contiguous(),
               "decode_step: r must be a contiguous (B,) int64 tensor");
   const int64_t S = read.size(1);
-  for (const auto* held : {&keys_a, &values, &keys_b, &outputs}) {
-    if (held->has_value() && (*held)->defined())
-      TORCH_CHECK((*held)->dim() == 4 && (*held)->size(0) == B && (*held)->size(1) == H && (*held)->size(2) == S,
-                  "decode_step: held rows must be (B, H, S, .) = (", B, ", ", H, ", ", S, ", .), got ",
-                  (*held)->sizes());
-  }
-  TORCH_CHECK(S == 0 || !has_a || (keys_a.has_value() && values.has_value()),
+  const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK(!has_a || given(ka), "decode_step: qa needs its key ka");
+  TORCH_CHECK(!has_b || given(kb), "decode_step: qb needs its key kb");
+  TORCH_CHECK(S == 0 || !has_a || (given(keys_a) && given(values)),
               "decode_step: the direct channel needs the held keys_a and values");
-  TORCH_CHECK(S == 0 || !has_b || (keys_b.has_value() && outputs.has_value()),
+  TORCH_CHECK(S == 0 || !has_b || (given(keys_b) && given(outputs)),
               "decode_step: the recurrent channel needs the held keys_b and outputs");
   const int64_t da = has_a ? qa->size(-1) : 0, db = has_b ? qb->size(-1) : 0;
+  // every tensor's shape: (B, H, width) for the token, (B, H) for g and d, (B, H, S, width) for held rows
+  const auto check = [&](const std::optional<at::Tensor>& t, const char* name, int64_t rows, int64_t width) {
+    if (!given(t)) return;
+    std::vector<int64_t> want = {B, H};
+    if (rows >= 0) want.push_back(rows);
+    if (width >= 0) want.push_back(width);
+    TORCH_CHECK(t->sizes().vec() == want, "decode_step: ", name, " must be ", c10::IntArrayRef(want), ", got ",
+                t->sizes());
+  };
+  check(qa, "qa", -1, da);
+  check(ka, "ka", -1, da);
+  check(qb, "qb", -1, db);
+  check(kb, "kb", -1, db);
+  check(g, "g", -1, -1);
+  check(d, "d", -1, -1);
+  check(keys_a, "keys_a", S, da);
+  check(values, "values", S, e);
+  check(keys_b, "keys_b", S, db);
+  check(outputs, "outputs", S, e);
 
   at::Tensor y = at::empty({B, H, e}, x.options());
   at::Tensor z = at::empty({B, H, e}, x.options());
