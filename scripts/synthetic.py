@@ -308,11 +308,14 @@ def plot_by_pairs(rows: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     settings = sorted({_label(r) for r in mqar})
+    mixers = sorted({r["mixer"] for r in mqar})
+    color = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(mixers)}  # one colour per mixer in every panel
     fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False)
     for ax, st in zip(axes[0], settings):
-        for r in (r for r in mqar if _label(r) == st):
+        for r in sorted((r for r in mqar if _label(r) == st), key=lambda r: r["mixer"]):
             pairs = [int(k) for k in r["by_pairs"]]
-            ax.plot(pairs, [100 * v for v in r["by_pairs"].values()], "o-", label=r["mixer"], ms=4)
+            ax.plot(pairs, [100 * v for v in r["by_pairs"].values()], "o-", label=r["mixer"], ms=4,
+                    color=color[r["mixer"]])
         pairs = sorted({int(k) for r in mqar if _label(r) == st for k in r["by_pairs"]})
         ax.plot(pairs, [100 / m for m in pairs], "k:", lw=1, label="guessing among the m values in the context")
         ax.set_xscale("log", base=2)
