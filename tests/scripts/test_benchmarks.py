@@ -50,3 +50,15 @@ def test_bench_decode_times_eager_and_compiled_steps(tmp_path):
     assert at[("exp2:ce compiled", 32)]["cache_bytes"] == at[("exp2:ce compiled", 64)]["cache_bytes"] > 0
     assert "static cache of 68 tokens" in result["settings"]["compiled"]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_profile_prefill_lists_the_operators_of_a_prefill(capsys):
+    """The README's prefill profiles: the mixer's own kernels show for a resolvent model, SDPA for GPT-2."""
+    tiny = ["--n", "300", "--width", "32", "--heads", "2", "--layers", "2", "--vocab", "128", "--rows", "40"]
+    profile = load_script("profile_prefill")
+    assert profile.main(["--model", "exp2:ce", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "exp2:ce: prefill of 300 tokens, 1 thread(s):" in out and "hf_resolvent::slot_probs" in out
+    assert profile.main(["--model", "gpt2", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2: prefill of 300 tokens" in out and "scaled_dot_product" in out and "hf_resolvent::" not in out
