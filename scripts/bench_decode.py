@@ -41,6 +41,7 @@ from transformers import DynamicCache
 
 import hf_resolvent as hr
 from hf_resolvent.experiments import training as T
+from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's argument name in this transformers
 
 MIXERS = ("attention", "local_attention:256", "dense", "banded:64", "diagonal", "exp2", "exp2:ce", "square",
           "square:ce", "exp2:ce+tied")
@@ -127,7 +128,7 @@ def check_bytes(models, context: int, gen: torch.Generator) -> None:
         if name.endswith(COMPILED):  # a static cache holds its capacity
             continue
         with torch.no_grad():
-            real = model(ids, use_cache=True).past_key_values
+            real = model(ids, use_cache=True)[CACHE_NAME]
         want = cache_bytes(filled_cache(name, model, context, gen))
         if cache_bytes(real) != want:
             raise SystemExit(f"{name}: a real prefill holds {cache_bytes(real)} bytes, the synthesised cache {want}")
@@ -143,7 +144,7 @@ def compile_steps(models, capacity: int, gen: torch.Generator) -> None:
         print(f"compiling the decode step of {name} (once, on a static cache of {capacity} tokens) ...", flush=True)
         t0 = time.perf_counter()
         with torch.no_grad():
-            compiled(torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+            compiled(torch.zeros(1, 1, dtype=torch.long), **{CACHE_NAME: cache}, use_cache=True)
         print(f"  compiled in {time.perf_counter() - t0:.1f} s", flush=True)
         models[name + COMPILED] = compiled
 
@@ -170,7 +171,7 @@ def run(args) -> dict:
             for step in range(args.warmup + args.steps):
                 for name, model in models.items():  # round-robin: shared disturbances hit every model
                     t0 = time.perf_counter()
-                    model(token, past_key_values=caches[name], use_cache=True)
+                    model(token, **{CACHE_NAME: caches[name]}, use_cache=True)
                     if step >= args.warmup:
                         times[name].append(time.perf_counter() - t0)
         for name in models:

@@ -83,6 +83,7 @@ from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList, Ma
 
 import hf_resolvent as hr
 from hf_resolvent.experiments import training as T
+from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's argument name in this transformers
 
 # The mixers of scripts/bench_decode.py (the test checks that the two lists agree).
 MIXERS = ("attention", "local_attention:256", "dense", "banded:64", "diagonal", "exp2", "exp2:ce", "square",
@@ -226,8 +227,7 @@ def generate(model, ids: torch.Tensor, new_tokens: int, clock: StepClock | None 
     if static_len:
         config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
         config._compile_all_devices = True  # transformers' switch for compiling on a CPU
-        compiled = dict(past_key_values=hr.ResolventCache(model.config, max_cache_len=static_len),
-                        compile_config=config)
+        compiled = {CACHE_NAME: hr.ResolventCache(model.config, max_cache_len=static_len), "compile_config": config}
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, logits_processor=procs, pad_token_id=0,
                           eos_token_id=0, return_dict_in_generate=True, **compiled)
@@ -260,7 +260,7 @@ def measure(job: dict) -> dict:
     decode = (clock.times[-1] - clock.times[0]) / (new - 1)
     return dict(model=name, context=n, batch=batch, new_tokens=new, ttft_s=clock.times[0] - t0, total_s=total,
                 decode_ms_per_token=1e3 * decode, decode_ms_median=1e3 * statistics.median(steps),
-                decode_tokens_per_s=batch / decode, cache_bytes=cache_bytes(out.past_key_values),
+                decode_tokens_per_s=batch / decode, cache_bytes=cache_bytes(out[CACHE_NAME]),
                 peak_rss_mib=proc_status_kib("VmHWM") / 1024, model_rss_mib=model_rss / MIB,
                 params=sum(p.numel() for p in model.parameters()), threads=torch.get_num_threads(),
                 warmup_s=warm_s)

@@ -207,9 +207,11 @@ def cache_bytes(model, n: int, device) -> int:
     """Bytes of the decode cache after a prefill of ``n`` tokens (batch 1)."""
     import torch
 
+    from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's field name in this transformers
+
     ids = torch.zeros(1, n, dtype=torch.long, device=device)
     with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
+        cache = model(input_ids=ids, use_cache=True)[CACHE_NAME]
     if callable(getattr(cache, "nbytes", None)):
         return int(cache.nbytes())
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
