@@ -631,16 +631,30 @@ def _register_plan(pattern: Pattern, slots: torch.Tensor | None, positions: torc
     the distinct positions it holds (B, W), newest first, and src (B, W), the row of [held rows, the token] that each
     comes from (padding rows take row 0 and are never read).
 
-    Every layer of a cache holds the same register and takes the same token, so the plan is memoised by its inputs'
-    values: the layers after the first reuse the tensors of the first (states never write into a tensor they hold,
-    so sharing them is safe)."""
-    key = (pattern, r.device, *(None if t is None else tuple(t.flatten().tolist()) + tuple(t.shape)
-                                for t in (slots, positions, r)))
+    Every layer of a cache holds the same register and takes the same token, so on the CPU the plan is memoised by
+    its inputs' values: the layers after the first reuse the tensors of the first (states never write into a tensor
+    they hold, so sharing them is safe). On other devices the key would cost copies to the host: no memo there."""
+    if r.device.type != "cpu":
+        return _plan(pattern, slots, positions, r)
+    key = (pattern, *(None if t is None else tuple(t.flatten().tolist()) + tuple(t.shape)
+                      for t in (slots, positions, r)))
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is not None:
             _PLANS.move_to_end(key)
             return plan
+    plan = _plan(pattern, slots, positions, r)
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        if len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def _plan(pattern: Pattern, slots: torch.Tensor | None, positions: torch.Tensor | None,
+          r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_register_plan`, worked out: the slot rule (:func:`_register_step`), the distinct positions, and each
+    kept position's row."""
     batch, device = r.shape[0], r.device
     fs = torch.tensor(pattern.offsets(int(r.max().item()) + 2), dtype=torch.long, device=device)
     old = slots if slots is not None else torch.full((batch, 0), -1, dtype=torch.long, device=device)
@@ -650,12 +664,7 @@ def _register_plan(pattern: Pattern, slots: torch.Tensor | None, positions: torc
     new_positions = _distinct_desc(new_slots)
     held = torch.cat([positions if positions is not None else new_positions.new_full((batch, 0), -1), r[:, None]], 1)
     match = (new_positions[:, :, None] == held[:, None, :]) & (new_positions[:, :, None] >= 0)
-    plan = new_slots, new_positions, match.to(torch.int8).argmax(-1)
-    with _PLANS_LOCK:
-        _PLANS[key] = plan
-        if len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
-    return plan
+    return new_slots, new_positions, match.to(torch.int8).argmax(-1)
 
 
 def _register(pattern: Pattern, r_last: torch.Tensor) -> torch.Tensor:
