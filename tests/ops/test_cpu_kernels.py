@@ -77,6 +77,23 @@ def test_compiled_causal_attention_matches_sdpa(n, d, e, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_causal_attention_past_the_compiled_kernels_length_takes_sdpa(monkeypatch):
+    """Past COMPILED_MAX_ROWS rows PyTorch's flash kernel is the faster one: it runs there, with the same results and
+    gradients; at the limit the compiled kernel still runs."""
+    monkeypatch.setattr(flash, "COMPILED_MAX_ROWS", 96)
+    gen = torch.Generator().manual_seed(4)
+    for n, compiled in ((96, True), (97, False)):
+        q, k, v = (torch.randn(1, 2, n, 8, generator=gen, requires_grad=True) for _ in range(3))
+        with torch.profiler.profile() as prof:
+            got = flash.causal_attention(q, k, v, 0.3)
+        assert ("hf_resolvent::causal_attention_forward" in {e.name for e in prof.events()}) == compiled, n
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        dout = torch.randn(1, 2, n, 8, generator=gen)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_compiled_causal_attention_gradcheck(monkeypatch):
     monkeypatch.setattr(flash, "COMPILED_CHUNK", 8)
     gen = torch.Generator().manual_seed(4)
