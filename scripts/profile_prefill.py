@@ -17,19 +17,15 @@ import sys
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
-import hf_resolvent as hr
+from hf_resolvent.experiments import training as T
 
 
 def build(model: str, width: int, layers: int, heads: int, vocab: int, n: int):
-    if model == "gpt2":
-        config = GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=heads, n_positions=n,
-                            attn_implementation="sdpa")
-        return GPT2LMHeadModel(config).eval()
-    config = hr.ResolventConfig(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=heads, n_positions=n,
-                                mixer=model)
-    return hr.ResolventForCausalLM(config).eval()
+    """GPT-2 or a resolvent model as bench_generate builds it (the experiments' model factory)."""
+    shape = dict(n_positions=n, n_embd=width, n_layer=layers, n_head=heads, n_inner=4 * width)
+    cfg = {"type": "gpt2" if model == "gpt2" else "resolvent", "preset": "tiny", "mixer": model, "overrides": shape}
+    return T.build_model(cfg, vocab, n).eval()
 
 
 def main(argv=None) -> int:
