@@ -38,8 +38,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch
     return torch.einsum("bhs,bhse->bhe", probs[..., :-1], vals) + probs[..., -1:] * value
 
 
-def _held(state: DecodeState, name: str, like: torch.Tensor) -> torch.Tensor:
-    t = getattr(state, name)
+def _held(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Held rows t (B, H, S, .), or none (S = 0) before the first token, shaped like the token's ``like``."""
     if t is None:
         return like.new_zeros(like.shape[0], like.shape[1], 0, like.shape[-1])
     return t
@@ -63,16 +63,17 @@ def _mix(state: DecodeState, read, r, scale, qa, ka, qb, kb, x, g, d):
     given = [t for t in (qa, ka, qb, kb, x, g, d, *held) if t is not None]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in given)) and compiled_for(*given):
         return compiled_ops().decode_step(qa, ka, qb, kb, x, g, d, *held, read, r, scale)
+    keys_a, values, keys_b, outputs = held
     valid = (r >= 0).to(x.dtype)[:, None, None]
     if d is not None:  # tied: z = g B~ z[P^B] + (1 - g) x, y = z - d x
         g_eff = g * read.any(1, keepdim=True).to(g.dtype)
-        recur = _attend(qb, _held(state, "keys_b", kb), _held(state, "outputs", x), read, scale)
+        recur = _attend(qb, _held(keys_b, kb), _held(outputs, x), read, scale)
         z = (g_eff[..., None] * recur + (1 - g_eff)[..., None] * x) * valid
         return (z - d[..., None] * x) * valid, z
-    y = _attend(qa, _held(state, "keys_a", ka), _held(state, "values", x), read, scale, own=(ka, x))
+    y = _attend(qa, _held(keys_a, ka), _held(values, x), read, scale, own=(ka, x))
     if qb is not None:
         g_eff = g * read.any(1, keepdim=True).to(g.dtype)
-        recur = _attend(qb, _held(state, "keys_b", kb), _held(state, "outputs", x), read, scale)
+        recur = _attend(qb, _held(keys_b, kb), _held(outputs, x), read, scale)
         y = (1 - g_eff)[..., None] * y + g_eff[..., None] * recur
     return y * valid, y
 
