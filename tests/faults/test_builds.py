@@ -55,6 +55,34 @@ def test_a_build_killed_mid_way_is_recovered_and_the_build_says_what_it_does(tmp
     assert again.returncode == 0 and "compiling" not in again.stderr, again.stderr[-3000:]
 
 
+def test_error_messages_survive_a_compiler_that_offers_only_the_static_cpp_runtime(tmp_path):
+    """Where the compiler finds libstdc++.a before libstdc++.so (a CUDA machine's gcc 13 did), the kernels must still
+    link the shared runtime the process holds: with a second, static copy inside the library, an error message that
+    prints a number killed the process there (segmentation fault) and comes back cut short here ("got [")."""
+    static = subprocess.run(["c++", "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(static):
+        pytest.skip("this compiler has no libstdc++.a to offer in place of the shared runtime")
+    only_static = tmp_path / "lib"
+    only_static.mkdir()
+    (only_static / "libstdc++.a").symlink_to(static)
+    code = textwrap.dedent(f"""
+        import torch
+        from hf_resolvent.backends import cpu as cpu_kernels
+
+        cpu_kernels._LDFLAGS = ["-L{only_static}"] + cpu_kernels._LDFLAGS  # that machine's search order
+        assert cpu_kernels.available()
+        q, x, read, r = torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.ones(2, 6, dtype=torch.bool), torch.tensor([6, 6])
+        try:
+            cpu_kernels.operators().decode_step(q, q, None, None, x, None, None, torch.randn(2, 3, 5, 4),
+                                                torch.randn(2, 3, 6, 5), None, None, read, r, 0.5)
+        except RuntimeError as err:
+            print(str(err).splitlines()[0])
+    """)
+    out = _run(code, tmp_path / "extensions", timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decode_step: keys_a must be [2, 3, 6, 4], got [2, 3, 5, 4]" in out.stdout, out.stdout
+
+
 def test_a_live_builder_is_waited_on_for_a_bounded_time(tmp_path, monkeypatch):
     folder = _build_dir(tmp_path, monkeypatch)
     with locks.exclusive(folder / "hf_resolvent.lock", what="a test's build", fix="-"):
@@ -115,6 +143,7 @@ def test_pretrain_builds_the_kernels_before_its_progress_bar(tiny_data, tmp_path
     import tqdm.auto
     from conftest import load_script, tiny_run_args
 
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # on a GPU machine the run would need no CPU kernels
     pretrain = load_script("pretrain")
     events, build, bar = [], cpu_kernels._build, tqdm.auto.tqdm
     monkeypatch.setattr(cpu_kernels, "_state", {})  # as in a fresh process: nothing built or loaded yet
