@@ -28,6 +28,9 @@ from ._loader import jit_module
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
           torch.int64: "i64"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# Shared memory one block may hold on each target (bytes, with the opt-in above 48 KiB); a kernel compiled past it
+# fails at its first launch (Triton's OutOfResources), which the compiler itself does not report.
+SHARED_MEMORY_LIMIT = {80: 166912, 90: 232448}
 
 
 @dataclass
@@ -110,7 +113,7 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
     start = torch.zeros(batch, dtype=torch.int32)
     sh = _resolvent._Shapes(BH=BH, H=heads, n=n, da=d, db=d, e=e, scale=d**-0.5,
                             prec=_resolvent.FP32_PREC if dtype == torch.float32 else "tf32")
-    cfg = _resolvent.get_block_config()
+    cfg = _resolvent.fitted_block_config(dtype, max(d, e))
     with _recording() as rec:
         if tied:
             qa = ka = None
@@ -147,7 +150,8 @@ def _signature(launch: Launch) -> dict:
 
 
 def compile_launch(launch: Launch, arch: int = 90) -> dict:
-    """Compile a recorded launch for ``sm_<arch>``. Returns registers, spill stack, shared memory (bytes)."""
+    """Compile a recorded launch for ``sm_<arch>``. Returns registers, spill stack, shared memory (bytes); raises
+    ``RuntimeError`` where the shared memory is over what a block of that target may hold."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -157,6 +161,11 @@ def compile_launch(launch: Launch, arch: int = 90) -> dict:
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
     usage = _resource_usage(compiled.asm["cubin"])
     usage["shared"] = compiled.metadata.shared
+    limit = SHARED_MEMORY_LIMIT.get(arch)
+    if limit is not None and usage["shared"] > limit:
+        raise RuntimeError(f"{launch.name} {launch.constexprs} asks for {usage['shared']} B of shared memory per block, "
+                           f"over the {limit} B of sm_{arch}: it would fail at launch; fit its tiles "
+                           f"(resolvent.fitted_block_config)")
     return usage
 
 

@@ -83,6 +83,20 @@ def get_block_config() -> BlockConfig:
     return _CONFIG
 
 
+def fitted_block_config(dtype: torch.dtype, width: int, cfg: BlockConfig | None = None) -> BlockConfig:
+    """``cfg`` (default: the current one) with the attention tiles' key step halved while its pipelined key and
+    value tiles would pass 16 KiB each (float32 at head width > 64): compiled for sm_90, the float32 attention
+    kernels at width 128 ask for 256 KiB of shared memory with 64-key steps, over the 227 KiB a block may have."""
+    cfg = _CONFIG if cfg is None else cfg
+    elem, BW = torch.empty((), dtype=dtype).element_size(), _width(width)
+    attn_n, bwd_n = cfg.attn_n, cfg.bwd_n
+    while attn_n > 16 and attn_n * BW * elem > 16384:
+        attn_n //= 2
+    while bwd_n > 16 and bwd_n * BW * elem > 16384:
+        bwd_n //= 2
+    return cfg if (attn_n, bwd_n) == (cfg.attn_n, cfg.bwd_n) else replace(cfg, attn_n=attn_n, bwd_n=bwd_n)
+
+
 @contextlib.contextmanager
 def block_config(**changes):
     """Temporarily change tile sizes, e.g. ``with block_config(solve=16, attn_m=16, attn_n=16): ...``."""
@@ -342,10 +356,10 @@ class _MixFunction(torch.autograd.Function):
     def forward(ctx, qa, ka, qb, kb, x, g, start, plan: Plan, scale: float, tied: bool):
         batch, heads, n, e = x.shape
         dtype = x.dtype
-        cfg = _CONFIG
         sh = _Shapes(BH=batch * heads, H=heads, n=n, da=0 if qa is None else qa.shape[-1],
                      db=0 if qb is None else qb.shape[-1], e=e, scale=scale,
                      prec=FP32_PREC if dtype == torch.float32 else "tf32")
+        cfg = fitted_block_config(dtype, max(sh.da, sh.db, e))
         flat = [_flat(t, dtype) for t in (qa, ka, qb, kb, x)] + [_flat(g)]
         start = start.to(device=x.device, dtype=torch.int32).contiguous()
         y, saved = _forward(*flat, start, plan, sh, cfg, tied)

@@ -283,6 +283,28 @@ def test_kernels_compile_for_a_gpu(pattern, dtype):
         assert 0 < usage["registers"] <= 255, (launch.name, usage)
 
 
+def test_float32_attention_at_width_128_fits_a_blocks_shared_memory():
+    """At the default tiles, float32 attention kernels at head width 128 compile within sm_90's shared memory per block.
+
+    On an H100 its forward asked for 256 KiB with 64-key steps (227 KiB allowed) and failed at launch;
+    ``fitted_block_config`` halves the key step there, and ``compile_launch`` refuses a kernel past the limit."""
+    import dataclasses
+
+    from hf_resolvent.backends.triton import aot, resolvent
+
+    defaults = dataclasses.asdict(resolvent.BlockConfig())
+    with kernels.block_config(**defaults):
+        assert resolvent.fitted_block_config(torch.bfloat16, 128) == resolvent.BlockConfig()
+        assert resolvent.fitted_block_config(torch.float32, 128).attn_n == 32
+        launches = aot.record_launches("attention", dtype=torch.float32, n=64, d=128, e=128, batch=1, heads=1)
+        assert {launch.name for launch in launches} >= {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
+        for launch in launches:
+            assert aot.compile_launch(launch, arch=90)["shared"] <= aot.SHARED_MEMORY_LIMIT[90]
+        unfitted = dict(launches[0].constexprs, BN=64)  # the tile that failed on the H100
+        with pytest.raises(RuntimeError, match="shared memory per block, over the 232448 B of sm_90"):
+            aot.compile_launch(dataclasses.replace(launches[0], constexprs=unfitted), arch=90)
+
+
 def test_model_decodes_through_the_triton_step(monkeypatch):
     """``config.mixer_impl="triton"``: generate() prefills with ``triton_mix`` and decodes every token through the
     Triton decode kernels, reached from the model's cache code, with the tokens of the PyTorch path."""
