@@ -84,6 +84,16 @@ def test_compare_catches_nan_and_wrong_values():
     assert gpu_check.compare(torch.zeros(2), torch.zeros(2), tol)["ok"]
 
 
+def test_an_oracle_of_zeros_is_judged_by_the_root_mean_square():
+    """diagonal's qb and kb gradients are zero (a softmax over one entry); a kernel's rounding there, 1e-6 per value,
+    once failed on the H100 as a norm summed over two million values (7e-5), and a real error must still fail."""
+    zeros = torch.zeros(2, 8, 2048, 64, dtype=torch.float64)
+    rounding = 1e-6 * torch.randn(zeros.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    c = gpu_check.compare(rounding.float(), zeros, (2e-4, 5e-5))
+    assert c["ok"] and c["norm_rel"] == pytest.approx(1e-6, rel=0.01)
+    assert not gpu_check.compare((rounding + 1e-3).float(), zeros, (2e-4, 5e-5))["ok"]
+
+
 def test_full_grid_covers_the_real_shapes():
     args = gpu_check.parse_args([])
     assert args.jobs == 8 and args.shapes == "full" and args.tol_bf16 == (6e-2, 2e-2)
