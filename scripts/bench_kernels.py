@@ -6,6 +6,9 @@ GPU benchmark (the default): with ``triton.testing.do_bench``, forward and forwa
 - ``triton:<pattern>``: ``hf_resolvent.ops.resolvent_mix(..., impl="triton")`` for each pattern;
 - ``parallel:<pattern>``: the PyTorch parallel form, same inputs (skipped above --parallel-max-n, where
   it gets slow or runs out of memory);
+- ``fla:gated_deltanet`` (with ``--fla``): flash-linear-attention's chunked gated DeltaNet kernel
+  (``chunk_gated_delta_rule``, keys normalised in the kernel) on inputs of the same size, a linear-time mixer a
+  user might pick instead;
 
 for n = 1k..16k, head dim 64, bfloat16 (``--dtype``). Writes a JSON file and a PNG plot (time vs n,
 one panel per pass). On a machine without CUDA it says so and exits with status 2.
@@ -40,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--parallel-max-n", type=int, default=4096, help="largest n for the PyTorch parallel form")
     p.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
+    p.add_argument("--fla", action="store_true", help="also time flash-linear-attention's gated DeltaNet")
     p.add_argument("--compile-check", action="store_true", help="compile every kernel for GPU targets, no GPU needed")
     p.add_argument("--arch", default="80,90", help="compute capabilities for --compile-check")
     return p.parse_args(argv)
@@ -150,12 +154,40 @@ def bench_length(args, n, dtype, F, resolvent_mix, get_pattern, triton) -> list[
         candidates[f"triton:{p}"] = lambda ins=ins, p=p: resolvent_mix(*ins, p, impl="triton")
         if n <= args.parallel_max_n:
             candidates[f"parallel:{p}"] = lambda ins=ins, p=p: resolvent_mix(*ins, p, impl="parallel")
+    if args.fla:
+        candidates["fla:gated_deltanet"] = _gated_deltanet(B, H, n, d, dtype, gen, leaves)
     rows = []
     for name, fn in candidates.items():
-        fwd, fwd_bwd = timed(fn, backward=False), timed(fn, backward=True)
+        try:
+            fwd, fwd_bwd = timed(fn, backward=False), timed(fn, backward=True)
+        except Exception as err:  # a candidate that cannot run (fla missing or failing) is reported, not fatal
+            print(f"n={n:6d} {name:24s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+            rows.append({"name": name, "n": n, "forward_ms": None, "forward_backward_ms": None,
+                         "error": f"{type(err).__name__}: {err}"[:500]})
+            continue
         rows.append({"name": name, "n": n, "forward_ms": fwd, "forward_backward_ms": fwd_bwd})
         print(f"n={n:6d} {name:24s} fwd {_fmt(fwd)} ms  fwd+bwd {_fmt(fwd_bwd)} ms", flush=True)
     return rows
+
+
+def _gated_deltanet(B, H, n, d, dtype, gen, leaves):
+    """fla's chunked gated DeltaNet on [B, n, H, d] inputs (its layout): log-decay g < 0, beta in (0, 1).
+
+    Its inputs join ``leaves`` so that their gradients are cleared between timed steps like ours."""
+    import torch
+
+    q, k, v = (torch.randn(B, n, H, d, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    decay = torch.nn.functional.logsigmoid(torch.randn(B, n, H, device="cuda", generator=gen)).requires_grad_()
+    beta = torch.rand(B, n, H, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    leaves += [q, k, v, decay, beta]
+
+    def run():
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        out, _ = chunk_gated_delta_rule(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)
+        return out.transpose(1, 2)  # [B, H, n, d], the layout of the gradient the timer feeds back
+
+    return run
 
 
 def _sdpa(F, q, k, v):
