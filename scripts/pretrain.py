@@ -271,17 +271,22 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, keep:
 
 
 def _memory(accelerator, *splits: hdata.TokenShards) -> dict:
-    """Peak RSS of every process and how much of the token shards each holds in memory, in MiB (Linux)."""
+    """Peak RSS of every process, how much of the token shards each holds in memory, and on a GPU the peak memory
+    torch's allocator held there, in MiB (Linux)."""
     files = [Path(a.filename) for ts in splits for a in ts.arrays]
     use = T.memory_use(files)
-    row = torch.tensor([use["peak_rss_bytes"], use["shards_resident_bytes"]] if use else [-1.0, -1.0],
+    gpu = torch.cuda.max_memory_allocated(accelerator.device) if accelerator.device.type == "cuda" else -1.0
+    row = torch.tensor([use["peak_rss_bytes"], use["shards_resident_bytes"], gpu] if use else [-1.0, -1.0, gpu],
                        dtype=torch.float64, device=accelerator.device)
-    rows = accelerator.gather(row[None]).reshape(-1, 2).cpu()
-    if use is None or (rows < 0).any():
+    rows = accelerator.gather(row[None]).reshape(-1, 3).cpu()
+    if use is None or (rows[:, :2] < 0).any():
         return {}
     mib = lambda b: round(float(b) / 2**20, 1)
-    return {"peak_rss_mib": [mib(b) for b in rows[:, 0]], "shards_resident_mib": [mib(b) for b in rows[:, 1]],
-            "shards_mib": mib(use["shards_bytes"])}
+    out = {"peak_rss_mib": [mib(b) for b in rows[:, 0]], "shards_resident_mib": [mib(b) for b in rows[:, 1]],
+           "shards_mib": mib(use["shards_bytes"])}
+    if (rows[:, 2] >= 0).all():
+        out["peak_gpu_mib"] = [mib(b) for b in rows[:, 2]]
+    return out
 
 
 def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data_meta: dict, results: dict,
@@ -653,7 +658,8 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     if "peak_rss_mib" in results:
         log(f"[pretrain] memory per process (rank 0, 1, ...): peak RSS {results['peak_rss_mib']} MiB; token shards "
             f"resident {results['shards_resident_mib']} MiB of {results['shards_mib']} MiB (memory-mapped, each rank "
-            f"reads its own windows)")
+            f"reads its own windows)" + (f"; peak GPU memory {results['peak_gpu_mib']} MiB (torch's allocator)"
+                                         if "peak_gpu_mib" in results else ""))
     if main and not args.no_final_save:
         log(f"[pretrain] done: {step} steps, {tokens_seen:,} tokens in {train_time:.0f}s; {_describe_eval(results)}")
         log(f"[pretrain] wrote the model folder {output_dir} (save_pretrained + tokenizer + README.md), "
