@@ -83,6 +83,16 @@ def test_error_messages_survive_a_compiler_that_offers_only_the_static_cpp_runti
     assert "decode_step: keys_a must be [2, 3, 6, 4], got [2, 3, 5, 4]" in out.stdout, out.stdout
 
 
+def test_building_twice_in_one_process_loads_one_library(monkeypatch):
+    """torch's load() appends to the linker flags it is given; our list must not grow, or a second build in the process
+    (pretrain after a failed first try, these tests) loads a second library with the same operators and aborts."""
+    before = list(cpu_kernels._LDFLAGS)
+    for _ in range(2):
+        monkeypatch.setattr(cpu_kernels, "_state", {})  # as in a process that builds again
+        assert cpu_kernels.available()
+    assert cpu_kernels._LDFLAGS == before
+
+
 def test_a_live_builder_is_waited_on_for_a_bounded_time(tmp_path, monkeypatch):
     folder = _build_dir(tmp_path, monkeypatch)
     with locks.exclusive(folder / "hf_resolvent.lock", what="a test's build", fix="-"):

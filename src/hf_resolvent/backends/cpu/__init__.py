@@ -39,7 +39,9 @@ _state: dict[str, bool] = {}  # "ok": the build's outcome once tried
 # Link the C++ runtime that the process already holds, by its file name. Where the compiler's libstdc++.so link is
 # missing (seen on a CUDA image: Ubuntu's gcc 13 without the package that makes it), -lstdc++ takes libstdc++.a and the
 # library gets a second copy of the runtime whose streams are not set up: every error message that prints a number
-# (TORCH_CHECK's shapes) ends the process with a segmentation fault, or comes back cut short.
+# (TORCH_CHECK's shapes) ends the process with a segmentation fault, or comes back cut short. load() gets a copy:
+# it appends torch's own flags to the list, and a second load() in the process with the grown list would build and
+# load a second library that registers the same operators (an abort).
 _LDFLAGS = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 
 
@@ -94,7 +96,7 @@ def _build() -> bool:
             if compiling:
                 say(f"compiling the CPU kernels, about 20 s, once (cached in {folder})")
             t0 = time.perf_counter()
-            load(name=name, sources=[str(p) for p in sources], extra_cflags=flags, extra_ldflags=_LDFLAGS,
+            load(name=name, sources=[str(p) for p in sources], extra_cflags=flags, extra_ldflags=list(_LDFLAGS),
                  build_directory=str(folder), extra_include_paths=[str(_CSRC)], is_python_module=False, verbose=False)
             if compiling:
                 say(f"compiled the CPU kernels in {time.perf_counter() - t0:.0f} s")
