@@ -58,6 +58,7 @@ from .resolvent_ops import (
     require,
     resolvent_mix,
     resolvent_mix_tied,
+    rotated_heads,
 )
 
 __all__ = ["ResolventPreTrainedModel", "ResolventModel", "ResolventForCausalLM", "ResolventMixer", "ResolventBlock"]
@@ -107,16 +108,6 @@ class ResolventRotaryEmbedding(nn.Module):
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(x.device, torch.float32)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
-
-
-def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate queries or keys (..., d) by the tables of :class:`ResolventRotaryEmbedding`, broadcast to them
-    (rotate-half)."""
-    # rotate_half(t) = (-t2, t1) is the roll (t2, t1) with the first half's sign flipped: the sign goes into the
-    # table, so a rotation is three passes over t (roll, mul, addcmul), not five
-    half = t.shape[-1] // 2
-    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    return torch.addcmul(t.float() * cos, t.roll(half, dims=-1).float(), signed_sin).to(t.dtype)
 
 
 # transformers 5.24 renamed the cache argument of forward() and generate(), and the output field, from
@@ -210,19 +201,19 @@ class ResolventMixer(nn.Module):
         ``layer_cache``: this layer's :class:`~hf_resolvent.cache_resolvent.ResolventCacheLayer` or None."""
         batch, n, width = hidden_states.shape
         proj = self.in_proj(hidden_states).view(batch, n, len(self.parts), self.num_heads, self.head_dim)
-        if rope is not None:  # (B, 1, n, hd) -> (B, n, 1, 1, hd), as proj's runs of parts
-            rope = tuple(table.transpose(1, 2).unsqueeze(2) for table in rope)
+        impl = self.config.mixer_impl
         # split and unbind, not proj[:, :, i]: their backwards are one cat and one stack, where each index's backward
         # zero-fills a proj-sized gradient that autograd then sums (figures: bench/NOTES.md)
         t = {}  # name -> (B, H, n, hd)
         for (names, rotate), run in zip(self.part_runs, proj.split([len(names) for names, _ in self.part_runs], 2)):
             if rotate and rope is not None:
-                run = apply_rope(run, *rope)
-            t.update(zip(names, (part.transpose(1, 2) for part in run.unbind(2))))
+                parts = rotated_heads(run, *rope, impl=impl)
+            else:
+                parts = (part.transpose(1, 2) for part in run.unbind(2))
+            t.update(zip(names, parts))
         g = self.gate(hidden_states) if self.recurrent else None
         d = (1 - g) * torch.sigmoid(self.skip_proj(hidden_states)).transpose(1, 2) if self.tied else None
         state = None if layer_cache is None else layer_cache.state
-        impl = self.config.mixer_impl
         if state is None:
             if self.tied:
                 y = resolvent_mix_tied(t["qb"], t["kb"], t["x"], g, d, self.pattern, impl=impl, start=start)
@@ -305,12 +296,12 @@ class ResolventBlock(GradientCheckpointingLayer):
 # Remote code: saved folders get verbatim copies of the ops modules the mixer functions need
 
 
-# The ops modules the model's mixer functions need: mixer.py (resolvent_mix, decode_step), the dispatch, the three
-# forms and the PyTorch code of the parallel form. They import each other, and patterns.py, as flat siblings
+# The ops modules the model's mixer functions need: mixer.py (resolvent_mix, decode_step), rope.py, the dispatch, the
+# three forms and the PyTorch code of the parallel form. They import each other, and patterns.py, as flat siblings
 # (``from .x import``), so a saved folder gets verbatim copies; tests/models/test_save_load.py loads one in a
 # process without hf_resolvent. The backends (hf_resolvent.backends) are not shipped: there dispatch runs PyTorch.
 _SHIPPED_OPS = ("common", "dense", "dispatch", "flash", "graph", "mixer", "parallel", "recurrent", "reference",
-                "slots", "solve", "state", "threads")
+                "rope", "slots", "solve", "state", "threads")
 
 # The entry a saved folder gets in place of resolvent_ops.py. The relative imports are assembled in
 # write_ops_bundle: transformers scans this file for lines that start with one.
@@ -325,13 +316,14 @@ hf_resolvent is not installed. Install hf-resolvent and load without remote code
 IS_BUNDLE = True
 
 __all__ = ["IS_BUNDLE", "DecodeState", "MixerState", "StaticDecodeState", "decode_step", "decode_step_tied", "require",
-           "resolvent_mix", "resolvent_mix_tied", "state_from_sequence"]
+           "resolvent_mix", "resolvent_mix_tied", "rotated_heads", "state_from_sequence"]
 '''
 
 _BUNDLE_IMPORTS = (
     ("mixer", "decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied"),
     ("state", "DecodeState, MixerState, StaticDecodeState, state_from_sequence"),
     ("common", "require"),
+    ("rope", "rotated_heads"),
 )
 
 

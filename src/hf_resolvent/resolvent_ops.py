@@ -9,6 +9,7 @@ relative imports into saved folders, and ``hf_resolvent.ops`` is a package, not 
 
 from hf_resolvent.ops import DecodeState, MixerState, decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied
 from hf_resolvent.ops.common import require
+from hf_resolvent.ops.rope import rotated_heads
 from hf_resolvent.ops.state import StaticDecodeState, state_from_sequence
 
 IS_BUNDLE = False
@@ -22,6 +23,7 @@ __all__ = [
     "require",
     "resolvent_mix",
     "resolvent_mix_tied",
+    "rotated_heads",
     "StaticDecodeState",
     "state_from_sequence",
 ]

@@ -243,3 +243,38 @@ def test_other_dtypes_and_devices_take_the_pytorch_path():
     assert not dispatch.compiled_for(torch.zeros(2, dtype=torch.bfloat16))
     assert not dispatch.compiled_for(torch.zeros(2, device="meta"))
     assert dispatch.compiled_for(torch.zeros(2), torch.zeros(2, dtype=F64))
+
+
+@pytest.mark.parametrize("table_batch", [1, 2])
+def test_compiled_rope_equals_the_pytorch_rotation_and_its_gradient(table_batch):
+    """rotated_heads on a strided run of the projection (as the mixer slices it): the compiled call gives the
+    PyTorch rotation's parts and gradients, with tables for the whole batch or one row broadcast to it."""
+    from hf_resolvent.ops.rope import rotated_heads
+
+    gen = torch.Generator().manual_seed(table_batch)
+    proj = torch.randn(2, 7, 5, 3, 8, generator=gen)  # (B, n, parts, H, hd); parts 1:3 are the rotated run
+    angles = torch.randn(table_batch, 1, 7, 4, generator=gen).repeat(1, 1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    weights = torch.randn(2, 2, 3, 7, 8, generator=gen)
+    results = {}
+    for impl in ("cpu", "torch"):
+        leaf = proj.clone().requires_grad_()
+        with dispatch.torch_only() if impl == "torch" else warnings.catch_warnings():
+            parts = rotated_heads(leaf[:, :, 1:3], cos, sin)
+            if impl == "cpu":
+                assert all(p.is_contiguous() for p in parts)  # the layout the mixer kernels read, no copy left
+            loss = sum((p * w).sum() for p, w in zip(parts, weights))
+            loss.backward()
+        results[impl] = (torch.stack(parts), leaf.grad)
+    torch.testing.assert_close(results["cpu"][0], results["torch"][0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(results["cpu"][1], results["torch"][1], atol=1e-6, rtol=1e-6)
+    assert results["cpu"][1][:, :, [0, 3, 4]].abs().max() == 0  # parts outside the run get no gradient
+
+
+def test_compiled_rope_checks_its_inputs():
+    ops = cpu.operators()
+    src, table = torch.randn(1, 4, 1, 2, 6), torch.randn(1, 4, 6)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be float32 \(B, n, hd\) = \(1, 4, 6\)"):
+        ops.rope_heads(src, table[:, :3], table)
+    with pytest.raises(RuntimeError, match="the head width must be even, got 5"):
+        ops.rope_heads(src[..., :5], table[..., :5], table[..., :5])

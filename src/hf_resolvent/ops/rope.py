@@ -1,0 +1,59 @@
+"""RoPE for the mixers' queries and keys: rotate a run of projected parts, return each part heads-major.
+
+The PyTorch code (:func:`apply_rope` and the views in :func:`rotated_heads`) is the reference. On the CPU in float32,
+with the compiled kernels built, one C++ call (``backends/cpu/csrc/rope_cpu.cpp``) rotates the run and writes the
+parts in the layout the mixer kernels read, with its backward; :func:`~hf_resolvent.ops.dispatch.compiled_for`
+decides, with the mixer's own ``impl``, as for the other kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import choose, compiled_for, compiled_ops
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The sin table with the rotate-half's sign in it: rotate_half(t) = (-t2, t1) is the roll (t2, t1) with the
+    first half negated, so a rotation is t * cos + roll(t, half) * signed_sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate queries or keys (..., d) by cos and sin tables broadcast to them (rotate-half), in float32."""
+    half = t.shape[-1] // 2
+    return torch.addcmul(t.float() * cos, t.roll(half, dims=-1).float(), signed_sin(sin)).to(t.dtype)
+
+
+class _RopeHeads(torch.autograd.Function):
+    """(B, n, P, H, hd) run -> (P, B, H, n, hd) rotated parts, and back for the gradient (rope_cpu.cpp)."""
+
+    @staticmethod
+    def forward(ctx, run, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return compiled_ops().rope_heads(run, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return compiled_ops().rope_heads_backward(grad, cos, sin), None, None
+
+
+def rotated_heads(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, ...]:
+    """Rotate a run of projected parts and split it into heads-major parts.
+
+    Args:
+        run: (B, n, P, H, hd), P query/key parts of H heads (a slice of the mixer's input projection).
+        cos, sin: (B, 1, n, hd) tables of :class:`~hf_resolvent.modeling_resolvent.ResolventRotaryEmbedding`.
+        impl: the mixer's ``impl`` (:mod:`.dispatch`): the compiled call runs where it chooses the CPU kernels.
+
+    Returns:
+        P tensors (B, H, n, hd): contiguous from the compiled call, views of the rotated run otherwise.
+    """
+    if (run.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad) and run.stride(-1) == 1
+            and choose(impl, run) == "cpu" and compiled_for(run, cos, sin)):
+        cos, sin = (table.expand(run.shape[0], -1, -1) for table in (cos.squeeze(1), signed_sin(sin.squeeze(1))))
+        return _RopeHeads.apply(run, cos, sin).unbind(0)
+    tables = (table.transpose(1, 2).unsqueeze(2) for table in (cos, sin))  # (B, n, 1, 1, hd), as the run's parts
+    return tuple(part.transpose(1, 2) for part in apply_rope(run, *tables).unbind(2))
