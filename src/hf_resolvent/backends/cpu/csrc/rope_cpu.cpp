@@ -53,15 +53,18 @@ at::Tensor rope_heads(const at::Tensor& src, const at::Tensor& cos, const at::Te
   float* o = out.data_ptr<float>();
   const Tables tab = tables(cos, sin);
   const int64_t sb = src.stride(0), sn = src.stride(1), sp = src.stride(2), sh = src.stride(3);
-  at::parallel_for(0, P * B * H, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t row = lo; row < hi; ++row) {  // one (p, b, h): n x hd floats of out, contiguous
-      const int64_t p = row / (B * H), b = (row / H) % B, h = row % H;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* t = s + b * sb + i * sn + p * sp + h * sh;
-        const float *c = tab.c(b, i), *sg = tab.s(b, i);
-        float* y = o + (row * n + i) * hd;
-        for (int64_t j = 0; j < half; ++j) y[j] = t[j] * c[j] + t[j + half] * sg[j];
-        for (int64_t j = half; j < hd; ++j) y[j] = t[j] * c[j] + t[j - half] * sg[j];
+  // positions outermost: each (b, i) reads its P x H parts (contiguous in a projection) and its table rows once
+  at::parallel_for(0, B * n, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t bi = lo; bi < hi; ++bi) {
+      const int64_t b = bi / n, i = bi % n;
+      const float *c = tab.c(b, i), *sg = tab.s(b, i);
+      for (int64_t p = 0; p < P; ++p) {
+        for (int64_t h = 0; h < H; ++h) {
+          const float* t = s + b * sb + i * sn + p * sp + h * sh;
+          float* y = o + (((p * B + b) * H + h) * n + i) * hd;
+          for (int64_t j = 0; j < half; ++j) y[j] = t[j] * c[j] + t[j + half] * sg[j];
+          for (int64_t j = half; j < hd; ++j) y[j] = t[j] * c[j] + t[j - half] * sg[j];
+        }
       }
     }
   });
@@ -80,15 +83,17 @@ at::Tensor rope_heads_backward(const at::Tensor& grad_in, const at::Tensor& cos,
   const float* g = grad.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const Tables tab = tables(cos, sin);
-  at::parallel_for(0, P * B * H, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t row = lo; row < hi; ++row) {
-      const int64_t p = row / (B * H), b = (row / H) % B, h = row % H;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* gy = g + (row * n + i) * hd;
-        const float *c = tab.c(b, i), *sg = tab.s(b, i);
-        float* x = o + (((b * n + i) * P + p) * H + h) * hd;
-        for (int64_t j = 0; j < half; ++j) x[j] = gy[j] * c[j] + gy[j + half] * sg[j + half];
-        for (int64_t j = half; j < hd; ++j) x[j] = gy[j] * c[j] + gy[j - half] * sg[j - half];
+  at::parallel_for(0, B * n, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t bi = lo; bi < hi; ++bi) {
+      const int64_t b = bi / n, i = bi % n;
+      const float *c = tab.c(b, i), *sg = tab.s(b, i);
+      for (int64_t p = 0; p < P; ++p) {
+        for (int64_t h = 0; h < H; ++h) {
+          const float* gy = g + (((p * B + b) * H + h) * n + i) * hd;
+          float* x = o + ((bi * P + p) * H + h) * hd;
+          for (int64_t j = 0; j < half; ++j) x[j] = gy[j] * c[j] + gy[j + half] * sg[j + half];
+          for (int64_t j = half; j < hd; ++j) x[j] = gy[j] * c[j] + gy[j - half] * sg[j - half];
+        }
       }
     }
   });
