@@ -41,6 +41,20 @@ Tables tables(const at::Tensor& cos, const at::Tensor& sin) {
   return {cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1)};
 }
 
+// Calls f(bi, p, h, cos row, sin row) for every position bi = b * n + i (in parallel over positions) and every part
+// p and head h. Positions outermost: each position's parts (contiguous in a projection) and table rows are read once.
+template <typename F>
+void for_each_part(int64_t B, int64_t n, int64_t P, int64_t H, const Tables& tab, const F& f) {
+  at::parallel_for(0, B * n, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t bi = lo; bi < hi; ++bi) {
+      const float *c = tab.c(bi / n, bi % n), *sg = tab.s(bi / n, bi % n);
+      for (int64_t p = 0; p < P; ++p) {
+        for (int64_t h = 0; h < H; ++h) f(bi, p, h, c, sg);
+      }
+    }
+  });
+}
+
 at::Tensor rope_heads(const at::Tensor& src, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(src.dim() == 5 && src.scalar_type() == at::kFloat && src.stride(4) == 1,
               "rope_heads: src must be a float32 (B, n, P, H, hd) tensor with a unit last stride, got ", src.sizes(),
@@ -53,20 +67,12 @@ at::Tensor rope_heads(const at::Tensor& src, const at::Tensor& cos, const at::Te
   float* o = out.data_ptr<float>();
   const Tables tab = tables(cos, sin);
   const int64_t sb = src.stride(0), sn = src.stride(1), sp = src.stride(2), sh = src.stride(3);
-  // positions outermost: each (b, i) reads its P x H parts (contiguous in a projection) and its table rows once
-  at::parallel_for(0, B * n, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t bi = lo; bi < hi; ++bi) {
-      const int64_t b = bi / n, i = bi % n;
-      const float *c = tab.c(b, i), *sg = tab.s(b, i);
-      for (int64_t p = 0; p < P; ++p) {
-        for (int64_t h = 0; h < H; ++h) {
-          const float* t = s + b * sb + i * sn + p * sp + h * sh;
-          float* y = o + (((p * B + b) * H + h) * n + i) * hd;
-          for (int64_t j = 0; j < half; ++j) y[j] = t[j] * c[j] + t[j + half] * sg[j];
-          for (int64_t j = half; j < hd; ++j) y[j] = t[j] * c[j] + t[j - half] * sg[j];
-        }
-      }
-    }
+  for_each_part(B, n, P, H, tab, [&](int64_t bi, int64_t p, int64_t h, const float* c, const float* sg) {
+    const int64_t b = bi / n, i = bi % n;
+    const float* t = s + b * sb + i * sn + p * sp + h * sh;
+    float* y = o + (((p * B + b) * H + h) * n + i) * hd;
+    for (int64_t j = 0; j < half; ++j) y[j] = t[j] * c[j] + t[j + half] * sg[j];
+    for (int64_t j = half; j < hd; ++j) y[j] = t[j] * c[j] + t[j - half] * sg[j];
   });
   return out;
 }
@@ -83,19 +89,12 @@ at::Tensor rope_heads_backward(const at::Tensor& grad_in, const at::Tensor& cos,
   const float* g = grad.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const Tables tab = tables(cos, sin);
-  at::parallel_for(0, B * n, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t bi = lo; bi < hi; ++bi) {
-      const int64_t b = bi / n, i = bi % n;
-      const float *c = tab.c(b, i), *sg = tab.s(b, i);
-      for (int64_t p = 0; p < P; ++p) {
-        for (int64_t h = 0; h < H; ++h) {
-          const float* gy = g + (((p * B + b) * H + h) * n + i) * hd;
-          float* x = o + ((bi * P + p) * H + h) * hd;
-          for (int64_t j = 0; j < half; ++j) x[j] = gy[j] * c[j] + gy[j + half] * sg[j + half];
-          for (int64_t j = half; j < hd; ++j) x[j] = gy[j] * c[j] + gy[j - half] * sg[j - half];
-        }
-      }
-    }
+  for_each_part(B, n, P, H, tab, [&](int64_t bi, int64_t p, int64_t h, const float* c, const float* sg) {
+    const int64_t b = bi / n, i = bi % n;
+    const float* gy = g + (((p * B + b) * H + h) * n + i) * hd;
+    float* x = o + ((bi * P + p) * H + h) * hd;
+    for (int64_t j = 0; j < half; ++j) x[j] = gy[j] * c[j] + gy[j + half] * sg[j + half];
+    for (int64_t j = half; j < hd; ++j) x[j] = gy[j] * c[j] + gy[j - half] * sg[j - half];
   });
   return out;
 }
