@@ -88,3 +88,14 @@ def test_predicted_skips_and_same_mixers_as_bench_decode():
     assert "--max-seconds" in mod.predict_skip(hist, 32768, 1, 600, 100)  # quadratic: 1024 + 32 s
     assert "--max-gib" in mod.predict_skip(hist, 8192, 1, 600, 0.9)  # (400 + 2 x 300) MiB
     assert mod.predict_skip(hist, 32768, 8, 600, 100) is None  # no run at batch 8 to go by
+
+
+def test_the_peak_is_never_under_the_resident_size_seen_before_it(monkeypatch):
+    """Linux sums its RSS counters per CPU lazily: a VmHWM read after the run came back 16 KiB under the VmRSS read
+    before it (a CI run). The row's peak is at least every resident size it observed."""
+    bench = load_script("bench_generate")
+    real = bench.proc_status_kib
+    monkeypatch.setattr(bench, "proc_status_kib", lambda field: real("VmRSS") - 16 if field == "VmHWM" else real(field))
+    settings = dict(width=32, layers=1, heads=2, vocab=64, threads=1, seed=0, mamba_state=16)
+    row = bench.measure({"settings": settings, "model": "exp2:ce", "context": 16, "batch": 1, "new_tokens": 3})
+    assert row["peak_rss_mib"] >= row["model_rss_mib"] > 0
