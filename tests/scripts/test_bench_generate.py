@@ -94,8 +94,15 @@ def test_the_peak_is_never_under_the_resident_size_seen_before_it(monkeypatch):
     """Linux sums its RSS counters per CPU lazily: a VmHWM read after the run came back 16 KiB under the VmRSS read
     before it (a CI run). The row's peak is at least every resident size it observed."""
     bench = load_script("bench_generate")
-    real = bench.proc_status_kib
-    monkeypatch.setattr(bench, "proc_status_kib", lambda field: real("VmRSS") - 16 if field == "VmHWM" else real(field))
+    real, seen = bench.proc_status_kib, []
+
+    def status(field):  # VmHWM 16 KiB under the first VmRSS read (the resident size before the prompt)
+        if field == "VmRSS":
+            seen.append(real(field))
+            return seen[-1]
+        return seen[0] - 16 if field == "VmHWM" else real(field)
+
+    monkeypatch.setattr(bench, "proc_status_kib", status)
     settings = dict(width=32, layers=1, heads=2, vocab=64, threads=1, seed=0, mamba_state=16)
     row = bench.measure({"settings": settings, "model": "exp2:ce", "context": 16, "batch": 1, "new_tokens": 3})
     assert row["peak_rss_mib"] >= row["model_rss_mib"] > 0
