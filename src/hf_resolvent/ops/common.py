@@ -50,6 +50,11 @@ def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None
                 lambda: f"start (leading padding per sequence) must lie in [0, n) = [0, {n})")
 
 
+def records_grad(tensors) -> bool:
+    """True when autograd records what is computed from ``tensors``: grad mode is on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def require(ok: torch.Tensor, problem: str, message) -> None:
     """Raise ``ValueError(message())`` where the 0-d bool tensor ``ok`` is False. Eager: one host sync. Inside a
     ``torch.compile`` graph, where reading the value would break the graph: a runtime assert in the graph, whose

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_inputs
+from .common import check_inputs, records_grad
 from .dispatch import compiled_for, compiled_ops
 from .patterns import get_pattern
 from .state import DecodeState, MixerState  # MixerState: re-exported, code imported it from here
@@ -61,7 +61,7 @@ def _mix(state: DecodeState, read, r, scale, qa, ka, qb, kb, x, g, d):
     held = [getattr(state, name) if q is not None else None  # the rows of the channels this step uses
             for name, q in (("keys_a", qa), ("values", qa), ("keys_b", qb), ("outputs", qb))]
     given = [t for t in (qa, ka, qb, kb, x, g, d, *held) if t is not None]
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in given)) and compiled_for(*given):
+    if not records_grad(given) and compiled_for(*given):
         return compiled_ops().decode_step(qa, ka, qb, kb, x, g, d, *held, read, r, scale)
     keys_a, values, keys_b, outputs = held
     valid = (r >= 0).to(x.dtype)[:, None, None]

@@ -47,7 +47,7 @@ from typing import ClassVar
 
 import torch
 
-from .common import require
+from .common import records_grad, require
 from .patterns import Pattern, get_pattern
 
 __all__ = ["DecodeState", "MixerState", "StaticDecodeState", "state_from_sequence"]
@@ -203,8 +203,8 @@ class DecodeState:
     def _append(self, new: dict[str, torch.Tensor], r: torch.Tensor, keep: int | None) -> None:
         """Add the token as the newest row, then keep the last ``keep`` rows (None: all)."""
         pos_new = torch.where(r >= 0, r, -1)[:, None]
-        recording = torch.is_grad_enabled() and any(t.requires_grad for t in new.values())
-        if keep is None and pos_new.device.type == "cpu" and not recording:  # autograd keeps views of the rows
+        # autograd keeps views of the rows: no writing into spare rows then
+        if keep is None and pos_new.device.type == "cpu" and not records_grad(new.values()):
             for name, t in new.items():
                 setattr(self, name, _grown(getattr(self, name), t[:, :, None], dim=2))
             self.positions = _grown(self.positions, pos_new, dim=1)
