@@ -89,12 +89,13 @@ def fitted_block_config(dtype: torch.dtype, width: int, cfg: BlockConfig | None 
     kernels at width 128 ask for 256 KiB of shared memory with 64-key steps, over the 227 KiB a block may have."""
     cfg = _CONFIG if cfg is None else cfg
     elem, BW = torch.empty((), dtype=dtype).element_size(), _width(width)
-    attn_n, bwd_n = cfg.attn_n, cfg.bwd_n
-    while attn_n > 16 and attn_n * BW * elem > 16384:
-        attn_n //= 2
-    while bwd_n > 16 and bwd_n * BW * elem > 16384:
-        bwd_n //= 2
-    return cfg if (attn_n, bwd_n) == (cfg.attn_n, cfg.bwd_n) else replace(cfg, attn_n=attn_n, bwd_n=bwd_n)
+
+    def fitted(step: int) -> int:
+        while step > 16 and step * BW * elem > 16384:
+            step //= 2
+        return step
+
+    return replace(cfg, attn_n=fitted(cfg.attn_n), bwd_n=fitted(cfg.bwd_n))
 
 
 @contextlib.contextmanager
