@@ -339,7 +339,64 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
     tl.store(_tile_ptrs(DQ, bh, n, rows, cd, d), dq * scale, mask=_tile_mask(rmask, cd, d))
 
 
-# The sequential solves (dense and sparse) share how a block ends.
+# The solves (dense and sparse): scheduling, and how a block ends.
+#
+# Block c of a solve needs the solved rows of earlier blocks (of later ones, going backward), so its
+# programs cannot just run side by side. Each program takes a ticket (an atomic counter) when it
+# starts; tickets map to blocks in solve order, every head's first block first. A program waits only
+# on smaller tickets, whose programs have started, so the GPU always makes progress, which the order
+# of the grid alone would not promise. Blocks are published in solve order, so PROGRESS[bh], the number
+# of blocks of head bh published so far, says which are solved: block at solve position o is solved
+# when PROGRESS[bh] > o. Everything a block can do before its inputs are solved runs in parallel.
+
+
+@triton.jit
+def _claim_block(PROGRESS, nblk, REVERSE: tl.constexpr):
+    """For a grid (nblk * BH,): this program's block index, head bh and solve position (the block index,
+    counted from the last block with REVERSE), from its ticket. PROGRESS (BH + 1,) int32 is zero on
+    entry; its last entry is the ticket counter."""
+    BH = tl.num_programs(0) // nblk
+    ticket = tl.atomic_add(PROGRESS + BH, 1, sem="relaxed")
+    order = ticket // BH
+    bh = (ticket % BH).to(tl.int64)
+    if REVERSE:
+        blk = nblk - 1 - order
+    else:
+        blk = order
+    return blk, bh, order
+
+
+@triton.jit
+def _solved_count(PROGRESS, bh):
+    """Blocks of head bh published so far (acquire: their stores are visible to this program after it)."""
+    return tl.atomic_add(PROGRESS + bh, 0, sem="acquire")
+
+
+@triton.jit
+def _wait_solved(PROGRESS, bh, order, known):
+    """Waits until the block at solve position ``order`` of head bh is published (no wait for order < 0);
+    ``known`` is the count last read. Returns the count."""
+    while known <= order:
+        known = _solved_count(PROGRESS, bh)
+    return known
+
+
+@triton.jit
+def _publish_solved(PROGRESS, bh, order, known):
+    """Publishes this block (solve position ``order``) once every thread's stores are done and the block
+    before it is published (PROGRESS stays a count of a prefix)."""
+    _wait_solved(PROGRESS, bh, order - 1, known)
+    tl.debug_barrier()
+    tl.atomic_xchg(PROGRESS + bh, order + 1, sem="release")
+
+
+@triton.jit
+def _load_solved_tile(PTR, bh, n, rows, row_ok, cols, width):
+    """``_load_tile`` of rows another program wrote and published: read from L2 (``.cg``), since this
+    SM's L1 is not kept coherent with other SMs' stores."""
+    return tl.load(_tile_ptrs(PTR, bh, n, rows, cols, width), mask=_tile_mask(row_ok, cols, width), other=0.0,
+                   cache_modifier=".cg")
+
 
 
 @triton.jit
@@ -376,107 +433,141 @@ def _store_w_and_row_grads(W_TILE, OA_TILE, R_TILE, tile_mask, DA, DB, DG, bh, n
 
 
 @triton.jit
-def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, n, H, d, e, qk_scale2,
+def _dense_fwd_tile(QB_ROWS, KB, Y, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC: tl.constexpr):
+    """One earlier key block j0 of the dense forward solve: its scores, merged into the running
+    softmax (m, l_sum), and its solved Y rows accumulated into acc."""
+    keys = j0 + ar  # an earlier block: every key is < n
+    k = _load_tile(KB, bh, n, keys, None, cd, d)
+    yv = _load_solved_tile(Y, bh, n, keys, None, ce, e)
+    s2 = _dot(QB_ROWS, tl.trans(k), PREC) * qk_scale2
+    s2 = tl.where(keys[None, :] >= s, s2, float("-inf"))
+    m, l_sum, alpha, p = _online_softmax(m, l_sum, s2)
+    acc = acc * alpha[:, None] + _dot(p, yv, PREC)
+    return m, l_sum, acc
+
+
+@triton.jit
+def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, e, qk_scale2,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                            PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, forward: Y = (1 - geff) OA + geff softmax_{j<i}(qb_i . kb_j) Y_j, by blocks.
 
-    Grid (BH,): one program walks the row blocks in order (block c needs Y of blocks < c). For block c:
-    (1) online softmax of its B-queries over the keys of earlier blocks, accumulating the already
-    solved Y (read back from the output buffer); (2) the in-block strictly lower scores, merged into
-    the same running max / sum, which gives the full-row normaliser; (3) the in-block unit lower
-    triangular system (I - geff Bt) Y_c = rhs, solved by repeated squaring (``_unit_lower_solve``).
+    Grid (cdiv(n, BLOCK) * BH,): one program per row block, in ticket order (``_claim_block``). Block c:
+    (1) online softmax of its B-queries over the keys of earlier blocks, accumulating their solved Y
+    (read back from the output buffer; blocks not yet published when the program starts are waited
+    on one by one); (2) the in-block strictly lower scores, merged into the same running max / sum,
+    which gives the full-row normaliser; (3) the in-block unit lower triangular system
+    (I - geff Bt) Y_c = rhs, solved by repeated squaring (``_unit_lower_solve``).
     Writes Y and R = softmax(P^B) Y (BH, n, e) float32 and the base-2 log-sum-exp LSEB (BH, n).
     Memory beyond the inputs: O(n e) per (batch, head); nothing n x n.
     """
-    bh, s = _head_and_start(START, H, 0)
+    nblk = (n + BLOCK - 1) // BLOCK
+    blk, bh, order = _claim_block(PROGRESS, nblk, False)
+    s = tl.load(START + bh // H)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
     lo = (s // BLOCK) * BLOCK
-    for c0 in range(0, n, BLOCK):
-        rows = c0 + ar
-        rmask, rel, valid = _pattern_rows(rows, n, s)
-        hasb = rmask & (rel >= 1)
-        q = _load_tile(QB, bh, n, rows, rmask, cd, d)
-        geff = _gate(G, bh, n, rows, rmask, hasb)
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        l_sum = tl.full([BLOCK], 0.0, tl.float32)
-        acc = tl.full([BLOCK, BE], 0.0, tl.float32)
-        for j0 in range(lo, c0, BLOCK):
-            keys = j0 + ar  # an earlier block: every key is < n
-            k = _load_tile(KB, bh, n, keys, None, cd, d)
-            yv = _load_tile(Y, bh, n, keys, None, ce, e)
-            s2 = _dot(q, tl.trans(k), PREC) * qk_scale2
-            s2 = tl.where(keys[None, :] >= s, s2, float("-inf"))
-            m, l_sum, alpha, p = _online_softmax(m, l_sum, s2)
-            acc = acc * alpha[:, None] + _dot(p, yv, PREC)
-        # In-block scores (strictly lower), merged into the running normaliser.
-        kc = _load_tile(KB, bh, n, rows, rmask, cd, d)
-        s2 = _dot(q, tl.trans(kc), PREC) * qk_scale2
-        ok = (ar[None, :] < ar[:, None]) & (rows[None, :] >= s) & rmask[None, :]
-        s2 = tl.where(ok, s2, float("-inf"))
-        m, l_sum, alpha, p = _online_softmax(m, l_sum, s2)
-        acc = acc * alpha[:, None]
-        has = l_sum > 0
-        inv_l = tl.where(has, 1.0 / tl.where(has, l_sum, 1.0), 0.0)
-        earlier = acc * inv_l[:, None]
-        bt = p * inv_l[:, None]
-        _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
-        tl.store(_row_ptrs(LSEB, bh, n, rows), _log_sum_exp2(m, l_sum), mask=rmask)
-        # Later blocks of this program read these rows of Y back from global memory.
-        tl.debug_barrier()
+    c0 = blk * BLOCK
+    rows = c0 + ar
+    rmask, rel, valid = _pattern_rows(rows, n, s)
+    hasb = rmask & (rel >= 1)
+    q = _load_tile(QB, bh, n, rows, rmask, cd, d)
+    geff = _gate(G, bh, n, rows, rmask, hasb)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_sum = tl.full([BLOCK], 0.0, tl.float32)
+    acc = tl.full([BLOCK, BE], 0.0, tl.float32)
+    # Blocks published when the program starts need no check (a loop the compiler can pipeline);
+    # the few after them are waited on one by one.
+    known = _solved_count(PROGRESS, bh)
+    mid = tl.maximum(tl.minimum(known * BLOCK, c0), lo)
+    for j0 in range(lo, mid, BLOCK):
+        m, l_sum, acc = _dense_fwd_tile(q, KB, Y, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC)
+    for j0 in range(mid, c0, BLOCK):
+        known = _wait_solved(PROGRESS, bh, j0 // BLOCK, known)
+        m, l_sum, acc = _dense_fwd_tile(q, KB, Y, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC)
+    # In-block scores (strictly lower), merged into the running normaliser.
+    kc = _load_tile(KB, bh, n, rows, rmask, cd, d)
+    s2 = _dot(q, tl.trans(kc), PREC) * qk_scale2
+    ok = (ar[None, :] < ar[:, None]) & (rows[None, :] >= s) & rmask[None, :]
+    s2 = tl.where(ok, s2, float("-inf"))
+    m, l_sum, alpha, p = _online_softmax(m, l_sum, s2)
+    acc = acc * alpha[:, None]
+    has = l_sum > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_sum, 1.0), 0.0)
+    earlier = acc * inv_l[:, None]
+    bt = p * inv_l[:, None]
+    _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
+    tl.store(_row_ptrs(LSEB, bh, n, rows), _log_sum_exp2(m, l_sum), mask=rmask)
+    _publish_solved(PROGRESS, bh, order, known)
 
 
 @triton.jit
-def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, n, H, d, e, qk_scale2,
+def _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, r0, ar, cd, d, ce, e, kc, cvalid, rhs, qk_scale2,
+                    PREC: tl.constexpr):
+    """One later row block r0 of the dense backward solve: adds B_rc^T W_r to the right-hand side of
+    the columns (keys kc, valid where cvalid), with B_rc recomputed from the scores."""
+    rows = r0 + ar
+    rmask = rows < n
+    hasb_r = rmask & (rows - s >= 1)
+    qr = _load_tile(QB, bh, n, rows, rmask, cd, d)
+    lse_r = _load_row_scalars(LSEB, bh, n, rows, rmask)
+    geff_r = _gate(G, bh, n, rows, rmask, hasb_r)
+    w_later = _load_solved_tile(W, bh, n, rows, rmask, ce, e)
+    s2 = _dot(qr, tl.trans(kc), PREC) * qk_scale2
+    ok = cvalid[None, :] & hasb_r[:, None]
+    pb = _exp2_where(ok, s2 - lse_r[:, None]) * geff_r[:, None]
+    return rhs + _dot(tl.trans(pb), w_later, PREC)
+
+
+@triton.jit
+def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PROGRESS, n, H, d, e, qk_scale2,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                            PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, backward solve: W = (I - B)^-T dY by blocks, last block first.
 
-    Grid (BH,). For block c (positions j): rhs = dY_c + sum over later blocks r of B_rc^T W_r, with
+    Grid (cdiv(n, BLOCK) * BH,), in ticket order, solve order from the last block. For block c
+    (positions j): rhs = dY_c + sum over later blocks r of B_rc^T W_r, with
     B_rc = geff_i exp2(s2_ij - LSEB_i) recomputed from the scores (nothing n x n is stored); then
     W_c = (I - B_cc)^-T rhs with the transposed in-block solve. Also writes the row scalars of the
     attention-style gradients (``_store_w_and_row_grads``).
     """
-    bh, s = _head_and_start(START, H, 0)
+    nblk = (n + BLOCK - 1) // BLOCK
+    blk, bh, order = _claim_block(PROGRESS, nblk, True)
+    s = tl.load(START + bh // H)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    nblk = (n + BLOCK - 1) // BLOCK
-    for it in range(0, nblk):
-        c0 = (nblk - 1 - it) * BLOCK
-        cols = c0 + ar
-        cmask = cols < n
-        cvalid = cmask & (cols >= s)
-        hasb_c = cmask & (cols - s >= 1)
-        kc = _load_tile(KB, bh, n, cols, cmask, cd, d)
-        rhs = _load_tile(DY, bh, n, cols, cvalid, ce, e).to(tl.float32)
-        for r0 in range(c0 + BLOCK, n, BLOCK):
-            rows = r0 + ar
-            rmask = rows < n
-            hasb_r = rmask & (rows - s >= 1)
-            qr = _load_tile(QB, bh, n, rows, rmask, cd, d)
-            lse_r = _load_row_scalars(LSEB, bh, n, rows, rmask)
-            geff_r = _gate(G, bh, n, rows, rmask, hasb_r)
-            w_later = _load_tile(W, bh, n, rows, rmask, ce, e)
-            s2 = _dot(qr, tl.trans(kc), PREC) * qk_scale2
-            ok = cvalid[None, :] & hasb_r[:, None]
-            pb = _exp2_where(ok, s2 - lse_r[:, None]) * geff_r[:, None]
-            rhs += _dot(tl.trans(pb), w_later, PREC)
-        qc = _load_tile(QB, bh, n, cols, cmask, cd, d)
-        lse_c = _load_row_scalars(LSEB, bh, n, cols, cmask)
-        geff_c = _gate(G, bh, n, cols, cmask, hasb_c)
-        s2 = _dot(qc, tl.trans(kc), PREC) * qk_scale2
-        ok = (ar[None, :] < ar[:, None]) & cvalid[None, :] & hasb_c[:, None]
-        bt = _exp2_where(ok, s2 - lse_c[:, None])
-        w = _unit_lower_solve(geff_c[:, None] * bt, rhs, LOG2_BLOCK, True, SOLVE_PREC)
-        w = tl.where(cvalid[:, None], w, 0.0)
-        _store_w_and_row_grads(_tile_ptrs(W, bh, n, cols, ce, e), _tile_ptrs(OA, bh, n, cols, ce, e),
-                               _tile_ptrs(R, bh, n, cols, ce, e), _tile_mask(cmask, ce, e),
-                               DA, DB, DG, bh, n, cols, cmask, w, geff_c, hasb_c)
-        # Earlier blocks of this program read these rows of W back from global memory.
-        tl.debug_barrier()
+    c0 = blk * BLOCK
+    cols = c0 + ar
+    cmask = cols < n
+    cvalid = cmask & (cols >= s)
+    hasb_c = cmask & (cols - s >= 1)
+    kc = _load_tile(KB, bh, n, cols, cmask, cd, d)
+    rhs = _load_tile(DY, bh, n, cols, cvalid, ce, e).to(tl.float32)
+    # Later blocks in solve order (the last block is position 0): those published at the start
+    # without a check, then the rest one by one.
+    known = _solved_count(PROGRESS, bh)
+    mid = tl.minimum(known, order)
+    for o in range(0, mid):
+        rhs = _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid, rhs,
+                              qk_scale2, PREC)
+    for o in range(mid, order):
+        known = _wait_solved(PROGRESS, bh, o, known)
+        rhs = _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid, rhs,
+                              qk_scale2, PREC)
+    qc = _load_tile(QB, bh, n, cols, cmask, cd, d)
+    lse_c = _load_row_scalars(LSEB, bh, n, cols, cmask)
+    geff_c = _gate(G, bh, n, cols, cmask, hasb_c)
+    s2 = _dot(qc, tl.trans(kc), PREC) * qk_scale2
+    ok = (ar[None, :] < ar[:, None]) & cvalid[None, :] & hasb_c[:, None]
+    bt = _exp2_where(ok, s2 - lse_c[:, None])
+    w = _unit_lower_solve(geff_c[:, None] * bt, rhs, LOG2_BLOCK, True, SOLVE_PREC)
+    w = tl.where(cvalid[:, None], w, 0.0)
+    _store_w_and_row_grads(_tile_ptrs(W, bh, n, cols, ce, e), _tile_ptrs(OA, bh, n, cols, ce, e),
+                           _tile_ptrs(R, bh, n, cols, ce, e), _tile_mask(cmask, ce, e),
+                           DA, DB, DG, bh, n, cols, cmask, w, geff_c, hasb_c)
+    _publish_solved(PROGRESS, bh, order, known)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -484,27 +575,33 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, n, 
 
 
 @triton.jit
-def _slot_source(OFFS, STEPS, k, rel, live, prev, s, CE: tl.constexpr):
+def _ce_source(OFFS, STEPS, k, rel, live):
+    """Pattern position a_k ceil((rel + 1 - f(k)) / a_k) - 1 that slot k of a cache-efficient pattern reads
+    (a_k - 1 on rows that do not read slot k, where it is never used as a source)."""
+    f = tl.load(OFFS + k)
+    a = tl.load(STEPS + k)
+    u = tl.where(live & (rel >= f), rel + 1 - f, 1)
+    return a * ((u + a - 1) // a) - 1
+
+
+@triton.jit
+def _slot_source(OFFS, STEPS, k, rel, live, s, CE: tl.constexpr):
     """Source position of slot k for rows at pattern positions ``rel`` (BLOCK,) int32, left padding s.
 
-    Returns (source, ok, raw): ``ok`` marks rows that read slot k (f(k) <= rel, and for
-    cache-efficient patterns not a duplicate of slot k - 1); ``source`` is s + the pattern-relative
-    source (s where not ok, a safe address); ``raw`` is the slot's pattern position before
-    de-duplication, to pass as ``prev`` for slot k + 1 (start with -1).
+    Returns (source, ok): ``ok`` marks rows that read slot k (f(k) <= rel, and for cache-efficient
+    patterns not a duplicate of slot k - 1); ``source`` is s + the pattern-relative source (s where not
+    ok, a safe address). Slots may be visited in any order: slot k - 1 is recomputed, not carried.
     """
     f = tl.load(OFFS + k)
     ok = live & (rel >= f)
     if CE:
-        a = tl.load(STEPS + k)
-        u = tl.where(ok, rel + 1 - f, 1)
-        raw = a * ((u + a - 1) // a) - 1
-        src = raw
-        ok = ok & (raw != prev)
+        src = _ce_source(OFFS, STEPS, k, rel, live)
+        prev = tl.where(k > 0, _ce_source(OFFS, STEPS, tl.maximum(k - 1, 0), rel, live), -1)
+        ok = ok & (src != prev)
     else:
-        raw = rel - f
-        src = raw
+        src = rel - f
     src = tl.where(ok, src, 0)
-    return src + s, ok, raw
+    return src + s, ok
 
 
 @triton.jit
@@ -543,9 +640,8 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
         qb = _load_tile(QB, bh, n, rows, rmask, cb, db).to(tl.float32)
         mb = tl.full([BM], float("-inf"), tl.float32)
         lb = tl.full([BM], 0.0, tl.float32)
-    prev = tl.full([BM], -1, tl.int32)
     for k in range(0, NSLOT):
-        src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
+        src, ok = _slot_source(OFFS, STEPS, k, rel, valid, s, CE)
         if HAS_A:
             kk = _load_tile(KA, bh, n, src, ok, ca, da).to(tl.float32)
             xk = _load_tile(X, bh, n, src, ok, ce, e).to(tl.float32)
@@ -573,91 +669,99 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
 
 
 @triton.jit
-def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, OFFS, STEPS, NSLOT, F0, n, H, d, e, qk_scale2,
+def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, PROGRESS, OFFS, STEPS, NSLOT, F0, n, H, d, e,
+                            qk_scale2,
                             BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                             CE: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Sparse patterns, forward solve: Y = (1 - geff) OA + geff sum_slots softmax(qb . kb) Y[src].
 
-    Grid (BH,); row blocks in order. Slots whose source lies in an earlier block gather the solved
-    Y rows; slots inside the block fill a (BLOCK, BLOCK) strictly lower tile that is then solved as
-    in the dense kernel. F0 = f(0): rows with rel < F0 have no recurrent set (geff = 0).
+    Grid (cdiv(n, BLOCK) * BH,), one program per row block in ticket order (``_claim_block``). Slots
+    whose source lies in an earlier block gather the solved Y rows, the farthest slot first (its
+    blocks were published longest ago), waiting where a source block is not published yet; slots
+    inside the block fill a (BLOCK, BLOCK) strictly lower tile that is then solved as in the dense
+    kernel. F0 = f(0): rows with rel < F0 have no recurrent set (geff = 0).
     Writes Y and R = softmax(P^B) Y (BH, n, e) float32. O(n (BLOCK + K) e) work.
     """
-    bh, s = _head_and_start(START, H, 0)
+    nblk = (n + BLOCK - 1) // BLOCK
+    blk, bh, order = _claim_block(PROGRESS, nblk, False)
+    s = tl.load(START + bh // H)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    for c0 in range(0, n, BLOCK):
-        rows = c0 + ar
-        rmask, rel, valid = _pattern_rows(rows, n, s)
-        hasb = valid & (rel >= F0)
-        q, lse, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d)
-        earlier = tl.full([BLOCK, BE], 0.0, tl.float32)
-        bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
-        prev = tl.full([BLOCK], -1, tl.int32)
-        for k in range(0, NSLOT):
-            src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
-            kk = _load_tile(KB, bh, n, src, ok, cd, d).to(tl.float32)
-            p = _exp2_where(ok, _sum(q * kk, 1) * qk_scale2 - lse)
-            early = ok & (src < c0)
-            yk = _load_tile(Y, bh, n, src, early, ce, e)
-            earlier += tl.where(early, p, 0.0)[:, None] * yk
-            inside = ok & (src >= c0)
-            bt += tl.where((ar[None, :] == (src - c0)[:, None]) & inside[:, None], p[:, None], 0.0)
-        _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
-        tl.debug_barrier()
+    c0 = blk * BLOCK
+    rows = c0 + ar
+    rmask, rel, valid = _pattern_rows(rows, n, s)
+    hasb = valid & (rel >= F0)
+    q, lse, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d)
+    earlier = tl.full([BLOCK, BE], 0.0, tl.float32)
+    bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
+    known = _solved_count(PROGRESS, bh)
+    for i in range(0, NSLOT):
+        k = NSLOT - 1 - i
+        src, ok = _slot_source(OFFS, STEPS, k, rel, valid, s, CE)
+        kk = _load_tile(KB, bh, n, src, ok, cd, d).to(tl.float32)
+        p = _exp2_where(ok, _sum(q * kk, 1) * qk_scale2 - lse)
+        early = ok & (src < c0)
+        known = _wait_solved(PROGRESS, bh, _max(tl.where(early, src // BLOCK, -1), 0), known)
+        yk = _load_solved_tile(Y, bh, n, src, early, ce, e)
+        earlier += tl.where(early, p, 0.0)[:, None] * yk
+        inside = ok & (src >= c0)
+        bt += tl.where((ar[None, :] == (src - c0)[:, None]) & inside[:, None], p[:, None], 0.0)
+    _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
+    _publish_solved(PROGRESS, bh, order, known)
 
 
 @triton.jit
-def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, START, OFFS, STEPS, NSLOT, F0,
-                            n, H, d, e, qk_scale2,
+def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, START, PROGRESS, OFFS, STEPS, NSLOT,
+                            F0, n, H, d, e, qk_scale2,
                             BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                             CE: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Sparse patterns, backward solve: W = (I - B)^-T dY, last block first.
 
-    Grid (BH,). GACC (BH, n, e) float32, zero on entry, collects B^T W from later blocks: once W_c is
-    solved, every slot of block c whose source lies in an earlier block adds B_ij W_i to GACC[j]
-    (atomic adds: two rows may share a source). Block c's right-hand side is dY_c + GACC_c, and
+    Grid (cdiv(n, BLOCK) * BH,), in ticket order, solve order from the last block. GACC (BH, n, e)
+    float32, zero on entry, collects B^T W from later blocks: once W_c is solved, every slot of block c
+    whose source lies in an earlier block adds B_ij W_i to GACC[j] (atomic adds: two rows may share a
+    source), before the block is published. A block's in-block tile is built first; it then waits for
+    every later block to be published, and its right-hand side is dY_c + GACC_c, with
     W_c = (I - B_cc)^-T rhs. Row scalars DA, DB, DG as in the dense backward solve.
     """
-    bh, s = _head_and_start(START, H, 0)
+    nblk = (n + BLOCK - 1) // BLOCK
+    blk, bh, order = _claim_block(PROGRESS, nblk, True)
+    s = tl.load(START + bh // H)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    nblk = (n + BLOCK - 1) // BLOCK
-    for it in range(0, nblk):
-        c0 = (nblk - 1 - it) * BLOCK
-        rows = c0 + ar
-        rmask, rel, valid = _pattern_rows(rows, n, s)
-        hasb = valid & (rel >= F0)
-        q, lse, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d)
-        # One (int64) offset tile serves the block's five (rows, e) tiles: dY, GACC, W, OA, R.
-        row_e = bh * n * e + rows[:, None] * e + ce[None, :]
-        rhs = tl.load(DY + row_e, mask=_tile_mask(valid, ce, e), other=0.0).to(tl.float32)
-        # GACC was written with atomics (at L2): bypass L1, which may hold a stale line shared with a
-        # row of the next block when rows are not a multiple of 128 bytes.
-        rhs += tl.load(GACC + row_e, mask=_tile_mask(rmask, ce, e), other=0.0, cache_modifier=".cg")
-        bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
-        prev = tl.full([BLOCK], -1, tl.int32)
-        for k in range(0, NSLOT):
-            src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
-            inside = ok & (src >= c0)
-            kk = _load_tile(KB, bh, n, src, inside, cd, d).to(tl.float32)
-            p = _exp2_where(inside, _sum(q * kk, 1) * qk_scale2 - lse)
-            bt += tl.where(ar[None, :] == (src - c0)[:, None], p[:, None], 0.0)
-        w = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, True, SOLVE_PREC)
-        w = tl.where(valid[:, None], w, 0.0)
-        _store_w_and_row_grads(W + row_e, OA + row_e, R + row_e, _tile_mask(rmask, ce, e),
-                               DA, DB, DG, bh, n, rows, rmask, w, geff, hasb)
-        # Scatter B_ij W_i to the sources j of earlier blocks.
-        prev = tl.full([BLOCK], -1, tl.int32)
-        for k in range(0, NSLOT):
-            src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
-            early = ok & (src < c0)
-            kk = _load_tile(KB, bh, n, src, early, cd, d).to(tl.float32)
-            p = _exp2_where(early, _sum(q * kk, 1) * qk_scale2 - lse)
-            tl.atomic_add(_tile_ptrs(GACC, bh, n, src, ce, e), (geff * p)[:, None] * w, mask=_tile_mask(early, ce, e))
-        tl.debug_barrier()
+    c0 = blk * BLOCK
+    rows = c0 + ar
+    rmask, rel, valid = _pattern_rows(rows, n, s)
+    hasb = valid & (rel >= F0)
+    q, lse, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d)
+    # One (int64) offset tile serves the block's five (rows, e) tiles: dY, GACC, W, OA, R.
+    row_e = bh * n * e + rows[:, None] * e + ce[None, :]
+    rhs = tl.load(DY + row_e, mask=_tile_mask(valid, ce, e), other=0.0).to(tl.float32)
+    bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
+    for k in range(0, NSLOT):
+        src, ok = _slot_source(OFFS, STEPS, k, rel, valid, s, CE)
+        inside = ok & (src >= c0)
+        kk = _load_tile(KB, bh, n, src, inside, cd, d).to(tl.float32)
+        p = _exp2_where(inside, _sum(q * kk, 1) * qk_scale2 - lse)
+        bt += tl.where(ar[None, :] == (src - c0)[:, None], p[:, None], 0.0)
+    known = _wait_solved(PROGRESS, bh, order - 1, _solved_count(PROGRESS, bh))
+    # GACC was written with atomics (at L2) by other programs: read it from L2 (.cg), not L1.
+    rhs += tl.load(GACC + row_e, mask=_tile_mask(rmask, ce, e), other=0.0, cache_modifier=".cg")
+    w = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, True, SOLVE_PREC)
+    w = tl.where(valid[:, None], w, 0.0)
+    _store_w_and_row_grads(W + row_e, OA + row_e, R + row_e, _tile_mask(rmask, ce, e),
+                           DA, DB, DG, bh, n, rows, rmask, w, geff, hasb)
+    # Scatter B_ij W_i to the sources j of earlier blocks.
+    for k in range(0, NSLOT):
+        src, ok = _slot_source(OFFS, STEPS, k, rel, valid, s, CE)
+        early = ok & (src < c0)
+        kk = _load_tile(KB, bh, n, src, early, cd, d).to(tl.float32)
+        p = _exp2_where(early, _sum(q * kk, 1) * qk_scale2 - lse)
+        tl.atomic_add(_tile_ptrs(GACC, bh, n, src, ce, e), (geff * p)[:, None] * w, mask=_tile_mask(early, ce, e),
+                      sem="relaxed")
+    _publish_solved(PROGRESS, bh, order, known)
 
 
 @triton.jit
@@ -695,26 +799,25 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
         p0 = _exp2_where(valid, _sum(qa * ka, 1) * qk_scale2 - lsea)
         ds0 = p0 * (_sum(do_a * xs, 1) - delta_a)
         dqa = ds0[:, None] * ka
-        tl.atomic_add(_tile_ptrs(DKA, bh, n, rows, ca, da), ds0[:, None] * qa * scale, mask=_tile_mask(valid, ca, da))
-        tl.atomic_add(_tile_ptrs(DX, bh, n, rows, ce, e), p0[:, None] * do_a, mask=_tile_mask(valid, ce, e))
-    prev = tl.full([BM], -1, tl.int32)
+        tl.atomic_add(_tile_ptrs(DKA, bh, n, rows, ca, da), ds0[:, None] * qa * scale, mask=_tile_mask(valid, ca, da), sem="relaxed")
+        tl.atomic_add(_tile_ptrs(DX, bh, n, rows, ce, e), p0[:, None] * do_a, mask=_tile_mask(valid, ce, e), sem="relaxed")
     for k in range(0, NSLOT):
-        src, ok, prev = _slot_source(OFFS, STEPS, k, rel, valid, prev, s, CE)
+        src, ok = _slot_source(OFFS, STEPS, k, rel, valid, s, CE)
         if HAS_A:
             kk = _load_tile(KA, bh, n, src, ok, ca, da).to(tl.float32)
             xk = _load_tile(X, bh, n, src, ok, ce, e).to(tl.float32)
             p = _exp2_where(ok, _sum(qa * kk, 1) * qk_scale2 - lsea)
             ds = p * (_sum(do_a * xk, 1) - delta_a)
             dqa += ds[:, None] * kk
-            tl.atomic_add(_tile_ptrs(DKA, bh, n, src, ca, da), ds[:, None] * qa * scale, mask=_tile_mask(ok, ca, da))
-            tl.atomic_add(_tile_ptrs(DX, bh, n, src, ce, e), p[:, None] * do_a, mask=_tile_mask(ok, ce, e))
+            tl.atomic_add(_tile_ptrs(DKA, bh, n, src, ca, da), ds[:, None] * qa * scale, mask=_tile_mask(ok, ca, da), sem="relaxed")
+            tl.atomic_add(_tile_ptrs(DX, bh, n, src, ce, e), p[:, None] * do_a, mask=_tile_mask(ok, ce, e), sem="relaxed")
         if HAS_B:
             kk = _load_tile(KB, bh, n, src, ok, cb, db).to(tl.float32)
             yk = _load_tile(Y, bh, n, src, ok, ce, e)
             p = _exp2_where(ok, _sum(qb * kk, 1) * qk_scale2 - lseb)
             ds = p * (geff * _sum(w * yk, 1) - delta_b)
             dqb += ds[:, None] * kk
-            tl.atomic_add(_tile_ptrs(DKB, bh, n, src, cb, db), ds[:, None] * qb * scale, mask=_tile_mask(ok, cb, db))
+            tl.atomic_add(_tile_ptrs(DKB, bh, n, src, cb, db), ds[:, None] * qb * scale, mask=_tile_mask(ok, cb, db), sem="relaxed")
     if HAS_A:
         tl.store(_tile_ptrs(DQA, bh, n, rows, ca, da), dqa * scale, mask=_tile_mask(rmask, ca, da))
     if HAS_B:

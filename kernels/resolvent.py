@@ -224,10 +224,10 @@ def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockCon
             oa = x
         if plan.has_b:
             y, r, lseb = _new((BH, n, e), dev), _new((BH, n, e), dev), _new((BH, n), dev)
-            jit.dense_solve_fwd_kernel[(BH,)](qb, kb, oa, g, y, r, lseb, start, n, H, sh.db, e, qk2,
-                                              BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
-                                              BD=_width(sh.db), BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC,
-                                              num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
+            jit.dense_solve_fwd_kernel[_solve_grid(n, BH, cfg)](
+                qb, kb, oa, g, y, r, lseb, start, _progress(BH, dev), n, H, sh.db, e, qk2,
+                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=_width(sh.db), BE=BE, PREC=sh.prec,
+                SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
     else:
@@ -248,11 +248,10 @@ def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockCon
             HAS_B=plan.has_b, num_warps=cfg.num_warps)
         if plan.has_b:
             y, r = _new((BH, n, e), dev), _new((BH, n, e), dev)
-            jit.sparse_solve_fwd_kernel[(BH,)](qb, kb, oa, g, lseb, y, r, start, offs, steps, K, plan.f0,
-                                               n, H, sh.db, e, qk2,
-                                               BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
-                                               BD=_width(sh.db), BE=BE, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
-                                               num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
+            jit.sparse_solve_fwd_kernel[_solve_grid(n, BH, cfg)](
+                qb, kb, oa, g, lseb, y, r, start, _progress(BH, dev), offs, steps, K, plan.f0, n, H, sh.db, e, qk2,
+                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=_width(sh.db), BE=BE, CE=plan.ce,
+                SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
     return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r)
@@ -277,17 +276,17 @@ def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, c
         w = _new((BH, n, e), dev)
         da, db, dg = _new((BH, n), dev), _new((BH, n), dev), _new((BH, n), dev)
         if plan.dense:
-            jit.dense_solve_bwd_kernel[(BH,)](qb, kb, oa, r, g, lseb, dy, w, da, db, dg, start, n, H, sh.db, e, qk2,
-                                              BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
-                                              BD=_width(sh.db), BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC,
-                                              num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
+            jit.dense_solve_bwd_kernel[_solve_grid(n, BH, cfg)](
+                qb, kb, oa, r, g, lseb, dy, w, da, db, dg, start, _progress(BH, dev), n, H, sh.db, e, qk2,
+                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=_width(sh.db), BE=BE, PREC=sh.prec,
+                SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             gacc = torch.zeros(BH, n, e, device=dev)
-            jit.sparse_solve_bwd_kernel[(BH,)](qb, kb, oa, r, g, lseb, dy, gacc, w, da, db, dg, start, offs, steps,
-                                               K, plan.f0, n, H, sh.db, e, qk2,
-                                               BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)),
-                                               BD=_width(sh.db), BE=BE, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
-                                               num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
+            jit.sparse_solve_bwd_kernel[_solve_grid(n, BH, cfg)](
+                qb, kb, oa, r, g, lseb, dy, gacc, w, da, db, dg, start, _progress(BH, dev), offs, steps, K, plan.f0,
+                n, H, sh.db, e, qk2,
+                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=_width(sh.db), BE=BE, CE=plan.ce,
+                SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
     else:
         w = dy.float() * valid_rows(start, heads, n)[..., None]
         da = (w * oa).sum(-1)
@@ -331,6 +330,16 @@ def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: _Shapes,
         BM=cfg.bwd_m, BN=cfg.bwd_n, HAS_DV=dv is not None, **common)
     jit.attn_bwd_dq_kernel[(triton_cdiv(n, cfg.bwd_m), BH)](
         q, k, v, w, coef, delta, lse, dq, start, n, H, d, e, qk2, sh.scale, BM=cfg.bwd_m, BN=cfg.bwd_n, **common)
+
+
+def _solve_grid(n: int, BH: int, cfg: BlockConfig) -> tuple:
+    """Grid of the solves: one program per (row block, batch x head); the kernels order them by ticket."""
+    return (triton_cdiv(n, cfg.solve) * BH,)
+
+
+def _progress(BH: int, device) -> torch.Tensor:
+    """The solves' schedule (``_jit._claim_block``): blocks published per (batch x head), then the ticket."""
+    return torch.zeros(BH + 1, dtype=torch.int32, device=device)
 
 
 def triton_cdiv(a: int, b: int) -> int:

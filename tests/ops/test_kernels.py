@@ -132,6 +132,25 @@ def test_short_sequences(n):
         _check_mix(pattern, batch=1, heads=2, n=n, d=16, e=16, dtype=torch.float32, rel=1e-4)
 
 
+@pytest.mark.parametrize("pattern", ["dense", "exp2:ce"])
+def test_every_block_of_a_solve_is_claimed_once_and_published(pattern, monkeypatch):
+    # The solves run one program per (row block, head) in ticket order and publish each block in solve order
+    # (kernels/_jit.py, _claim_block). After a forward and backward, each of the four solves' schedules must
+    # count every block of every head as published and every ticket as taken; a block that never published
+    # would leave a GPU program of the next block waiting.
+    from hf_resolvent.backends.triton import resolvent
+
+    schedules = []
+    real = resolvent._progress
+    monkeypatch.setattr(resolvent, "_progress", lambda BH, device: schedules.append(real(BH, device)) or schedules[-1])
+    batch, heads, n = 2, 3, 37  # three blocks of 16, the last one partial
+    _check_mix(pattern, batch=batch, heads=heads, n=n, d=16, e=16, dtype=torch.float32, rel=1e-4)
+    nblk, BH = -(-n // BLOCK), batch * heads
+    assert len(schedules) == 2  # the forward solve and the backward solve
+    for progress in schedules:
+        assert progress.tolist() == [nblk] * BH + [nblk * BH]
+
+
 def test_pattern_with_no_slot_in_range():
     # f(0) = 2 >= n: no row has a recurrent set, the slot table is empty (K = 0).
     _check_mix("f:k**2+2", batch=1, heads=1, n=2, d=16, e=16, dtype=torch.float32, rel=1e-4)
