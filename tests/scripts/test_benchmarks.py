@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 from conftest import load_script
 
 
@@ -62,3 +64,9 @@ def test_profile_prefill_lists_the_operators_of_a_prefill(capsys):
     assert profile.main(["--model", "gpt2", *tiny]) == 0
     out = capsys.readouterr().out
     assert "gpt2: prefill of 300 tokens" in out and "scaled_dot_product" in out and "hf_resolvent::" not in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without a GPU")
+def test_profile_kernels_without_a_gpu_says_so(capsys):
+    assert load_script("profile_kernels").main(["--lengths", "64", "--patterns", "exp2:ce"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err

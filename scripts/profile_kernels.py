@@ -1,0 +1,83 @@
+"""Per-kernel GPU time of the Triton mixer's forward + backward (``torch.profiler``), to see which kernel limits
+a pattern before changing one.
+
+    python scripts/profile_kernels.py --lengths 8192,32768 --patterns dense,exp2:ce,banded:64 --out runs/bench/profile
+
+Inputs as in ``bench_kernels.py`` (B4 H16 d64, bfloat16 by default). For each (n, pattern): two warm-up steps,
+then ``--steps`` profiled ones; prints torch.profiler's table (CUDA time per kernel, summed over the steps) and
+writes ``<out>.json`` (per kernel: calls and total CUDA ms). Needs a CUDA GPU: without one it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/bench/profile", help="output prefix: <out>.json")
+    p.add_argument("--lengths", default="8192,32768")
+    p.add_argument("--patterns", default="dense,exp2:ce,banded:64")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--steps", type=int, default=3, help="profiled forward + backward steps per case")
+    return p.parse_args(argv)
+
+
+def profile_case(args, n: int, pattern: str) -> list[dict]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_resolvent.ops import resolvent_mix
+
+    B, H, d = args.batch, args.heads, args.head_dim
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qa, ka, qb, kb, x = (torch.randn(B, H, n, d, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+                         for _ in range(5))
+    g = torch.rand(B, H, n, device="cuda", generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(B, H, n, d, device="cuda", dtype=dtype, generator=gen)
+
+    def step():
+        resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl="triton").backward(grad)
+
+    for _ in range(2):  # compile and warm up outside the profile
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    print(f"=== n={n} {pattern} ({args.steps} steps)", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40), flush=True)
+    rows = [{"kernel": e.key, "calls": e.count, "cuda_ms": e.device_time_total / 1e3} for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["cuda_ms"])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("profile_kernels: no CUDA GPU here; it times the Triton kernels on a GPU (see docs/GPU.md)",
+              file=sys.stderr)
+        return 2
+    results = []
+    for n in (int(v) for v in args.lengths.split(",")):
+        for pattern in args.patterns.split(","):
+            results.append({"n": n, "pattern": pattern, "steps": args.steps, "kernels": profile_case(args, n, pattern)})
+    meta = {"device": torch.cuda.get_device_name(), "batch": args.batch, "heads": args.heads,
+            "head_dim": args.head_dim, "dtype": args.dtype}
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print(f"wrote {args.out}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
