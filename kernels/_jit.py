@@ -341,13 +341,15 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
 
 # The solves (dense and sparse): scheduling, and how a block ends.
 #
-# Block c of a solve needs the solved rows of earlier blocks (of later ones, going backward), so its
-# programs cannot just run side by side. Each program takes a ticket (an atomic counter) when it
-# starts; tickets map to blocks in solve order, every head's first block first. A program waits only
-# on smaller tickets, whose programs have started, so the GPU always makes progress, which the order
-# of the grid alone would not promise. Blocks are published in solve order, so PROGRESS[bh], the number
-# of blocks of head bh published so far, says which are solved: block at solve position o is solved
-# when PROGRESS[bh] > o. Everything a block can do before its inputs are solved runs in parallel.
+# The dense solves and the sparse backward solve run one program per row block (the sparse forward
+# keeps one per head: see its docstring). Block c needs the solved rows of earlier blocks (of later
+# ones, going backward), so these programs cannot just run side by side. Each takes a ticket (an
+# atomic counter) when it starts; tickets map to blocks in solve order, every head's first block
+# first. A program waits only on smaller tickets, whose programs have started, so the GPU always makes
+# progress, which the order of the grid alone would not promise. Blocks are published in solve order,
+# so PROGRESS[bh], the number of blocks of head bh published so far, says which are solved: the block
+# at solve position o is solved when PROGRESS[bh] > o. What a block can do before its inputs are
+# solved runs in parallel with the blocks before it.
 
 
 @triton.jit
@@ -669,46 +671,43 @@ def sparse_direct_kernel(QA, KA, X, QB, KB, OA, LSEA, LSEB, START, OFFS, STEPS, 
 
 
 @triton.jit
-def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, PROGRESS, OFFS, STEPS, NSLOT, F0, n, H, d, e,
-                            qk_scale2,
+def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, OFFS, STEPS, NSLOT, F0, n, H, d, e, qk_scale2,
                             BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                             CE: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Sparse patterns, forward solve: Y = (1 - geff) OA + geff sum_slots softmax(qb . kb) Y[src].
 
-    Grid (cdiv(n, BLOCK) * BH,), one program per row block in ticket order (``_claim_block``). Slots
-    whose source lies in an earlier block gather the solved Y rows, the farthest slot first (its
-    blocks were published longest ago), waiting where a source block is not published yet; slots
-    inside the block fill a (BLOCK, BLOCK) strictly lower tile that is then solved as in the dense
-    kernel. F0 = f(0): rows with rel < F0 have no recurrent set (geff = 0).
+    Grid (BH,); row blocks in order. Slots whose source lies in an earlier block gather the solved
+    Y rows; slots inside the block fill a (BLOCK, BLOCK) strictly lower tile that is then solved as
+    in the dense kernel. F0 = f(0): rows with rel < F0 have no recurrent set (geff = 0).
     Writes Y and R = softmax(P^B) Y (BH, n, e) float32. O(n (BLOCK + K) e) work.
+
+    Unlike the other solves this one keeps one program per head: one program per block (``_claim_block``)
+    measured slower on the H100, because every slot of a block can read the block just before it, so
+    the chain from block to block still held the whole slot loop (kernels/README.md, Limitations).
     """
-    nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, order = _claim_block(PROGRESS, nblk, False)
-    s = tl.load(START + bh // H)
+    bh, s = _head_and_start(START, H, 0)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    c0 = blk * BLOCK
-    rows = c0 + ar
-    rmask, rel, valid = _pattern_rows(rows, n, s)
-    hasb = valid & (rel >= F0)
-    q, lse, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d)
-    earlier = tl.full([BLOCK, BE], 0.0, tl.float32)
-    bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
-    known = _solved_count(PROGRESS, bh)
-    for i in range(0, NSLOT):
-        k = NSLOT - 1 - i
-        src, ok = _slot_source(OFFS, STEPS, k, rel, valid, s, CE)
-        kk = _load_tile(KB, bh, n, src, ok, cd, d).to(tl.float32)
-        p = _exp2_where(ok, _sum(q * kk, 1) * qk_scale2 - lse)
-        early = ok & (src < c0)
-        known = _wait_solved(PROGRESS, bh, _max(tl.where(early, src // BLOCK, -1), 0), known)
-        yk = _load_solved_tile(Y, bh, n, src, early, ce, e)
-        earlier += tl.where(early, p, 0.0)[:, None] * yk
-        inside = ok & (src >= c0)
-        bt += tl.where((ar[None, :] == (src - c0)[:, None]) & inside[:, None], p[:, None], 0.0)
-    _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
-    _publish_solved(PROGRESS, bh, order, known)
+    for c0 in range(0, n, BLOCK):
+        rows = c0 + ar
+        rmask, rel, valid = _pattern_rows(rows, n, s)
+        hasb = valid & (rel >= F0)
+        q, lse, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d)
+        earlier = tl.full([BLOCK, BE], 0.0, tl.float32)
+        bt = tl.full([BLOCK, BLOCK], 0.0, tl.float32)
+        for k in range(0, NSLOT):
+            src, ok = _slot_source(OFFS, STEPS, k, rel, valid, s, CE)
+            kk = _load_tile(KB, bh, n, src, ok, cd, d).to(tl.float32)
+            p = _exp2_where(ok, _sum(q * kk, 1) * qk_scale2 - lse)
+            early = ok & (src < c0)
+            yk = _load_tile(Y, bh, n, src, early, ce, e)
+            earlier += tl.where(early, p, 0.0)[:, None] * yk
+            inside = ok & (src >= c0)
+            bt += tl.where((ar[None, :] == (src - c0)[:, None]) & inside[:, None], p[:, None], 0.0)
+        _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
+        # Later blocks of this program read these rows of Y back from global memory.
+        tl.debug_barrier()
 
 
 @triton.jit

@@ -248,8 +248,8 @@ def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockCon
             HAS_B=plan.has_b, num_warps=cfg.num_warps)
         if plan.has_b:
             y, r = _new((BH, n, e), dev), _new((BH, n, e), dev)
-            jit.sparse_solve_fwd_kernel[_solve_grid(n, BH, cfg)](
-                qb, kb, oa, g, lseb, y, r, start, _progress(BH, dev), offs, steps, K, plan.f0, n, H, sh.db, e, qk2,
+            jit.sparse_solve_fwd_kernel[(BH,)](
+                qb, kb, oa, g, lseb, y, r, start, offs, steps, K, plan.f0, n, H, sh.db, e, qk2,
                 BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=_width(sh.db), BE=BE, CE=plan.ce,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
@@ -333,7 +333,8 @@ def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: _Shapes,
 
 
 def _solve_grid(n: int, BH: int, cfg: BlockConfig) -> tuple:
-    """Grid of the solves: one program per (row block, batch x head); the kernels order them by ticket."""
+    """Grid of the solves run per block (all but the sparse forward): one program per (row block, batch x head),
+    which the kernels order by ticket."""
     return (triton_cdiv(n, cfg.solve) * BH,)
 
 
