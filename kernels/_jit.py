@@ -353,10 +353,10 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
 
 
 @triton.jit
-def _claim_block(PROGRESS, nblk, REVERSE: tl.constexpr):
-    """For a grid (nblk * BH,): this program's block index, head bh and solve position (the block index,
-    counted from the last block with REVERSE), from its ticket. PROGRESS (BH + 1,) int32 is zero on
-    entry; its last entry is the ticket counter."""
+def _claim_block(PROGRESS, START, H, nblk, REVERSE: tl.constexpr):
+    """For a grid (nblk * BH,): this program's block index, head bh, left padding s and solve position
+    (the block index, counted from the last block with REVERSE), from its ticket. PROGRESS (BH + 1,)
+    int32 is zero on entry; its last entry is the ticket counter."""
     BH = tl.num_programs(0) // nblk
     ticket = tl.atomic_add(PROGRESS + BH, 1, sem="relaxed")
     order = ticket // BH
@@ -365,7 +365,7 @@ def _claim_block(PROGRESS, nblk, REVERSE: tl.constexpr):
         blk = nblk - 1 - order
     else:
         blk = order
-    return blk, bh, order
+    return blk, bh, tl.load(START + bh // H), order
 
 
 @triton.jit
@@ -464,8 +464,7 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
     Memory beyond the inputs: O(n e) per (batch, head); nothing n x n.
     """
     nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, order = _claim_block(PROGRESS, nblk, False)
-    s = tl.load(START + bh // H)
+    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, False)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
@@ -535,8 +534,7 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PRO
     attention-style gradients (``_store_w_and_row_grads``).
     """
     nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, order = _claim_block(PROGRESS, nblk, True)
-    s = tl.load(START + bh // H)
+    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, True)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
@@ -725,8 +723,7 @@ def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, STA
     W_c = (I - B_cc)^-T rhs. Row scalars DA, DB, DG as in the dense backward solve.
     """
     nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, order = _claim_block(PROGRESS, nblk, True)
-    s = tl.load(START + bh // H)
+    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, True)
     ar = tl.arange(0, BLOCK)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
@@ -798,8 +795,10 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
         p0 = _exp2_where(valid, _sum(qa * ka, 1) * qk_scale2 - lsea)
         ds0 = p0 * (_sum(do_a * xs, 1) - delta_a)
         dqa = ds0[:, None] * ka
-        tl.atomic_add(_tile_ptrs(DKA, bh, n, rows, ca, da), ds0[:, None] * qa * scale, mask=_tile_mask(valid, ca, da), sem="relaxed")
-        tl.atomic_add(_tile_ptrs(DX, bh, n, rows, ce, e), p0[:, None] * do_a, mask=_tile_mask(valid, ce, e), sem="relaxed")
+        tl.atomic_add(_tile_ptrs(DKA, bh, n, rows, ca, da), ds0[:, None] * qa * scale, mask=_tile_mask(valid, ca, da),
+                      sem="relaxed")
+        tl.atomic_add(_tile_ptrs(DX, bh, n, rows, ce, e), p0[:, None] * do_a, mask=_tile_mask(valid, ce, e),
+                      sem="relaxed")
     for k in range(0, NSLOT):
         src, ok = _slot_source(OFFS, STEPS, k, rel, valid, s, CE)
         if HAS_A:
@@ -808,15 +807,18 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
             p = _exp2_where(ok, _sum(qa * kk, 1) * qk_scale2 - lsea)
             ds = p * (_sum(do_a * xk, 1) - delta_a)
             dqa += ds[:, None] * kk
-            tl.atomic_add(_tile_ptrs(DKA, bh, n, src, ca, da), ds[:, None] * qa * scale, mask=_tile_mask(ok, ca, da), sem="relaxed")
-            tl.atomic_add(_tile_ptrs(DX, bh, n, src, ce, e), p[:, None] * do_a, mask=_tile_mask(ok, ce, e), sem="relaxed")
+            tl.atomic_add(_tile_ptrs(DKA, bh, n, src, ca, da), ds[:, None] * qa * scale, mask=_tile_mask(ok, ca, da),
+                          sem="relaxed")
+            tl.atomic_add(_tile_ptrs(DX, bh, n, src, ce, e), p[:, None] * do_a, mask=_tile_mask(ok, ce, e),
+                          sem="relaxed")
         if HAS_B:
             kk = _load_tile(KB, bh, n, src, ok, cb, db).to(tl.float32)
             yk = _load_tile(Y, bh, n, src, ok, ce, e)
             p = _exp2_where(ok, _sum(qb * kk, 1) * qk_scale2 - lseb)
             ds = p * (geff * _sum(w * yk, 1) - delta_b)
             dqb += ds[:, None] * kk
-            tl.atomic_add(_tile_ptrs(DKB, bh, n, src, cb, db), ds[:, None] * qb * scale, mask=_tile_mask(ok, cb, db), sem="relaxed")
+            tl.atomic_add(_tile_ptrs(DKB, bh, n, src, cb, db), ds[:, None] * qb * scale, mask=_tile_mask(ok, cb, db),
+                          sem="relaxed")
     if HAS_A:
         tl.store(_tile_ptrs(DQA, bh, n, rows, ca, da), dqa * scale, mask=_tile_mask(rmask, ca, da))
     if HAS_B:
