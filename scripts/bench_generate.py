@@ -16,6 +16,9 @@ min_new_tokens=N, do_sample=False)`` (greedy, exactly N new tokens) on a random 
   (``ResolventCache(config, max_cache_len=n + N)``, what ``cache_implementation="static"`` makes) with the
   decode step that ``generate()`` compiles itself (``compile_config``: fullgraph, inductor); one graph for all
   the tokens of a run, compiled during the warm-up (which uses a cache of the same size), so not timed,
+- ``<model> chunked`` (``exp2:ce`` by default): the same model, prompt in chunks of ``--prefill-chunk`` tokens
+  (``generate(prefill_chunk_size=...)``, ``transformers``' own chunked prefill; a resolvent model runs each
+  chunk after the first in parallel from its cache), which holds one chunk's activations at a time,
 
 all with the same width, layers, heads and vocabulary (defaults as bench_decode: width 256, 4 layers, 4
 heads, vocab 50257, float32), built with random weights (seed 0) from configs, as bench_decode builds them.
@@ -90,6 +93,7 @@ MIXERS = ("attention", "local_attention:256", "dense", "banded:64", "diagonal", 
           "square:ce", "exp2:ce+tied")
 GPT2, MAMBA2 = "gpt2", "mamba2"
 COMPILED = " compiled"  # suffix: the mixer's compiled decode step on a static cache
+CHUNKED = " chunked"  # suffix: the prompt in chunks of --prefill-chunk tokens
 CONTEXTS = (1024, 4096, 16384, 32768, 65536)
 QUICK = dict(contexts=[512, 2048], new_tokens=16,
              models=[GPT2, MAMBA2, "attention", "dense", "exp2:ce", "exp2:ce" + COMPILED],
@@ -108,8 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--with-128k", action="store_true", help="add prompts of 131072 tokens")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per prompt (default 128)")
     p.add_argument("--models", nargs="+", default=None,
-                   help=f"'{GPT2}', '{MAMBA2}', resolvent mixer specs, and '<mixer>{COMPILED}' (default: gpt2 "
-                        "mamba2, bench_decode's mixers, exp2:ce and dense compiled)")
+                   help=f"'{GPT2}', '{MAMBA2}', resolvent mixer specs, '<mixer>{COMPILED}' and '<model>{CHUNKED}' "
+                        "(default: gpt2 mamba2, bench_decode's mixers, exp2:ce and dense compiled, exp2:ce chunked)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per chunk of the chunked models")
     p.add_argument("--batches", type=int, nargs="*", default=None,
                    help="batch sizes of the batched-decode runs (default 1 8 32; none: skip them)")
     p.add_argument("--batch-context", type=int, default=None, help="prompt length of the batched runs (4096)")
@@ -125,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     quick = QUICK if args.quick else {}
-    everything = [GPT2, MAMBA2, *MIXERS, "exp2:ce" + COMPILED, "dense" + COMPILED]
+    everything = [GPT2, MAMBA2, *MIXERS, "exp2:ce" + COMPILED, "dense" + COMPILED, "exp2:ce" + CHUNKED]
     for key, full in (("contexts", list(CONTEXTS)), ("new_tokens", 128), ("models", everything),
                       ("batches", [1, 8, 32]), ("batch_context", 4096)):
         if getattr(args, key) is None:
@@ -219,15 +224,17 @@ class StepClock(LogitsProcessor):
         return scores
 
 
-def generate(model, ids: torch.Tensor, new_tokens: int, clock: StepClock | None = None, static_len: int = 0):
+def generate(model, ids: torch.Tensor, new_tokens: int, clock: StepClock | None = None, static_len: int = 0,
+             prefill_chunk: int | None = None):
     """Greedy generate() of exactly ``new_tokens``; with ``static_len``, on a static cache of that many tokens with
-    the decode step compiled by generate() itself."""
+    the decode step compiled by generate() itself; with ``prefill_chunk``, the prompt in chunks of that many tokens."""
     procs = LogitsProcessorList([clock] if clock is not None else [])
-    compiled = {}
+    compiled = {} if prefill_chunk is None else {"prefill_chunk_size": prefill_chunk}
     if static_len:
         config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
         config._compile_all_devices = True  # transformers' switch for compiling on a CPU
-        compiled = {CACHE_NAME: hr.ResolventCache(model.config, max_cache_len=static_len), "compile_config": config}
+        compiled.update({CACHE_NAME: hr.ResolventCache(model.config, max_cache_len=static_len),
+                         "compile_config": config})
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, logits_processor=procs, pad_token_id=0,
                           eos_token_id=0, return_dict_in_generate=True, **compiled)
@@ -238,20 +245,22 @@ def measure(job: dict) -> dict:
     s, name, n, batch, new = job["settings"], job["model"], job["context"], job["batch"], job["new_tokens"]
     torch.set_num_threads(s["threads"])
     transformers.utils.logging.set_verbosity_error()  # Mamba2's "falling back to PyTorch" notes, once per child
-    model = build(name.removesuffix(COMPILED), s, n_positions=n + new + 8)
-    static_len = n + new if name.endswith(COMPILED) else 0  # the warm-up compiles the step for the timed run's size
+    model = build(name.removesuffix(CHUNKED).removesuffix(COMPILED), s, n_positions=n + new + 8)
+    # the warm-up compiles the step for the timed run's size
+    static_len = n + new if name.removesuffix(CHUNKED).endswith(COMPILED) else 0
+    chunk = s["prefill_chunk"] if name.endswith(CHUNKED) else None
     gen = torch.Generator().manual_seed(s["seed"] + n + batch)
     with torch.no_grad():
         warm = torch.randint(1, s["vocab"], (batch, min(n, WARMUP_TOKENS)), generator=gen)
         t0 = time.perf_counter()
-        generate(model, warm, 2, static_len=static_len)
+        generate(model, warm, 2, static_len=static_len, prefill_chunk=chunk)
         warm_s = time.perf_counter() - t0
         del warm
         model_rss = proc_status_kib("VmRSS") * 1024
         ids = torch.randint(1, s["vocab"], (batch, n), generator=gen)
         clock = StepClock()
         t0 = time.perf_counter()
-        out = generate(model, ids, new, clock, static_len=static_len)
+        out = generate(model, ids, new, clock, static_len=static_len, prefill_chunk=chunk)
         total = time.perf_counter() - t0
     if tuple(out.sequences.shape) != (batch, n + new) or len(clock.times) != new:
         raise RuntimeError(f"generate gave sequences {tuple(out.sequences.shape)} and {len(clock.times)} steps, "
@@ -346,7 +355,7 @@ def predict_skip(history: list[dict], n: int, batch: int, max_seconds: float, ma
 
 def run(args) -> dict:
     s = dict(width=args.width, layers=args.layers, heads=args.heads, vocab=args.vocab, threads=args.threads,
-             mamba_state=args.mamba_state, seed=args.seed)
+             mamba_state=args.mamba_state, prefill_chunk=args.prefill_chunk, seed=args.seed)
     jobs = [(n, 1) for n in args.contexts]
     jobs += [(args.batch_context, b) for b in args.batches if not (b == 1 and args.batch_context in args.contexts)]
     jobs.sort()
@@ -391,7 +400,8 @@ def run(args) -> dict:
                                 memory="child process VmHWM (forked after imports); model_rss after build+warm-up",
                                 cache="bytes of the cache generate() returns",
                                 compiled="static cache of n + new tokens; generate() compiles the decode step "
-                                         "(fullgraph, inductor) during the warm-up (warmup_s), not timed"),
+                                         "(fullgraph, inductor) during the warm-up (warmup_s), not timed",
+                                chunked="generate(prefill_chunk_size=prefill_chunk)"),
                     torch=torch.__version__, transformers=transformers.__version__,
                     python=platform.python_version(), machine=platform.machine(),
                     processor=platform.processor() or "unknown", cpus=os.cpu_count())

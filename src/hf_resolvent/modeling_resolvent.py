@@ -10,9 +10,10 @@ Each block computes, per head, Y = (I - B)^-1 A X (docs/DESIGN.md section 1) wit
   d = (1 - g) sigmoid(w_d.u + b_d).
 
 Full sequences (training, prefill) run the parallel form (``ops.resolvent_mix``: PyTorch on CPU, the Triton
-kernels for CUDA tensors when available); decoding runs ``ops.decode_step`` (the Triton decode kernel or
-``ops.recurrent_step``, chosen the same way) on the per-layer states of a :class:`~hf_resolvent.ResolventCache`,
-built directly from the prefill (``ops.DecodeState.from_prefill``). ``config.mixer_impl`` forces either path.
+kernels for CUDA tensors when available); tokens after a cache run ``ops.decode_tokens`` on the per-layer states
+of a :class:`~hf_resolvent.ResolventCache`, built directly from the prefill (``ops.DecodeState.from_prefill``): one
+decode step per token (the Triton decode kernel or ``ops.recurrent_step``, chosen the same way), or several tokens
+at once (``ops.chunk_mix``: a chunked prefill, assisted decoding's drafts). ``config.mixer_impl`` forces a path.
 
 Padding: a 2-D ``attention_mask`` with left padding becomes the ops' ``start`` (padded positions are never read
 and positions count from the first real token, so a left-padded batch gives the same outputs as each sequence
@@ -53,8 +54,8 @@ from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
 from .patterns import get_pattern
 from .resolvent_ops import (
     IS_BUNDLE,
-    decode_step,
-    decode_step_tied,
+    decode_tokens,
+    decode_tokens_tied,
     require,
     resolvent_mix,
     resolvent_mix_tied,
@@ -223,7 +224,7 @@ class ResolventMixer(nn.Module):
             if layer_cache is not None:
                 layer_cache.store_prefill(self._state_rows(t, y, d, start), start)
         else:
-            y = self._decode(state, t, g, d, n, impl)
+            y = self._decode(state, t, g, d, impl)
         out = y.transpose(1, 2).reshape(batch, n, self.num_heads * self.head_dim)
         return self.resid_dropout(self.out_proj(out))
 
@@ -239,20 +240,14 @@ class ResolventMixer(nn.Module):
             return {"keys_b": t["kb"], "outputs": z}
         return {"keys_a": t["ka"], "values": t["x"], "keys_b": t["kb"], "outputs": y}
 
-    def _decode(self, state, t, g, d, n: int, impl: str) -> torch.Tensor:
-        """Run the decode step (Triton, or C++ or PyTorch on CPU: ``config.mixer_impl``) over the n new tokens from
-        ``state`` (advanced in place): (B, H, n, e)."""
-        ys = []
-        for i in range(n):
-            if self.tied:
-                y = decode_step_tied(state, t["qb"][:, :, i], t["kb"][:, :, i], t["x"][:, :, i], g[:, :, i],
-                                     d[:, :, i], self.pattern, impl=impl)
-            else:
-                step = {k: (v[:, :, i] if v is not None else None) for k, v in t.items()}
-                y = decode_step(state, step["qa"], step["ka"], step.get("qb"), step.get("kb"), step["x"],
-                                None if g is None else g[:, :, i], self.pattern, impl=impl)
-            ys.append(y)
-        return torch.stack(ys, dim=2).to(t["x"].dtype)
+    def _decode(self, state, t, g, d, impl: str) -> torch.Tensor:
+        """The new tokens after ``state`` (advanced in place), all at once or one decode step each as
+        ``ops.decode_tokens`` chooses (``config.mixer_impl``): (B, H, n, e)."""
+        if self.tied:
+            y = decode_tokens_tied(state, t["qb"], t["kb"], t["x"], g, d, self.pattern, impl=impl)
+        else:
+            y = decode_tokens(state, t["qa"], t["ka"], t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl)
+        return y.to(t["x"].dtype)
 
 
 class ResolventMLP(nn.Module):
@@ -300,8 +295,8 @@ class ResolventBlock(GradientCheckpointingLayer):
 # three forms and the PyTorch code of the parallel form. They import each other, and patterns.py, as flat siblings
 # (``from .x import``), so a saved folder gets verbatim copies; tests/models/test_save_load.py loads one in a
 # process without hf_resolvent. The backends (hf_resolvent.backends) are not shipped: there dispatch runs PyTorch.
-_SHIPPED_OPS = ("common", "dense", "dispatch", "flash", "graph", "mixer", "parallel", "recurrent", "reference",
-                "rope", "slots", "solve", "state", "threads")
+_SHIPPED_OPS = ("chunk", "common", "dense", "dispatch", "flash", "graph", "mixer", "parallel", "recurrent",
+                "reference", "rope", "slots", "solve", "state", "threads")
 
 # The entry a saved folder gets in place of resolvent_ops.py. The relative imports are assembled in
 # write_ops_bundle: transformers scans this file for lines that start with one.
@@ -315,12 +310,12 @@ hf_resolvent is not installed. Install hf-resolvent and load without remote code
 
 IS_BUNDLE = True
 
-__all__ = ["IS_BUNDLE", "DecodeState", "MixerState", "StaticDecodeState", "decode_step", "decode_step_tied", "require",
-           "resolvent_mix", "resolvent_mix_tied", "rotated_heads", "state_from_sequence"]
+__all__ = ["IS_BUNDLE", "DecodeState", "MixerState", "StaticDecodeState", "decode_tokens", "decode_tokens_tied",
+           "require", "resolvent_mix", "resolvent_mix_tied", "rotated_heads", "state_from_sequence"]
 '''
 
 _BUNDLE_IMPORTS = (
-    ("mixer", "decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied"),
+    ("mixer", "decode_tokens, decode_tokens_tied, resolvent_mix, resolvent_mix_tied"),
     ("state", "DecodeState, MixerState, StaticDecodeState, state_from_sequence"),
     ("common", "require"),
     ("rope", "rotated_heads"),

@@ -7,7 +7,14 @@ paths from verbatim copies of the ops modules next to it, so that ``trust_remote
 relative imports into saved folders, and ``hf_resolvent.ops`` is a package, not a file.
 """
 
-from hf_resolvent.ops import DecodeState, MixerState, decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied
+from hf_resolvent.ops import (
+    DecodeState,
+    MixerState,
+    decode_tokens,
+    decode_tokens_tied,
+    resolvent_mix,
+    resolvent_mix_tied,
+)
 from hf_resolvent.ops.common import require
 from hf_resolvent.ops.rope import rotated_heads
 from hf_resolvent.ops.state import StaticDecodeState, state_from_sequence
@@ -18,8 +25,8 @@ __all__ = [
     "IS_BUNDLE",
     "DecodeState",
     "MixerState",
-    "decode_step",
-    "decode_step_tied",
+    "decode_tokens",
+    "decode_tokens_tied",
     "require",
     "resolvent_mix",
     "resolvent_mix_tied",

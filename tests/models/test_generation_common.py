@@ -3,7 +3,7 @@
 Each mode runs on a tiny model of each family and is held to an equivalent that does not depend on the mode
 under test: decoding with the cache against decoding without it (every step a full forward), a left-padded batch
 against each prompt alone, assisted and prompt-lookup decoding against plain greedy decoding, a continued
-generation against one run, the static cache (eager and compiled) against the growing one. Group beam search, contrastive search and DoLa are not in transformers 5.x itself
+generation against one run, a chunked prefill against the prompt at once, the static cache (eager and compiled) against the growing one. Group beam search, contrastive search and DoLa are not in transformers 5.x itself
 (they moved to Hub ``custom_generate`` repositories, which need a download), so they are not tested here.
 """
 
@@ -81,6 +81,37 @@ def test_continue_from_returned_cache(family):
     first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     more = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=5, do_sample=False)
     assert torch.equal(more, once)
+
+
+def test_chunked_prefill_equals_the_prompt_at_once(family, monkeypatch):
+    """prefill_chunk_size runs each chunk after the first in parallel from the cache (ops.chunk_mix): the logits of
+    every chunk equal the full forward's, and generation is the same, for a left-padded batch too."""
+    from hf_resolvent.ops import mixer
+
+    calls = []
+
+    def counted(run):
+        return lambda *args, **kwargs: calls.append(1) or run(*args, **kwargs)
+
+    for name in ("chunk_mix", "chunk_mix_tied"):
+        monkeypatch.setattr(mixer, name, counted(getattr(mixer, name)))
+    model = tiny_model(family)
+    ids = prompt(2, 40, seed=4)
+    mask = (torch.arange(40)[None] >= torch.tensor([[3], [0]])).long()
+    full = model(ids, attention_mask=mask).logits
+    cache, parts = hr.ResolventCache(model.config), []
+    for a, b in ((0, 9), (9, 10), (10, 40)):
+        out = model(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        parts.append(out.logits)
+    real = mask.bool()[:, :, None]
+    torch.testing.assert_close(torch.where(real, torch.cat(parts, 1), 0), torch.where(real, full, 0), atol=1e-5,
+                               rtol=1e-5)
+    once = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                      prefill_chunk_size=16), once)
+    # per layer: the 30 tokens above, then generate()'s chunks of 16 and 8 after the first (one token: a step)
+    assert len(calls) == 3 * model.config.n_layer
 
 
 def _crops(monkeypatch) -> list[int]:

@@ -121,6 +121,22 @@ def test_from_prefill_equals_step_by_step(spec):
                 assert all(t.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() for v in rows.values())
 
 
+@pytest.mark.parametrize("spec", KEEP_ALL + FORGETTING)
+def test_extend_equals_advancing_token_by_token(spec):
+    """L tokens taken at once leave the state that L calls of advance leave, and hold copies of the new rows."""
+    for n, cuts in ((20, (7, 8, 20)), (40, (3, 30, 40))):
+        start = torch.tensor([0, 1, 2])
+        rows = _rows(3, n, seed=n)
+        state = DecodeState.from_prefill(spec, {k: v[:, :, :cuts[0]] for k, v in rows.items()}, start)
+        for a, b in zip(cuts, cuts[1:]):
+            new = {k: v[:, :, a:b] for k, v in rows.items()}
+            r = state.next_position(3, "cpu")[:, None] + torch.arange(b - a)
+            state.extend(spec, new, r)
+            for t in state.tensors().values():
+                assert all(t.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() for v in rows.values())
+        _assert_same(state, _stepped(spec, rows, start))
+
+
 def test_layers_advancing_the_same_token_share_one_register_plan():
     """The bookkeeping of a register state (slots, positions, which rows move) is worked out once per token for
     all the layers of a cache; each layer still gathers its own rows, and a state in another place (a different

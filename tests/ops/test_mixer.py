@@ -543,4 +543,4 @@ def test_graph_form_sources_are_the_patterns_own_table(key):
 
     pattern = get_pattern(SPECS[key])
     for n in (1, 2, 5, 64, 97, 300):
-        assert torch.equal(_source_table(pattern, n, "cpu"), pattern.source_index(n).T), n
+        assert torch.equal(_source_table(pattern, torch.arange(n), n), pattern.source_index(n).T), n

@@ -33,10 +33,10 @@ def _finish(started) -> tuple[dict, str]:
 
 
 def test_generate_rows_cache_sizes_and_time_budget(tmp_path):
-    models = ["gpt2", "mamba2", "attention", "exp2:ce"]
+    models = ["gpt2", "mamba2", "attention", "exp2:ce", "exp2:ce chunked"]
     # both runs at once (the second only waits for timeouts): the imports dominate either
     main = _start(tmp_path, "gen", "--contexts", "32", "64", "--models", *models, "--batches", "1", "2",
-                  "--batch-context", "32")
+                  "--batch-context", "32", "--prefill-chunk", "16")
     late = _start(tmp_path, "late", "--contexts", "32", "64", "--models", "exp2:ce", "--batches",
                   "--max-seconds", "0.001")
     result, stdout = _finish(main)
@@ -66,7 +66,10 @@ def test_generate_rows_cache_sizes_and_time_budget(tmp_path):
     assert at[("exp2:ce", 64, 1)]["cache_bytes"] < at[("attention", 64, 1)]["cache_bytes"] / 2
     assert at[("mamba2", 64, 1)]["cache_bytes"] == at[("mamba2", 32, 1)]["cache_bytes"]
     assert at[("attention", 32, 2)]["cache_bytes"] == 2 * at[("attention", 32, 1)]["cache_bytes"]
+    for n, b in ((32, 1), (64, 1), (32, 2)):  # a prompt in chunks of 16 leaves the same state
+        assert at[("exp2:ce chunked", n, b)]["cache_bytes"] == at[("exp2:ce", n, b)]["cache_bytes"]
     s = result["settings"]
+    assert s["prefill_chunk"] == 16
     assert s["threads"] == 1 and s["contexts"] == [32, 64] and s["mamba2"]["hidden_size"] == 32
     assert "| 64 | exp2:ce |" in stdout and "batched decode at n = 32" in stdout
     assert "peak above the model MiB (x)" in stdout

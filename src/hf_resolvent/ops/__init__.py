@@ -8,18 +8,21 @@ Four forms compute the same function and are tested against each other:
 - ``graph``: the same block forward substitution in tensor operations alone (``graph``), which ``torch.compile``
   and ``torch.export`` trace;
 - ``recurrent``: one token at a time from a :class:`DecodeState` (decode; ``MixerState`` is its earlier name), or
-  from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, compiled decoding).
+  from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, compiled decoding);
+- ``chunk``: several tokens at once after a :class:`DecodeState` (a chunked prefill, assisted decoding's drafts):
+  the graph form's gathers and substitution over the held rows and the new ones.
 
-:func:`resolvent_mix` and :func:`decode_step` (``mixer.py``) run the form or backend that :mod:`.dispatch`
+:func:`resolvent_mix`, :func:`decode_step` and :func:`decode_tokens` (``mixer.py``) run the form or backend that :mod:`.dispatch`
 chooses from ``impl`` (argument, then ``HF_RESOLVENT_MIXER_IMPL``): the compiled CPU kernels of
 :mod:`hf_resolvent.backends.cpu` and the Triton kernels of :mod:`hf_resolvent.backends.triton`.
 """
 
 from __future__ import annotations
 
+from .chunk import chunk_mix, chunk_mix_tied
 from .dispatch import IMPLS
 from .graph import graph_mix, graph_mix_tied
-from .mixer import decode_step, decode_step_tied, resolvent_mix, resolvent_mix_tied
+from .mixer import decode_step, decode_step_tied, decode_tokens, decode_tokens_tied, resolvent_mix, resolvent_mix_tied
 from .parallel import parallel_mix, parallel_mix_tied
 from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
 from .reference import mixer_matrices, reference_mix, reference_mix_tied
@@ -30,8 +33,12 @@ __all__ = [
     "DecodeState",
     "MixerState",
     "StaticDecodeState",
+    "chunk_mix",
+    "chunk_mix_tied",
     "decode_step",
     "decode_step_tied",
+    "decode_tokens",
+    "decode_tokens_tied",
     "graph_mix",
     "graph_mix_tied",
     "mixer_matrices",

@@ -28,6 +28,10 @@ Decoding runs the Triton decode kernel (``"triton"``, and ``"auto"`` for CUDA te
 whose arithmetic takes the compiled CPU kernel where the parallel form would take the CPU kernels (``"torch"``: its
 PyTorch code alone; ``"cpu"``: an error where the kernel cannot run).
 
+Several tokens after a decode state (a chunked prefill's later chunks, assisted decoding's drafts) run in parallel
+(:mod:`.chunk`, PyTorch) under ``"auto"``, ``"torch"``, ``"parallel"`` and ``"graph"``; one decode step per token
+under the other choices, for a static state, inside a compiled graph, and while a state records for rollbacks.
+
 The backends live in the installed library. The flat copy of the ops modules that ``save_pretrained`` ships for
 ``trust_remote_code`` has none: there ``"auto"`` runs PyTorch and ``"cpu"`` or ``"triton"`` is an error.
 """
@@ -140,6 +144,14 @@ def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
     if impl == "cpu":
         choose(impl, x)  # raises where the compiled CPU kernels cannot run (inside a graph too, as for the forward)
     return "recurrent"
+
+
+def choose_chunk(impl: str | None, state, pattern) -> str:
+    """How L > 1 tokens continue a decode ``state``: "chunk" (:func:`.chunk.chunk_mix`, all at once) or "steps" (one
+    decode step each, :func:`choose_decode` choosing their code)."""
+    if resolve(impl) not in ("auto", "torch", "parallel", "graph") or torch.compiler.is_compiling():
+        return "steps"
+    return "chunk" if state.takes_chunks(pattern) else "steps"
 
 
 @contextmanager

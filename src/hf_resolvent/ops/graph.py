@@ -31,18 +31,20 @@ from .slots import _pattern_slots
 GRAPH_CHUNK = 64  # rows per block of the forward substitution
 
 
-def _source_table(pattern: Pattern, n: int, device) -> torch.Tensor:
-    """(K, n) long: ``pattern.source_index(n).T``, from the slots' closed form src_k(t) = a_k (floor((t - f_k) / a_k)
-    + 1) - 1 (:mod:`.slots`) in tensor operations, so that a graph holds no trace of the Python and numpy that build
-    the pattern's own table. A cache-efficient slot whose source an earlier slot already reads is empty (S_i is a
-    set)."""
+def _source_table(pattern: Pattern, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """(K, *rows.shape) long: the position slot k of pattern row ``rows[...]`` (all below n, which sets K) reads
+    (``pattern.source_index(n).T`` for rows 0..n-1), -1 where the slot is empty. From the slots' closed form src_k(t) = a_k (floor((t - f_k) / a_k) + 1)
+    - 1 (:mod:`.slots`) in tensor operations, so that a graph holds no trace of the Python and numpy that build the
+    pattern's own table. A cache-efficient slot whose source an earlier slot already reads is empty (S_i is a set)."""
     fs, steps = _pattern_slots(pattern, n)
-    t = torch.arange(n, device=device)[None, :]
-    f = torch.tensor(fs, dtype=torch.long, device=device)[:, None]
-    a = torch.tensor(steps, dtype=torch.long, device=device)[:, None]
+    t = rows[None]
+    shape = (len(fs),) + (1,) * rows.dim()
+    f = torch.tensor(fs, dtype=torch.long, device=rows.device).view(shape)
+    a = torch.tensor(steps, dtype=torch.long, device=rows.device).view(shape)
     src = torch.where(t >= f, a * (torch.div(t - f, a, rounding_mode="floor") + 1) - 1, -1)
     if pattern.cache_efficient:
-        earlier = torch.ones(len(fs), len(fs), dtype=torch.bool, device=device).tril(-1)[:, :, None]  # [k, j]: j < k
+        earlier = torch.ones(len(fs), len(fs), dtype=torch.bool, device=rows.device).tril(-1)
+        earlier = earlier.view(len(fs), len(fs), *(1,) * rows.dim())  # [k, j]: j < k
         repeated = ((src[:, None] == src[None]) & earlier).any(1) & (src >= 0)
         src = torch.where(repeated, -1, src)
     return src
@@ -52,7 +54,7 @@ def _slot_sources(pattern: Pattern, n: int, start: torch.Tensor | None, device, 
     """(B or 1, K, n) long: the position slot k of row t reads, -1 where the slot is empty or the row is padding.
 
     Sequence b's row t is the pattern's row t - start[b] (positions count from the first real token)."""
-    table = _source_table(pattern, n, device)  # (K, n) pattern rows
+    table = _source_table(pattern, torch.arange(n, device=device), n)  # (K, n) pattern rows
     if with_self:
         table = torch.cat([torch.arange(n, device=device)[None, :], table], dim=0)
     if start is None:
@@ -90,15 +92,6 @@ def _slot_sum(w, v, src) -> torch.Tensor:
     return (w[..., None] * _gather_rows(v, src.clamp(min=0))).sum(2)
 
 
-def _dense_mask(n: int, start: torch.Tensor | None, device, strict: bool) -> torch.Tensor:
-    """(B or 1, 1, n, n) bool: row t reads s where s < t (strict) or s <= t, and s is not padding."""
-    t = torch.arange(n, device=device)
-    mask = (t[None, :] < t[:, None]) if strict else (t[None, :] <= t[:, None])
-    if start is None:
-        return mask[None, None]
-    return (mask[None] & (t[None, None, :] >= start[:, None, None]))[:, None]
-
-
 def _direct(qa, ka, x, pattern: Pattern, start, scale) -> torch.Tensor:
     """Z = A~ X (B, H, n, e)."""
     n = x.shape[-2]
@@ -107,8 +100,8 @@ def _direct(qa, ka, x, pattern: Pattern, start, scale) -> torch.Tensor:
             return F.scaled_dot_product_attention(qa, ka, x, is_causal=True, scale=scale)
         t = torch.arange(n, device=x.device)
         # a padding row reads itself only (its output is zeroed): no row is left without a key
-        mask = _dense_mask(n, start, x.device, strict=False) | (t[:, None] == t[None, :])
-        return F.scaled_dot_product_attention(qa, ka, x, attn_mask=mask, scale=scale)
+        mask = ((t[None, :] <= t[:, None]) & (t[None, None, :] >= start[:, None, None])) | (t[:, None] == t[None, :])
+        return F.scaled_dot_product_attention(qa, ka, x, attn_mask=mask[:, None], scale=scale)
     src = _slot_sources(pattern, n, start, x.device, with_self=True)
     return _slot_sum(_slot_probs(qa, ka, src, scale), x, src)
 
@@ -116,40 +109,70 @@ def _direct(qa, ka, x, pattern: Pattern, start, scale) -> torch.Tensor:
 def _solve(qb, kb, g, rhs, pattern: Pattern, start, scale, chunk: int) -> torch.Tensor:
     """Y with Y = rhs + diag(g) B~ Y, B~ the pattern's softmax over P^B; rows whose P^B is empty take g = 0."""
     n = rhs.shape[-2]
-    device = rhs.device
     if pattern.is_dense:
-        mask = _dense_mask(n, start, device, strict=True)  # (B or 1, 1, n, n)
-        has_b = mask.any(-1)  # (B or 1, 1, n)
-        src = w = None
+        valid = None if start is None else torch.arange(n, device=rhs.device)[None, :] >= start[:, None]
+        return solve_after(qb, kb, g, rhs, rhs[:, :, :0], scale, chunk, key_valid=valid)
+    src = _slot_sources(pattern, n, start, rhs.device, with_self=False)
+    return solve_after(qb, kb, g, rhs, rhs[:, :, :0], scale, chunk, src=src)
+
+
+def solve_after(qb, kb, g, rhs, solved, scale, chunk: int, src=None, key_valid=None) -> torch.Tensor:
+    """The last R of m = S + R rows of Y = (1 - g) rhs + diag(g) B~ Y, given the first S rows ``solved``.
+
+    Args:
+        qb: (B, H, R, d) queries of the rows to solve; kb: (B, H, m, d) keys of all m rows.
+        g: (B, H, R) gate of the rows to solve (0 is taken where a row reads nothing); rhs: (B, H, R, e).
+        solved: (B, H, S, e) outputs of the first S rows.
+        scale: score scale; chunk: rows per block of the forward substitution.
+        src: (B or 1, K, R) the rows (in [0, m), -1 empty) that slot k of each row reads (sparse patterns), or
+        key_valid: (B or 1, m) bool or None (all), for dense patterns: row S + i reads every valid row before it.
+
+    Returns:
+        (B, H, R, e): the rows S..m-1 of Y. The first S rows enter once, before the blocks (a gather or one matmul
+        per block), so a long solved prefix is never copied.
+    """
+    big, total = solved.shape[-2], kb.shape[-2]
+    device, dtype = rhs.device, rhs.dtype
+    rows = torch.arange(big, total, device=device)
+    if src is None:
+        count = torch.ones(1, total, dtype=torch.long, device=device) if key_valid is None else key_valid.long()
+        before = F.pad(count.cumsum(-1), (1, 0))[:, big:total]  # valid rows before each row to solve
+        g = g * (before > 0)[:, None]
     else:
-        src = _slot_sources(pattern, n, start, device, with_self=False)  # (B or 1, K, n)
-        has_b = (src >= 0).any(1)[:, None]
-        w = _slot_probs(qb, kb, src, scale)  # (B, H, K, n)
-    g = g * has_b
+        g = g * (src >= 0).any(1)[:, None]
+        w = _slot_probs(qb, kb, src, scale) * g[:, :, None]  # (B, H, K, R)
+        local = src - big  # row among the rows to solve; < 0: a solved row, or empty
     rhs = (1 - g)[..., None] * rhs
-    if w is not None:
-        w = w * g[:, :, None]
-    solved = rhs[:, :, :0]
-    for c0 in range(0, n, chunk):
-        c1 = min(n, c0 + chunk)
-        rows = torch.arange(c0, c1, device=device)
-        if w is None:  # dense: the rows' probabilities over all earlier positions
-            scores = qb[:, :, c0:c1] @ kb[:, :, :c1].transpose(-1, -2) * scale
-            p = _masked_softmax(scores, mask[:, :, c0:c1, :c1], dim=-1) * g[:, :, c0:c1, None]  # (B, H, C, c1)
-            acc = rhs[:, :, c0:c1] + p[..., :c0] @ solved
-            block = p[..., c0:c1]
+    if src is not None and big:  # the solved rows' share, for every row at once
+        held = (src >= 0) & (src < big)
+        rhs = rhs + _slot_sum(w * held[:, None], solved, torch.where(held, src, 0))
+    out = rhs[:, :, :0]
+    for c0 in range(0, total - big, chunk):
+        c1 = min(total - big, c0 + chunk)
+        a0, a1 = big + c0, big + c1
+        if src is None:  # dense: the rows' probabilities over all earlier rows
+            j = torch.arange(a1, device=device)
+            mask = (j[None, :] < rows[c0:c1, None])[None]  # (B or 1, C, a1)
+            if key_valid is not None:
+                mask = mask & key_valid[:, None, :a1]
+            scores = qb[:, :, c0:c1] @ kb[:, :, :a1].transpose(-1, -2) * scale
+            p = _masked_softmax(scores, mask[:, None], dim=-1) * g[:, :, c0:c1, None]  # (B, H, C, a1)
+            acc = rhs[:, :, c0:c1] + p[..., big:a0] @ out
+            if big:
+                acc = acc + p[..., :big] @ solved
+            block = p[..., a0:a1]
         else:
-            s, wc = src[..., c0:c1], w[..., c0:c1]  # (B or 1, K, C), (B, H, K, C)
-            earlier = (s < c0).to(wc.dtype)[:, None]  # empty slots (-1) count as earlier with weight 0
+            s, wc = local[..., c0:c1], w[..., c0:c1]  # (B or 1, K, C), (B, H, K, C)
             acc = rhs[:, :, c0:c1]
             if c0:
-                acc = acc + _slot_sum(wc * earlier, solved, s.clamp(max=c0 - 1))
-            onehot = (s[..., None] == rows[None, None, None, :]).to(wc.dtype)  # (B or 1, K, C, C)
+                earlier = (s >= 0) & (s < c0)
+                acc = acc + _slot_sum(wc * earlier[:, None], out, torch.where(earlier, s, 0))
+            onehot = (s[..., None] == torch.arange(c0, c1, device=device)).to(wc.dtype)  # (B or 1, K, C, C)
             block = (wc[..., None] * onehot[:, None]).sum(2)  # (B, H, C, C), strictly lower
-        eye = torch.eye(c1 - c0, dtype=rhs.dtype, device=device)
+        eye = torch.eye(c1 - c0, dtype=dtype, device=device)
         y = torch.linalg.solve_triangular(eye - block, acc, upper=False)
-        solved = torch.cat([solved, y], dim=2)
-    return solved
+        out = torch.cat([out, y], dim=2)
+    return out
 
 
 def graph_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk: int = GRAPH_CHUNK) -> torch.Tensor:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from .dispatch import choose, choose_decode, torch_only, triton
+import torch
+
+from .chunk import chunk_mix, chunk_mix_tied
+from .dispatch import choose, choose_chunk, choose_decode, torch_only, triton
 from .graph import graph_mix, graph_mix_tied
 from .parallel import parallel_mix, parallel_mix_tied
 from .patterns import get_pattern
@@ -96,3 +99,30 @@ def decode_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "
         return triton().triton_decode_step_tied(state, qb, kb, x, g, d, pattern, scale=scale)
     with torch_only() if path == "torch" else nullcontext():
         return recurrent_step_tied(state, qb, kb, x, g, d, pattern, scale)
+
+
+def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None):
+    """Mix L tokens per sequence against a layer's decode ``state`` and advance it (the model's forward after a
+    cache): all at once where :func:`~.dispatch.choose_chunk` allows it, else one :func:`decode_step` per token.
+
+    Args: as :func:`decode_step`, with a token axis: qa, ka, qb, kb (B, H, L, d), x (B, H, L, e), g (B, H, L).
+
+    Returns:
+        y (B, H, L, e).
+    """
+    pattern = get_pattern(pattern)
+    if x.shape[2] > 1 and choose_chunk(impl, state, pattern) == "chunk":
+        return chunk_mix(state, qa, ka, qb, kb, x, g, pattern, scale)
+    ys = [decode_step(state, *(None if t is None else t[:, :, i] for t in (qa, ka, qb, kb, x, g)), pattern, impl, scale)
+          for i in range(x.shape[2])]
+    return torch.stack(ys, dim=2)
+
+
+def decode_tokens_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
+    """Tied variant of :func:`decode_tokens`: qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L) -> y (B, H, L, e)."""
+    pattern = get_pattern(pattern)
+    if x.shape[2] > 1 and choose_chunk(impl, state, pattern) == "chunk":
+        return chunk_mix_tied(state, qb, kb, x, g, d, pattern, scale)
+    ys = [decode_step_tied(state, *(t[:, :, i] for t in (qb, kb, x, g, d)), pattern, impl, scale)
+          for i in range(x.shape[2])]
+    return torch.stack(ys, dim=2)

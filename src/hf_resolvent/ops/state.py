@@ -226,6 +226,54 @@ class DecodeState:
         self.slots = slots
         self.positions = positions
 
+    def takes_chunks(self, pattern: Pattern | str) -> bool:
+        """True when :meth:`extend` can take several tokens at once: always, except while recording for a pattern
+        that drops positions (a crop then needs the state before each token) and for a static state."""
+        return self.history is None or self.keeps_every_position(pattern)
+
+    def extend(self, pattern: Pattern | str, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
+        """Take in L tokens at once, as L calls of :meth:`advance` would: the same rows, positions and register.
+
+        Args:
+            pattern: the layer's pattern, as for :meth:`advance`.
+            new: the tokens' tensors by name, each (B, H, L, .).
+            r: (B, L) their positions, consecutive from :meth:`next_position`, all >= 0 (continuing a cache
+                takes no padding).
+        """
+        pattern = get_pattern(pattern)
+        if not self.takes_chunks(pattern):
+            raise RuntimeError("this state records the state before each token (or is static): advance it token by "
+                               "token")
+        length = r.shape[1]
+        held = self.row_positions(r.shape[0], r.device)
+        if self.uses_register(pattern):
+            slots = _register(pattern, r[:, -1])
+            positions = _distinct_desc(slots)
+            # each kept position is a new token (row S + p - r0 of [held rows, new rows]) or a row already held
+            match = (positions[:, :, None] == held[:, None, :]).to(torch.int8).argmax(-1)
+            src = torch.where(positions >= r[:, :1], held.shape[1] + positions - r[:, :1], match)
+            src = torch.where(positions >= 0, src, 0)
+            for name, t in new.items():
+                old = getattr(self, name)
+                both = t if old is None else torch.cat([old, t], dim=2)
+                setattr(self, name, both.gather(2, src[:, None, :, None].expand(-1, both.shape[1], -1,
+                                                                                  both.shape[-1])))
+            self.slots, self.positions = slots, positions
+        else:
+            keep = self.trailing_rows(pattern)
+            grow = keep is None and r.device.type == "cpu" and not records_grad(new.values())
+            for name, t in new.items():
+                old = getattr(self, name)
+                if grow:
+                    setattr(self, name, _grown(old, t, dim=2))
+                    continue
+                both = t.clone() if old is None else torch.cat([old, t], dim=2)
+                setattr(self, name, both if keep is None else both[:, :, -keep:].contiguous())
+            self.positions = _grown(self.positions, r, dim=1) if grow else torch.cat([held, r], dim=1)
+            if keep is not None:
+                self.positions = self.positions[:, -keep:]
+        self.seen += length
+
     # ----------------------------------------------------------------------------------------------
     # Cache operations
 
@@ -551,6 +599,10 @@ class StaticDecodeState(DecodeState):
                 "drops past positions and a static cache records no earlier states; use the dynamic cache (leave "
                 "cache_implementation unset) for assisted and prompt-lookup decoding")
 
+    def takes_chunks(self, pattern: Pattern | str) -> bool:
+        """False: the buffers are written one token at a time (:meth:`advance`)."""
+        return False
+
     def record_history(self, on: bool = True) -> None:
         """Nothing to record: patterns that keep every position crop by slicing, the others cannot crop."""
 
@@ -584,29 +636,29 @@ def state_from_sequence(pattern: Pattern | str, tensors: dict[str, torch.Tensor]
     return DecodeState.from_prefill(pattern, tensors, start)
 
 
-def _grown(held: torch.Tensor | None, row: torch.Tensor, dim: int) -> torch.Tensor:
-    """``held`` with ``row`` (size 1 along ``dim``) appended, as a view of a buffer with spare rows: the row is written
-    into the spare capacity of ``held``'s buffer when it has some, else into a new buffer a quarter larger, so that
+def _grown(held: torch.Tensor | None, rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """``held`` with ``rows`` appended along ``dim``, as a view of a buffer with spare rows: the rows are written into
+    the spare capacity of ``held``'s buffer when it has enough, else into a new buffer a quarter larger, so that
     appending to a state that keeps every position costs O(1) per token (amortised), not a copy of every row.
 
     Only the rows past ``held``'s end are written, which no earlier view of the buffer shows; the states of these
     patterns record no history (they crop by slicing), so no other state shares the buffer. (On CUDA the Triton
     decode kernel reads contiguous rows: there the rows are concatenated instead.)"""
     if held is None:
-        return row.clone()
-    size = held.shape[dim]
+        return rows.clone()
+    size, more = held.shape[dim], rows.shape[dim]
     base = held._base
-    if (base is not None and base.shape[dim] > size and held.data_ptr() == base.data_ptr()
+    if (base is not None and base.shape[dim] >= size + more and held.data_ptr() == base.data_ptr()
             and held.stride() == base.stride()
             and all(a == b for i, (a, b) in enumerate(zip(held.shape, base.shape)) if i != dim)):
-        base.narrow(dim, size, 1).copy_(row)
-        return base.narrow(dim, 0, size + 1)
+        base.narrow(dim, size, more).copy_(rows)
+        return base.narrow(dim, 0, size + more)
     shape = list(held.shape)
-    shape[dim] = size + max(size // 4, 64)
+    shape[dim] = size + more + max(size // 4, 64)
     base = held.new_empty(shape)
     base.narrow(dim, 0, size).copy_(held)
-    base.narrow(dim, size, 1).copy_(row)
-    return base.narrow(dim, 0, size + 1)
+    base.narrow(dim, size, more).copy_(rows)
+    return base.narrow(dim, 0, size + more)
 
 
 def _register_step(old: torch.Tensor, r: torch.Tensor, fs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

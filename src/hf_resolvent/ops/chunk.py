@@ -1,0 +1,141 @@
+"""Several new tokens after a decode state, in parallel: a chunked prefill's later chunks, and every forward of more
+than one token that continues a cache (assisted decoding's drafts, a new turn of a chat).
+
+L tokens that continue a state of S held rows are rows S..S+L-1 of the parallel form over m = S + L rows, [held
+rows; new rows], whose first S rows are already solved: their inputs, keys and outputs are the state's. Every row a
+new token reads is one of them (docs/DESIGN.md section 4: a state holds what later tokens read), so:
+
+- the sources of the new rows are the pattern's own (:func:`.graph._source_table` at their positions), found
+  among the held rows (a cache-efficient register's rows by position, other states' rows by their order) or the
+  new rows;
+- Z = A~ X is a gather over those sources, or for dense patterns attention over all m rows in blocks of rows;
+- Y = (1 - g) Z + g B~ Y is the graph form's block forward substitution (:func:`.graph.solve_after`), started
+  after the held rows.
+
+The result equals L decode steps (and a prefill of the whole sequence) to rounding; the state then takes the L
+tokens in one :meth:`~.state.DecodeState.extend`. Memory and work are those of the L rows plus the rows they read,
+so a long prompt in chunks holds one chunk's activations at a time.
+
+Shapes: B batch, H heads, L new tokens, S rows held, d key width, e value width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .graph import GRAPH_CHUNK, _slot_probs, _slot_sum, _source_table, solve_after
+from .parallel import _promote
+from .patterns import get_pattern
+from .state import DecodeState
+
+DIRECT_ROWS = 512  # new rows per block of a dense pattern's attention over all rows
+
+
+def _sources(state: DecodeState, pattern, r: torch.Tensor, with_self: bool) -> torch.Tensor:
+    """(B, K, L) long: the row of [held rows; new rows] that slot k of new token (b, l) at position r[b, l] reads,
+    -1 where the slot is empty (with ``with_self``, slot 0 is the token itself)."""
+    held = state.row_positions(r.shape[0], r.device)  # (B, S)
+    size, r0 = held.shape[1], r[:, :1]
+    table = _source_table(pattern, r, int(r.max().item()) + 1).transpose(0, 1)  # (B, K, L) positions
+    if with_self:
+        table = torch.cat([r[:, None], table], dim=1)
+    if DecodeState.uses_register(pattern):  # the register's rows are in no order: find each position
+        found = (table[..., None] == held[:, None, None, :]).to(torch.int8).argmax(-1)
+        rows = torch.where(table >= r0[:, :, None], size + table - r0[:, :, None], found)
+    else:  # the held rows are the last S tokens, oldest first: position p is row S + p - r0
+        rows = size + table - r0[:, :, None]
+    rows = torch.where(table >= 0, rows, -1)
+    if size:
+        read = held.gather(1, rows.clamp(0, size - 1).flatten(1)).view_as(rows)
+        ok = (rows >= size) | ((rows >= 0) & (read == table))
+    else:
+        ok = rows >= 0
+    if bool(((table >= 0) & ~ok).any()):
+        raise RuntimeError(f"a token of pattern {pattern.name!r} reads a position its decode state no longer holds: "
+                           "please report")
+    return rows
+
+
+def _direct(state: DecodeState, pattern, qa, ka, x, r, scale) -> torch.Tensor:
+    """Z = A~ X for the new rows (B, H, L, e); ka and x hold all m rows."""
+    if not pattern.is_dense:
+        src = _sources(state, pattern, r, with_self=True)
+        return _slot_sum(_slot_probs(qa, ka, src, scale), x, src)
+    size, length = state.rows(), qa.shape[2]
+    valid = torch.cat([state.row_positions(r.shape[0], r.device) >= 0, r >= 0], dim=1)  # (B, m)
+    out = []
+    for c0 in range(0, length, DIRECT_ROWS):
+        c1 = min(length, c0 + DIRECT_ROWS)
+        j = torch.arange(size + c1, device=x.device)
+        mask = valid[:, None, :size + c1] & (j[None, :] <= size + torch.arange(c0, c1, device=x.device)[:, None])
+        out.append(F.scaled_dot_product_attention(qa[:, :, c0:c1], ka[:, :, :size + c1], x[:, :, :size + c1],
+                                                  attn_mask=mask[:, None], scale=scale))
+    return torch.cat(out, dim=2)
+
+
+def _solve(state: DecodeState, pattern, qb, kb, g, rhs, solved, r, scale) -> torch.Tensor:
+    """Y for the new rows (B, H, L, e) given the held rows' outputs ``solved``; kb holds all m rows."""
+    if pattern.is_dense:
+        valid = torch.cat([state.row_positions(r.shape[0], r.device) >= 0, r >= 0], dim=1)
+        return solve_after(qb, kb, g, rhs, solved, scale, GRAPH_CHUNK, key_valid=valid)
+    return solve_after(qb, kb, g, rhs, solved, scale, GRAPH_CHUNK, src=_sources(state, pattern, r, with_self=False))
+
+
+def _with_held(state: DecodeState, name: str, new: torch.Tensor) -> torch.Tensor:
+    """[held rows; new rows] of one tensor (B, H, m, .), in the new rows' dtype."""
+    held = getattr(state, name)
+    return new if held is None else torch.cat([held.to(new.dtype), new], dim=2)
+
+
+def _positions(state: DecodeState, x: torch.Tensor) -> torch.Tensor:
+    """(B, L) the pattern positions of the new tokens; refuses tokens inside a left padding."""
+    r = state.next_position(x.shape[0], x.device)[:, None] + torch.arange(x.shape[2], device=x.device)
+    if bool((r[:, 0] < 0).any()):
+        raise ValueError("tokens after a cache must follow real tokens (no left padding left to run): run the "
+                         "padding in the prefill")
+    return r
+
+
+def chunk_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
+    """L tokens per sequence against a layer's decode ``state``, in parallel, and advance it (the state takes the
+    L tokens as L :func:`~.recurrent.recurrent_step` calls would).
+
+    Args:
+        state: the layer's :class:`DecodeState`, with :meth:`~.state.DecodeState.takes_chunks` true.
+        qa, ka, qb, kb: (B, H, L, d) the tokens' queries and keys (qb, kb None for attention patterns).
+        x: (B, H, L, e) their values; g: (B, H, L) their gate (None for attention patterns).
+        pattern: spec or Pattern; scale: score scale, default d ** -0.5.
+
+    Returns:
+        y (B, H, L, e) in x's dtype, computed in float32 (float64 for float64 inputs).
+    """
+    pattern = get_pattern(pattern)
+    r = _positions(state, x)
+    out_dtype = x.dtype
+    qa, ka, qb, kb, x, g = _promote(qa, ka, qb, kb, x, g)
+    scale = qa.shape[-1] ** -0.5 if scale is None else scale
+    z = _direct(state, pattern, qa, _with_held(state, "keys_a", ka), _with_held(state, "values", x), r, scale)
+    if not pattern.has_recurrence:
+        y = z
+        rows = {"keys_a": ka, "values": x}
+    else:
+        solved = state.outputs.to(z.dtype)
+        y = _solve(state, pattern, qb, _with_held(state, "keys_b", kb), g, z, solved, r, scale)
+        rows = {"keys_a": ka, "values": x, "keys_b": kb, "outputs": y}
+    state.extend(pattern, {k: v.to(out_dtype) for k, v in rows.items()}, r)
+    return y.to(out_dtype)
+
+
+def chunk_mix_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
+    """Tied variant of :func:`chunk_mix`: z = (I - B)^-1 (1 - g) x over the held and new rows, y = z - d x; the state
+    stores z. qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L) -> y (B, H, L, e)."""
+    pattern = get_pattern(pattern)
+    r = _positions(state, x)
+    out_dtype = x.dtype
+    qb, kb, x, g, d = _promote(qb, kb, x, g, d)
+    scale = qb.shape[-1] ** -0.5 if scale is None else scale
+    z = _solve(state, pattern, qb, _with_held(state, "keys_b", kb), g, x, state.outputs.to(x.dtype), r, scale)
+    state.extend(pattern, {"keys_b": kb.to(out_dtype), "outputs": z.to(out_dtype)}, r)
+    return (z - d[..., None] * x).to(out_dtype)
+

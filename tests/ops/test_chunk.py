@@ -1,0 +1,139 @@
+"""Tests of several tokens at once after a decode state (hf_resolvent.ops.chunk): the chunks equal the reference over
+the whole sequence and the same tokens one decode step each, leave the same state, run where the dispatch says, and
+refuse a state that does not hold what the pattern reads.
+
+Shapes: B batch, H heads, n positions, d key width, e value width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_mixer_inputs
+from test_mixer import RESOLVENT, SPECS, assert_close
+
+from hf_resolvent.ops import (
+    DecodeState,
+    StaticDecodeState,
+    chunk_mix,
+    chunk_mix_tied,
+    decode_tokens,
+    decode_tokens_tied,
+    recurrent_mix,
+    recurrent_mix_tied,
+    reference_mix,
+    reference_mix_tied,
+)
+from hf_resolvent.ops.dispatch import choose_chunk
+from hf_resolvent.patterns import get_pattern
+
+N, FIRST, CUTS = 90, 23, (23, 24, 61, 90)  # a prefill of FIRST tokens, then chunks of 1, 37 and 29 tokens
+NAMES = ("qa", "ka", "qb", "kb", "x", "g")
+
+
+def _inputs(pattern, seed):
+    """float64 inputs of batch 2, sequence 1 left-padded by 5; None for what attention patterns do not take."""
+    inp = make_mixer_inputs(batch=2, heads=2, n=N, d=4, e=3, dtype=torch.float64, seed=seed)
+    if not pattern.has_recurrence:
+        inp.update(qb=None, kb=None, g=None)
+    return inp, torch.tensor([0, 5])
+
+
+def _part(inp, a, b, names=NAMES):
+    return [None if inp[k] is None else inp[k][:, :, a:b] for k in names]
+
+
+def _states(pattern, inp, start, tied=False):
+    """Two copies of the state after the first FIRST tokens (one decode step each)."""
+    states = []
+    for _ in range(2):
+        state = DecodeState(start=start)
+        if tied:
+            recurrent_mix_tied(*_part(inp, 0, FIRST, ("qb", "kb", "x", "g", "d_skip")), pattern, start=start,
+                               state=state)
+        else:
+            recurrent_mix(*_part(inp, 0, FIRST), pattern, start=start, state=state)
+        states.append(state)
+    return states
+
+
+def _assert_same_state(got: DecodeState, want: DecodeState):
+    assert got.seen == want.seen
+    assert torch.equal(got.positions, want.positions)
+    assert (got.slots is None) == (want.slots is None) and (got.slots is None or torch.equal(got.slots, want.slots))
+    held = (want.positions >= 0)[:, None, :, None]
+    for name, t in want.tensors().items():
+        assert_close(torch.where(held, got.tensors()[name], 0.0), torch.where(held, t, 0.0), name, tol=1e-12)
+
+
+@pytest.mark.parametrize("key", list(SPECS))
+def test_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key):
+    pattern = get_pattern(SPECS[key])
+    inp, start = _inputs(pattern, seed=3)
+    chunked, stepped = _states(pattern, inp, start)
+    ys, steps = [], []
+    for a, b in zip(CUTS, CUTS[1:]):
+        ys.append(chunk_mix(chunked, *_part(inp, a, b), pattern))
+        steps.append(recurrent_mix(*_part(inp, a, b), pattern, state=stepped))
+    whole = reference_mix(*_part(inp, 0, N), pattern, start=start)
+    assert_close(torch.cat(ys, 2), whole[:, :, FIRST:], f"{key}: chunks vs reference", tol=1e-12)
+    assert_close(torch.cat(ys, 2), torch.cat(steps, 2), f"{key}: chunks vs steps", tol=1e-12)
+    _assert_same_state(chunked, stepped)
+
+
+@pytest.mark.parametrize("key", RESOLVENT)
+def test_tied_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key):
+    pattern = get_pattern(SPECS[key])
+    inp, start = _inputs(pattern, seed=4)
+    names = ("qb", "kb", "x", "g", "d_skip")
+    chunked, stepped = _states(pattern, inp, start, tied=True)
+    ys, steps = [], []
+    for a, b in zip(CUTS, CUTS[1:]):
+        ys.append(chunk_mix_tied(chunked, *_part(inp, a, b, names), pattern))
+        steps.append(recurrent_mix_tied(*_part(inp, a, b, names), pattern, state=stepped))
+    whole = reference_mix_tied(*_part(inp, 0, N, names), pattern, start=start)
+    assert_close(torch.cat(ys, 2), whole[:, :, FIRST:], f"{key}: tied chunks vs reference", tol=1e-12)
+    assert_close(torch.cat(ys, 2), torch.cat(steps, 2), f"{key}: tied chunks vs steps", tol=1e-12)
+    _assert_same_state(chunked, stepped)
+
+
+def test_chunks_run_where_the_dispatch_says_and_steps_elsewhere():
+    pattern = get_pattern("exp2:ce")
+    inp, start = _inputs(pattern, seed=5)
+    state, _ = _states(pattern, inp, start)
+    assert choose_chunk("auto", state, pattern) == "chunk"
+    for impl in ("recurrent", "reference", "cpu", "triton"):  # they name another path: one step per token
+        assert choose_chunk(impl, state, pattern) == "steps", impl
+    state.record_history()  # a rollback needs the state before each token: steps
+    assert choose_chunk("auto", state, pattern) == "steps"
+    assert choose_chunk("auto", state, get_pattern("dense")) == "chunk"  # that one crops by slicing
+    with pytest.raises(RuntimeError, match="token by token"):
+        state.extend(pattern, {"outputs": inp["x"][:, :, :2]}, torch.tensor([[23, 24], [18, 19]]))
+    state.record_history(False)
+    static = StaticDecodeState.preallocate(pattern, state, capacity=N)
+    assert choose_chunk("auto", static, pattern) == "steps"
+    # both paths of decode_tokens give the same outputs
+    chunked, stepped = _states(pattern, inp, start)
+    y = decode_tokens(chunked, *_part(inp, FIRST, N), pattern)
+    assert_close(y, decode_tokens(stepped, *_part(inp, FIRST, N), pattern, impl="recurrent"), "decode_tokens",
+                 tol=1e-12)
+    tied_in = _part(inp, FIRST, N, ("qb", "kb", "x", "g", "d_skip"))
+    chunked, stepped = _states(pattern, inp, start, tied=True)
+    assert_close(decode_tokens_tied(chunked, *tied_in, pattern),
+                 decode_tokens_tied(stepped, *tied_in, pattern, impl="recurrent"), "decode_tokens_tied", tol=1e-12)
+
+
+def test_a_state_that_lacks_the_rows_a_pattern_reads_is_refused():
+    """A state kept for exp2:ce holds a few rows; read as banded:8 it lacks the last eight: an error, not a guess."""
+    inp, start = _inputs(get_pattern("exp2:ce"), seed=6)
+    state, _ = _states(get_pattern("exp2:ce"), inp, start)
+    with pytest.raises(RuntimeError, match="no longer holds"):
+        chunk_mix(state, *_part(inp, FIRST, N), "banded:8")
+
+
+def test_tokens_inside_the_left_padding_are_refused():
+    pattern = get_pattern("dense")
+    inp, _ = _inputs(pattern, seed=7)
+    state = DecodeState(start=torch.tensor([0, 40]))  # sequence 1 has 40 padding tokens still to come
+    with pytest.raises(ValueError, match="left padding"):
+        chunk_mix(state, *_part(inp, FIRST, N), pattern)
