@@ -5,6 +5,7 @@ runs its prefill) under ``torch.profiler``, for GPT-2 or a resolvent mixer at be
     python scripts/profile_prefill.py --model exp2:ce --n 32768          # the README's profile of exp2:ce at 32k
     python scripts/profile_prefill.py --model dense --n 16384
     python scripts/profile_prefill.py --model gpt2 --n 16384 --threads 2
+    python scripts/profile_prefill.py --model exp2:ce --n 32768 --chunk 512   # as generate(prefill_chunk_size=512)
 
 Prints the wall time of the profiled forward (after an untimed one over 256 tokens) and the operators that took
 the most time of their own.
@@ -33,6 +34,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="exp2:ce", help="'gpt2' or a resolvent mixer spec")
     p.add_argument("--n", type=int, default=32768, help="prompt length")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--chunk", type=int, default=None,
+                   help="feed the prompt in chunks of this many tokens through the cache, as generate()'s chunked "
+                        "prefill does (default: all at once)")
     p.add_argument("--rows", type=int, default=15, help="operators to list")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -47,9 +51,12 @@ def main(argv=None) -> int:
         model(ids[:, :256], use_cache=True, logits_to_keep=1)  # builds the kernels, warms the allocator
         with torch.profiler.profile() as prof:
             start = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)
+            cache = None
+            for part in ids.split(args.chunk or args.n, dim=1):
+                cache = model(part, past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
             wall = time.perf_counter() - start
-    print(f"{args.model}: prefill of {args.n} tokens, {args.threads} thread(s): {wall:.3f} s (profiled)")
+    chunks = f" in chunks of {args.chunk}" if args.chunk else ""
+    print(f"{args.model}: prefill of {args.n} tokens{chunks}, {args.threads} thread(s): {wall:.3f} s (profiled)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     return 0
 

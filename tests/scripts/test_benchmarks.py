@@ -64,6 +64,10 @@ def test_profile_prefill_lists_the_operators_of_a_prefill(capsys):
     assert profile.main(["--model", "gpt2", *tiny]) == 0
     out = capsys.readouterr().out
     assert "gpt2: prefill of 300 tokens" in out and "scaled_dot_product" in out and "hf_resolvent::" not in out
+    # in chunks: the chunks after the first are the chunk form's gathers and triangular solves
+    assert profile.main(["--model", "exp2:ce", "--chunk", "128", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "exp2:ce: prefill of 300 tokens in chunks of 128" in out and "aten::linalg_solve_triangular" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without a GPU")
