@@ -114,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", default=None,
                    help=f"'{GPT2}', '{MAMBA2}', resolvent mixer specs, '<mixer>{COMPILED}' and '<model>{CHUNKED}' "
                         "(default: gpt2 mamba2, bench_decode's mixers, exp2:ce and dense compiled, exp2:ce chunked)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per chunk of the chunked models")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per chunk of the chunked models")
     p.add_argument("--batches", type=int, nargs="*", default=None,
                    help="batch sizes of the batched-decode runs (default 1 8 32; none: skip them)")
     p.add_argument("--batch-context", type=int, default=None, help="prompt length of the batched runs (4096)")

@@ -1,6 +1,6 @@
 """Tests of several tokens at once after a decode state (hf_resolvent.ops.chunk): the chunks equal the reference over
-the whole sequence and the same tokens one decode step each, leave the same state, run where the dispatch says, and
-refuse a state that does not hold what the pattern reads.
+the whole sequence and the same tokens one decode step each (on the compiled slot kernels and in PyTorch), leave the
+same state, run where the dispatch says, and refuse a state that does not hold what the pattern reads.
 
 Shapes: B batch, H heads, n positions, d key width, e value width.
 """
@@ -67,7 +67,7 @@ def _assert_same_state(got: DecodeState, want: DecodeState):
 
 
 @pytest.mark.parametrize("key", list(SPECS))
-def test_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key):
+def test_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key, cpu_path):
     pattern = get_pattern(SPECS[key])
     inp, start = _inputs(pattern, seed=3)
     chunked, stepped = _states(pattern, inp, start)
@@ -82,7 +82,7 @@ def test_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key):
 
 
 @pytest.mark.parametrize("key", RESOLVENT)
-def test_tied_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key):
+def test_tied_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key, cpu_path):
     pattern = get_pattern(SPECS[key])
     inp, start = _inputs(pattern, seed=4)
     names = ("qb", "kb", "x", "g", "d_skip")
@@ -137,3 +137,25 @@ def test_tokens_inside_the_left_padding_are_refused():
     state = DecodeState(start=torch.tensor([0, 40]))  # sequence 1 has 40 padding tokens still to come
     with pytest.raises(ValueError, match="left padding"):
         chunk_mix(state, *_part(inp, FIRST, N), pattern)
+
+
+def test_sparse_chunks_take_the_compiled_slot_kernels_where_the_parallel_form_would(monkeypatch, cpu_path):
+    """On the compiled path a sparse pattern's chunk runs the C++ slot kernels; dense patterns, the PyTorch path and
+    chunks that record gradients run the PyTorch code."""
+    from hf_resolvent.ops import chunk
+
+    calls = []
+    compiled = chunk._compiled_sparse
+    monkeypatch.setattr(chunk, "_compiled_sparse", lambda *a, **k: calls.append(1) or compiled(*a, **k))
+    for spec in ("exp2:ce", "dense"):
+        pattern = get_pattern(spec)
+        inp, start = _inputs(pattern, seed=8)
+        state, _ = _states(pattern, inp, start)
+        chunk_mix(state, *_part(inp, FIRST, N), pattern)
+    assert len(calls) == (1 if cpu_path == "compiled" else 0)
+    pattern = get_pattern("exp2:ce")
+    inp, start = _inputs(pattern, seed=9)
+    state, _ = _states(pattern, inp, start)
+    grads = [None if t is None else t.requires_grad_() for t in _part(inp, FIRST, N)]
+    chunk_mix(state, *grads, pattern).sum().backward()
+    assert len(calls) == (1 if cpu_path == "compiled" else 0) and grads[0].grad is not None

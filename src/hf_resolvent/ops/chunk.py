@@ -12,6 +12,11 @@ new token reads is one of them (docs/DESIGN.md section 4: a state holds what lat
 - Y = (1 - g) Z + g B~ Y is the graph form's block forward substitution (:func:`.graph.solve_after`), started
   after the held rows.
 
+On the CPU, without gradients, sparse patterns run the same rows on the compiled slot kernels of the parallel form
+(``slot_probs``, ``slot_combine``, ``slot_solve``, which take any source table): per sequence, over [the held rows the
+new ones read; new rows], with the held rows' slots empty and their outputs as the right-hand side, so a solve
+reproduces them and goes on from there. The PyTorch code below is their reference and the path with autograd.
+
 The result equals L decode steps (and a prefill of the whole sequence) to rounding; the state then takes the L
 tokens in one :meth:`~.state.DecodeState.extend`. Memory and work are those of the L rows plus the rows they read,
 so a long prompt in chunks holds one chunk's activations at a time.
@@ -24,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .common import records_grad
+from .dispatch import compiled_for, compiled_ops
 from .graph import GRAPH_CHUNK, _slot_probs, _slot_sum, _source_table, solve_after
 from .parallel import _promote
 from .patterns import get_pattern
@@ -97,6 +104,61 @@ def _positions(state: DecodeState, x: torch.Tensor) -> torch.Tensor:
     return r
 
 
+def _compiled_sparse(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
+    """:func:`_outputs` of a sparse pattern on the compiled slot kernels, one sequence at a time (each has its own
+    source table): (B, H, L, e)."""
+    ops, held_rows = compiled_ops(), state.rows()
+    tables = ([] if tied else [_sources(state, pattern, r, with_self=True)])
+    if pattern.has_recurrence:
+        tables.append(_sources(state, pattern, r, with_self=False))
+    out = []
+    for b in range(x.shape[0]):
+        ts = [t[b] for t in tables]  # (K, L) each, rows of [held rows; new rows]
+        used = torch.unique(torch.cat([t[(t >= 0) & (t < held_rows)] for t in ts]))  # held rows read, sorted
+        u = used.numel()
+
+        def table(t, u=u, used=used):  # (K, u + L) over [the held rows read; new rows], the held rows' slots empty
+            held = (t >= 0) & (t < held_rows)
+            idx = torch.where(held, torch.searchsorted(used, t.clamp(min=0)), t - held_rows + u)
+            idx = torch.where(t >= 0, idx, -1)
+            return torch.cat([idx.new_full((idx.shape[0], u), -1), idx], 1).contiguous()
+
+        def rows(name, new, b=b, used=used):  # (1, H, u + L, .)
+            held = getattr(state, name)[b:b + 1].index_select(2, used).to(new.dtype)
+            return torch.cat([held, new[b:b + 1]], 2).contiguous()
+
+        def queries(new, b=b, u=u):  # held rows read nothing: zero queries
+            return torch.cat([new.new_zeros(1, new.shape[1], u, new.shape[-1]), new[b:b + 1]], 2).contiguous()
+
+        if tied:
+            direct = x[b:b + 1]
+        else:
+            src_a = table(ts[0])
+            probs = ops.slot_probs(queries(qa), rows("keys_a", ka), src_a, scale)
+            direct = ops.slot_combine(probs, rows("values", x), src_a)[:, :, u:]
+        if not pattern.has_recurrence:
+            out.append(direct)
+            continue
+        src_b = table(ts[-1])
+        gate = g[b:b + 1] * (src_b[:, u:] >= 0).any(0)  # rows that read nothing take g = 0
+        w = ops.slot_probs(queries(qb), rows("keys_b", kb), src_b, scale) * F.pad(gate, (u, 0))[:, :, None]
+        rhs = torch.cat([state.outputs[b:b + 1].index_select(2, used).to(x.dtype), (1 - gate)[..., None] * direct], 2)
+        out.append(ops.slot_solve(w.contiguous(), rhs.contiguous(), src_b)[:, :, u:])
+    return torch.cat(out, 0)
+
+
+def _outputs(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
+    """The new rows' outputs as the state stores them (B, H, L, e): y, or the tied variant's z."""
+    if (not pattern.is_dense and state.rows() and compiled_for(x)
+            and not records_grad([t for t in (qa, ka, qb, kb, x, g) if t is not None] + list(state.tensors().values()))):
+        return _compiled_sparse(state, pattern, r, scale, qa, ka, qb, kb, x, g, tied)
+    direct = x if tied else _direct(state, pattern, qa, _with_held(state, "keys_a", ka),
+                                    _with_held(state, "values", x), r, scale)
+    if not pattern.has_recurrence:
+        return direct
+    return _solve(state, pattern, qb, _with_held(state, "keys_b", kb), g, direct, state.outputs.to(x.dtype), r, scale)
+
+
 def chunk_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
     """L tokens per sequence against a layer's decode ``state``, in parallel, and advance it (the state takes the
     L tokens as L :func:`~.recurrent.recurrent_step` calls would).
@@ -115,14 +177,10 @@ def chunk_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> 
     out_dtype = x.dtype
     qa, ka, qb, kb, x, g = _promote(qa, ka, qb, kb, x, g)
     scale = qa.shape[-1] ** -0.5 if scale is None else scale
-    z = _direct(state, pattern, qa, _with_held(state, "keys_a", ka), _with_held(state, "values", x), r, scale)
-    if not pattern.has_recurrence:
-        y = z
-        rows = {"keys_a": ka, "values": x}
-    else:
-        solved = state.outputs.to(z.dtype)
-        y = _solve(state, pattern, qb, _with_held(state, "keys_b", kb), g, z, solved, r, scale)
-        rows = {"keys_a": ka, "values": x, "keys_b": kb, "outputs": y}
+    y = _outputs(state, pattern, r, scale, qa, ka, qb, kb, x, g, tied=False)
+    rows = {"keys_a": ka, "values": x}
+    if pattern.has_recurrence:
+        rows.update(keys_b=kb, outputs=y)
     state.extend(pattern, {k: v.to(out_dtype) for k, v in rows.items()}, r)
     return y.to(out_dtype)
 
@@ -135,7 +193,6 @@ def chunk_mix_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> 
     out_dtype = x.dtype
     qb, kb, x, g, d = _promote(qb, kb, x, g, d)
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
-    z = _solve(state, pattern, qb, _with_held(state, "keys_b", kb), g, x, state.outputs.to(x.dtype), r, scale)
+    z = _outputs(state, pattern, r, scale, None, None, qb, kb, x, g, tied=True)
     state.extend(pattern, {"keys_b": kb.to(out_dtype), "outputs": z.to(out_dtype)}, r)
     return (z - d[..., None] * x).to(out_dtype)
-

@@ -29,7 +29,8 @@ whose arithmetic takes the compiled CPU kernel where the parallel form would tak
 PyTorch code alone; ``"cpu"``: an error where the kernel cannot run).
 
 Several tokens after a decode state (a chunked prefill's later chunks, assisted decoding's drafts) run in parallel
-(:mod:`.chunk`, PyTorch) under ``"auto"``, ``"torch"``, ``"parallel"`` and ``"graph"``; one decode step per token
+(:mod:`.chunk`) under ``"auto"``, ``"torch"``, ``"parallel"`` and ``"graph"`` (on the compiled CPU kernels where the
+parallel form would take them; in PyTorch alone for ``"torch"`` and ``"graph"``); one decode step per token
 under the other choices, for a static state, inside a compiled graph, and while a state records for rollbacks.
 
 The backends live in the installed library. The flat copy of the ops modules that ``save_pretrained`` ships for
@@ -147,11 +148,15 @@ def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
 
 
 def choose_chunk(impl: str | None, state, pattern) -> str:
-    """How L > 1 tokens continue a decode ``state``: "chunk" (:func:`.chunk.chunk_mix`, all at once) or "steps" (one
-    decode step each, :func:`choose_decode` choosing their code)."""
-    if resolve(impl) not in ("auto", "torch", "parallel", "graph") or torch.compiler.is_compiling():
+    """How L > 1 tokens continue a decode ``state``: all at once (:func:`.chunk.chunk_mix`) as "chunk" (its arithmetic
+    on the compiled CPU kernels where :func:`compiled_for` allows it) or "torch" (its PyTorch code alone), or "steps"
+    (one decode step each, :func:`choose_decode` choosing their code)."""
+    impl = resolve(impl)
+    if impl not in ("auto", "torch", "parallel", "graph") or torch.compiler.is_compiling():
         return "steps"
-    return "chunk" if state.takes_chunks(pattern) else "steps"
+    if not state.takes_chunks(pattern):
+        return "steps"
+    return "torch" if impl in ("torch", "graph") else "chunk"
 
 
 @contextmanager

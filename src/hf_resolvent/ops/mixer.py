@@ -111,8 +111,10 @@ def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str =
         y (B, H, L, e).
     """
     pattern = get_pattern(pattern)
-    if x.shape[2] > 1 and choose_chunk(impl, state, pattern) == "chunk":
-        return chunk_mix(state, qa, ka, qb, kb, x, g, pattern, scale)
+    path = choose_chunk(impl, state, pattern) if x.shape[2] > 1 else "steps"
+    if path != "steps":
+        with torch_only() if path == "torch" else nullcontext():
+            return chunk_mix(state, qa, ka, qb, kb, x, g, pattern, scale)
     ys = [decode_step(state, *(None if t is None else t[:, :, i] for t in (qa, ka, qb, kb, x, g)), pattern, impl, scale)
           for i in range(x.shape[2])]
     return torch.stack(ys, dim=2)
@@ -121,8 +123,10 @@ def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str =
 def decode_tokens_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
     """Tied variant of :func:`decode_tokens`: qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L) -> y (B, H, L, e)."""
     pattern = get_pattern(pattern)
-    if x.shape[2] > 1 and choose_chunk(impl, state, pattern) == "chunk":
-        return chunk_mix_tied(state, qb, kb, x, g, d, pattern, scale)
+    path = choose_chunk(impl, state, pattern) if x.shape[2] > 1 else "steps"
+    if path != "steps":
+        with torch_only() if path == "torch" else nullcontext():
+            return chunk_mix_tied(state, qb, kb, x, g, d, pattern, scale)
     ys = [decode_step_tied(state, *(t[:, :, i] for t in (qb, kb, x, g, d)), pattern, impl, scale)
           for i in range(x.shape[2])]
     return torch.stack(ys, dim=2)
