@@ -20,6 +20,7 @@ import time
 import torch
 
 from hf_resolvent.experiments import training as T
+from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's argument name in this transformers
 
 
 def build(model: str, width: int, layers: int, heads: int, vocab: int, n: int):
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             cache = None
             for part in ids.split(args.chunk or args.n, dim=1):
-                cache = model(part, past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+                cache = model(part, **{CACHE_NAME: cache}, use_cache=True, logits_to_keep=1)[CACHE_NAME]
             wall = time.perf_counter() - start
     chunks = f" in chunks of {args.chunk}" if args.chunk else ""
     print(f"{args.model}: prefill of {args.n} tokens{chunks}, {args.threads} thread(s): {wall:.3f} s (profiled)")

@@ -108,9 +108,11 @@ def _compiled_sparse(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g
     """:func:`_outputs` of a sparse pattern on the compiled slot kernels, one sequence at a time (each has its own
     source table): (B, H, L, e)."""
     ops, held_rows = compiled_ops(), state.rows()
-    tables = ([] if tied else [_sources(state, pattern, r, with_self=True)])
+    slots = _sources(state, pattern, r, with_self=False)
+    own = held_rows + torch.arange(r.shape[1], device=r.device).expand(r.shape[0], 1, -1)  # slot 0 of A: the row
+    tables = [] if tied else [torch.cat([own, slots], dim=1)]
     if pattern.has_recurrence:
-        tables.append(_sources(state, pattern, r, with_self=False))
+        tables.append(slots)
     out = []
     for b in range(x.shape[0]):
         ts = [t[b] for t in tables]  # (K, L) each, rows of [held rows; new rows]

@@ -249,15 +249,21 @@ class DecodeState:
         if self.uses_register(pattern):
             slots = _register(pattern, r[:, -1])
             positions = _distinct_desc(slots)
-            # each kept position is a new token (row S + p - r0 of [held rows, new rows]) or a row already held
-            match = (positions[:, :, None] == held[:, None, :]).to(torch.int8).argmax(-1)
-            src = torch.where(positions >= r[:, :1], held.shape[1] + positions - r[:, :1], match)
-            src = torch.where(positions >= 0, src, 0)
+            # each kept position is a new token (row p - r0 of the new rows) or a row already held: the few rows
+            # kept are read from either, never a copy of all new rows
+            fresh = positions >= r[:, :1]
+            from_new = torch.where(fresh, positions - r[:, :1], 0)
+            from_held = (positions[:, :, None] == held[:, None, :]).to(torch.int8).argmax(-1)
+
+            def rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                return t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
+
             for name, t in new.items():
                 old = getattr(self, name)
-                both = t if old is None else torch.cat([old, t], dim=2)
-                setattr(self, name, both.gather(2, src[:, None, :, None].expand(-1, both.shape[1], -1,
-                                                                                  both.shape[-1])))
+                kept = rows(t, from_new)
+                if old is not None and old.shape[2]:
+                    kept = torch.where(fresh[:, None, :, None], kept, rows(old, from_held))
+                setattr(self, name, kept)
             self.slots, self.positions = slots, positions
         else:
             keep = self.trailing_rows(pattern)
