@@ -170,13 +170,14 @@ def test_stopping_criteria_and_eos(family):
 
 
 def test_static_cache_equals_the_growing_cache(family):
-    """cache_implementation="static": preallocated states for prompt + new tokens; greedy, sampling, beam search
-    and a left-padded batch give what the growing cache gives."""
+    """cache_implementation="static": preallocated states for prompt + new tokens; greedy, sampling, beam search,
+    a left-padded batch and a chunked prefill give what the growing cache gives."""
     model, ids = tiny_model(family), prompt()
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     runs = [dict(do_sample=False), dict(do_sample=True, top_k=20, num_return_sequences=2),
-            dict(do_sample=False, num_beams=3), dict(do_sample=False, attention_mask=mask)]
+            dict(do_sample=False, num_beams=3), dict(do_sample=False, attention_mask=mask),
+            dict(do_sample=False, attention_mask=mask, prefill_chunk_size=4)]
     for kw in runs:
         outs = []
         for implementation in (None, "static"):

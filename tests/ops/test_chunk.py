@@ -97,6 +97,24 @@ def test_tied_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(k
     _assert_same_state(chunked, stepped)
 
 
+@pytest.mark.parametrize("key", list(SPECS))
+def test_chunks_continue_a_static_state_in_its_buffers(key, cpu_path):
+    """A static state (the static cache) takes chunks too, written in place: the outputs of chunks and of the decode
+    steps after them equal the reference, and its buffers keep their shapes and storage."""
+    pattern = get_pattern(SPECS[key])
+    inp, start = _inputs(pattern, seed=10)
+    state = StaticDecodeState.preallocate(pattern, _states(pattern, inp, start)[0], capacity=N + 3)
+    buffers = {name: (t.shape, t.data_ptr()) for name, t in state.buffers().items()}
+    ys = [chunk_mix(state, *_part(inp, a, b), pattern) for a, b in zip(CUTS[:-1], CUTS[1:-1])]
+    ys.append(recurrent_mix(*_part(inp, CUTS[-2], N), pattern, state=state))  # then token by token
+    whole = reference_mix(*_part(inp, 0, N), pattern, start=start)
+    assert_close(torch.cat(ys, 2), whole[:, :, FIRST:], f"{key}: static state, chunks then steps", tol=1e-12)
+    assert {name: (t.shape, t.data_ptr()) for name, t in state.buffers().items()} == buffers
+    assert int(state.seen) == N
+    with pytest.raises(ValueError, match="static cache is full"):  # 3 rows left, 4 tokens
+        chunk_mix(state, *_part(inp, 0, 4), pattern)
+
+
 def test_chunks_run_where_the_dispatch_says_and_steps_elsewhere():
     pattern = get_pattern("exp2:ce")
     inp, start = _inputs(pattern, seed=5)
@@ -111,7 +129,7 @@ def test_chunks_run_where_the_dispatch_says_and_steps_elsewhere():
         state.extend(pattern, {"outputs": inp["x"][:, :, :2]}, torch.tensor([[23, 24], [18, 19]]))
     state.record_history(False)
     static = StaticDecodeState.preallocate(pattern, state, capacity=N)
-    assert choose_chunk("auto", static, pattern) == "steps"
+    assert choose_chunk("auto", static, pattern) == "chunk" and choose_chunk("torch", static, pattern) == "torch"
     # both paths of decode_tokens give the same outputs
     chunked, stepped = _states(pattern, inp, start)
     y = decode_tokens(chunked, *_part(inp, FIRST, N), pattern)

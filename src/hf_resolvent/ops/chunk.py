@@ -6,8 +6,7 @@ rows; new rows], whose first S rows are already solved: their inputs, keys and o
 new token reads is one of them (docs/DESIGN.md section 4: a state holds what later tokens read), so:
 
 - the sources of the new rows are the pattern's own (:func:`.graph._source_table` at their positions), found
-  among the held rows (a cache-efficient register's rows by position, other states' rows by their order) or the
-  new rows;
+  among the held rows (:meth:`~.state.DecodeState.held_rows`) or the new rows;
 - Z = A~ X is a gather over those sources, or for dense patterns attention over all m rows in blocks of rows;
 - Y = (1 - g) Z + g B~ Y is the graph form's block forward substitution (:func:`.graph.solve_after`), started
   after the held rows.
@@ -47,11 +46,7 @@ def _sources(state: DecodeState, pattern, r: torch.Tensor, with_self: bool) -> t
     table = _source_table(pattern, r, int(r.max().item()) + 1).transpose(0, 1)  # (B, K, L) positions
     if with_self:
         table = torch.cat([r[:, None], table], dim=1)
-    if DecodeState.uses_register(pattern):  # the register's rows are in no order: find each position
-        found = (table[..., None] == held[:, None, None, :]).to(torch.int8).argmax(-1)
-        rows = torch.where(table >= r0[:, :, None], size + table - r0[:, :, None], found)
-    else:  # the held rows are the last S tokens, oldest first: position p is row S + p - r0
-        rows = size + table - r0[:, :, None]
+    rows = torch.where(table >= r0[:, :, None], size + table - r0[:, :, None], state.held_rows(pattern, table))
     rows = torch.where(table >= 0, rows, -1)
     if size:
         read = held.gather(1, rows.clamp(0, size - 1).flatten(1)).view_as(rows)

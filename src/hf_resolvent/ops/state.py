@@ -179,6 +179,21 @@ class DecodeState:
             return torch.full((batch, 0), -1, dtype=torch.long, device=device)
         return self.positions
 
+    def held_rows(self, pattern: Pattern | str, p: torch.Tensor) -> torch.Tensor:
+        """The row that holds position p (B, ...) (valid, before the next token), for each sequence: found by position
+        in a register; else row p + start (states that keep every position hold token i at row i) or, in a window of
+        the last S tokens, S + p - r (r the next position). A position not held gives a row whose position differs."""
+        pattern = get_pattern(pattern)
+        held = self.row_positions(p.shape[0], p.device)
+        flat = p.reshape(p.shape[0], -1)
+        if self.uses_register(pattern):
+            rows = (flat[:, :, None] == held[:, None, :]).to(torch.int8).argmax(-1)
+        elif self.trailing_rows(pattern) is not None:
+            rows = held.shape[1] + flat - self.next_position(p.shape[0], p.device)[:, None]
+        else:
+            rows = flat if self.start is None else flat + self.start.to(p.device)[:, None]
+        return rows.view_as(p)
+
     # ----------------------------------------------------------------------------------------------
     # Advancing
 
@@ -606,8 +621,40 @@ class StaticDecodeState(DecodeState):
                 "cache_implementation unset) for assisted and prompt-lookup decoding")
 
     def takes_chunks(self, pattern: Pattern | str) -> bool:
-        """False: the buffers are written one token at a time (:meth:`advance`)."""
-        return False
+        """True: it records nothing, and :meth:`extend` writes its buffers in place."""
+        return True
+
+    def extend(self, pattern: Pattern | str, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
+        """As :meth:`DecodeState.extend`, in the buffers: the same rows and positions as L calls of :meth:`advance`."""
+        pattern = get_pattern(pattern)
+        length = r.shape[1]
+        require(self.seen + length <= self.capacity, "a static cache is full", lambda: (
+            f"the static cache is full: it holds max_cache_len = {self.capacity} tokens; generate fewer tokens or "
+            "give generate() a larger max_length"))
+        if self.uses_register(pattern):  # the register's closed form on every slot of the capacity; rows follow
+            slots = _register(pattern, r[:, -1])
+            slots = torch.cat([slots, slots.new_full((slots.shape[0], self.offsets.numel() - slots.shape[1]), -1)], 1)
+            fresh = (slots >= r[:, :1])[:, None, :, None]
+            from_new = torch.where(slots >= r[:, :1], slots - r[:, :1], 0)
+            from_held = (slots[:, :, None] == self.positions[:, None, :]).to(torch.int8).argmax(-1)
+            for name, t in new.items():
+                held = getattr(self, name)
+                index = from_new[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
+                moved = held.gather(2, from_held[:, None, :, None].expand(-1, held.shape[1], -1, held.shape[-1]))
+                held.copy_(torch.where(fresh, t.gather(2, index), moved))
+            self.positions.copy_(slots)
+        elif self.trailing_rows(pattern) is not None:
+            if self.rows():
+                for name, t in new.items():
+                    held = getattr(self, name)
+                    held.copy_(torch.cat([held, t], dim=2)[:, :, -held.shape[2]:])
+                self.positions.copy_(torch.cat([self.positions, r], dim=1)[:, -self.rows():])
+        else:
+            rows = self.seen + torch.arange(length, device=r.device)
+            for name, t in new.items():
+                getattr(self, name).index_copy_(2, rows, t)
+            self.positions.index_copy_(1, rows, r)
+        self.seen.add_(length)
 
     def record_history(self, on: bool = True) -> None:
         """Nothing to record: patterns that keep every position crop by slicing, the others cannot crop."""
