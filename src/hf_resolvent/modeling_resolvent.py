@@ -512,7 +512,9 @@ def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.T
             require((count > 0).all() & (contiguous == mask).all(), problem, lambda: problem)
             return lead, None
         if (count == 0).any():
-            raise ValueError("attention_mask has a sequence without any real token (all padding); remove it")
+            raise ValueError("attention_mask has a sequence without any real token (all padding); remove it (with "
+                             "generate(prefill_chunk_size=...), the first chunk must reach a real token of every "
+                             "sequence: use chunks longer than the longest left padding)")
         if not torch.equal(contiguous, mask):  # holes: no later row reads a hidden position
             return n - count, _Regroup.right_aligned(mask)
         return (lead if bool(lead.any()) else None), None

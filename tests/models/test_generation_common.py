@@ -112,6 +112,8 @@ def test_chunked_prefill_equals_the_prompt_at_once(family, monkeypatch):
                                       prefill_chunk_size=16), once)
     # per layer: the 30 tokens above, then generate()'s chunks of 16 and 8 after the first (one token: a step)
     assert len(calls) == 3 * model.config.n_layer
+    with pytest.raises(ValueError, match="chunks longer than the longest left padding"):  # 3 padding tokens
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, prefill_chunk_size=3)
 
 
 def _crops(monkeypatch) -> list[int]:
