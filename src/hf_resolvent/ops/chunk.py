@@ -99,47 +99,47 @@ def _positions(state: DecodeState, x: torch.Tensor) -> torch.Tensor:
     return r
 
 
+def _over_read_rows(table: torch.Tensor, used: torch.Tensor, held_rows: int) -> torch.Tensor:
+    """A source table (K, L) over [held rows; new rows] as one (K, u + L) over [the u held rows ``used``; new rows],
+    with those held rows' own slots empty: the layout the compiled slot kernels take."""
+    held = (table >= 0) & (table < held_rows)
+    index = torch.where(held, torch.searchsorted(used, table.clamp(min=0)), table - held_rows + used.numel())
+    index = torch.where(table >= 0, index, -1)
+    return torch.cat([index.new_full((index.shape[0], used.numel()), -1), index], 1).contiguous()
+
+
 def _compiled_sparse(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
     """:func:`_outputs` of a sparse pattern on the compiled slot kernels, one sequence at a time (each has its own
-    source table): (B, H, L, e)."""
+    source table): (B, H, L, e). The held rows read enter with zero queries and empty slots (so their scores are
+    empty) and with their outputs as the solve's right-hand side (so the solve gives them back)."""
     ops, held_rows = compiled_ops(), state.rows()
-    slots = _sources(state, pattern, r, with_self=False)
-    own = held_rows + torch.arange(r.shape[1], device=r.device).expand(r.shape[0], 1, -1)  # slot 0 of A: the row
-    tables = [] if tied else [torch.cat([own, slots], dim=1)]
-    if pattern.has_recurrence:
-        tables.append(slots)
+    slots = _sources(state, pattern, r, with_self=False)  # (B, K, L)
+    own = held_rows + torch.arange(r.shape[1], device=r.device).expand(r.shape[0], 1, -1)  # A's slot 0: the row
     out = []
     for b in range(x.shape[0]):
-        ts = [t[b] for t in tables]  # (K, L) each, rows of [held rows; new rows]
-        used = torch.unique(torch.cat([t[(t >= 0) & (t < held_rows)] for t in ts]))  # held rows read, sorted
+        tables = [slots[b]] if tied else [slots[b], torch.cat([own[b], slots[b]], 0)]
+        used = torch.unique(torch.cat([t[(t >= 0) & (t < held_rows)] for t in tables]))  # held rows read, sorted
         u = used.numel()
 
-        def table(t, u=u, used=used):  # (K, u + L) over [the held rows read; new rows], the held rows' slots empty
-            held = (t >= 0) & (t < held_rows)
-            idx = torch.where(held, torch.searchsorted(used, t.clamp(min=0)), t - held_rows + u)
-            idx = torch.where(t >= 0, idx, -1)
-            return torch.cat([idx.new_full((idx.shape[0], u), -1), idx], 1).contiguous()
+        def rows(name: str, new: torch.Tensor, b=b, used=used) -> torch.Tensor:  # (1, H, u + L, .)
+            return torch.cat([getattr(state, name)[b:b + 1].index_select(2, used).to(new.dtype), new[b:b + 1]], 2)
 
-        def rows(name, new, b=b, used=used):  # (1, H, u + L, .)
-            held = getattr(state, name)[b:b + 1].index_select(2, used).to(new.dtype)
-            return torch.cat([held, new[b:b + 1]], 2).contiguous()
-
-        def queries(new, b=b, u=u):  # held rows read nothing: zero queries
-            return torch.cat([new.new_zeros(1, new.shape[1], u, new.shape[-1]), new[b:b + 1]], 2).contiguous()
+        def queries(new: torch.Tensor, b=b, u=u) -> torch.Tensor:
+            return torch.cat([new.new_zeros(1, new.shape[1], u, new.shape[-1]), new[b:b + 1]], 2)
 
         if tied:
             direct = x[b:b + 1]
         else:
-            src_a = table(ts[0])
+            src_a = _over_read_rows(tables[1], used, held_rows)
             probs = ops.slot_probs(queries(qa), rows("keys_a", ka), src_a, scale)
             direct = ops.slot_combine(probs, rows("values", x), src_a)[:, :, u:]
         if not pattern.has_recurrence:
             out.append(direct)
             continue
-        src_b = table(ts[-1])
+        src_b = _over_read_rows(tables[0], used, held_rows)
         gate = g[b:b + 1] * (src_b[:, u:] >= 0).any(0)  # rows that read nothing take g = 0
         w = ops.slot_probs(queries(qb), rows("keys_b", kb), src_b, scale) * F.pad(gate, (u, 0))[:, :, None]
-        rhs = torch.cat([state.outputs[b:b + 1].index_select(2, used).to(x.dtype), (1 - gate)[..., None] * direct], 2)
+        rhs = torch.cat([rows("outputs", x)[:, :, :u], (1 - gate)[..., None] * direct], 2)
         out.append(ops.slot_solve(w.contiguous(), rhs.contiguous(), src_b)[:, :, u:])
     return torch.cat(out, 0)
 

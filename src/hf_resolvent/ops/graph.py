@@ -32,10 +32,11 @@ GRAPH_CHUNK = 64  # rows per block of the forward substitution
 
 
 def _source_table(pattern: Pattern, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """(K, *rows.shape) long: the position slot k of pattern row ``rows[...]`` (all below n, which sets K) reads
-    (``pattern.source_index(n).T`` for rows 0..n-1), -1 where the slot is empty. From the slots' closed form src_k(t) = a_k (floor((t - f_k) / a_k) + 1)
-    - 1 (:mod:`.slots`) in tensor operations, so that a graph holds no trace of the Python and numpy that build the
-    pattern's own table. A cache-efficient slot whose source an earlier slot already reads is empty (S_i is a set)."""
+    """(K, *rows.shape) long: the position that slot k of pattern row ``rows[...]`` (all below n, which sets K) reads
+    (``pattern.source_index(n).T`` for rows 0..n-1), -1 where the slot is empty. From the slots' closed form
+    src_k(t) = a_k (floor((t - f_k) / a_k) + 1) - 1 (:mod:`.slots`) in tensor operations, so that a graph holds no
+    trace of the Python and numpy that build the pattern's own table. A cache-efficient slot whose source an earlier
+    slot already reads is empty (S_i is a set)."""
     fs, steps = _pattern_slots(pattern, n)
     t = rows[None]
     shape = (len(fs),) + (1,) * rows.dim()
@@ -131,25 +132,25 @@ def solve_after(qb, kb, g, rhs, solved, scale, chunk: int, src=None, key_valid=N
         (B, H, R, e): the rows S..m-1 of Y. The first S rows enter once, before the blocks (a gather or one matmul
         per block), so a long solved prefix is never copied.
     """
-    big, total = solved.shape[-2], kb.shape[-2]
+    n_solved, total = solved.shape[-2], kb.shape[-2]
     device, dtype = rhs.device, rhs.dtype
-    rows = torch.arange(big, total, device=device)
+    rows = torch.arange(n_solved, total, device=device)
     if src is None:
         count = torch.ones(1, total, dtype=torch.long, device=device) if key_valid is None else key_valid.long()
-        before = F.pad(count.cumsum(-1), (1, 0))[:, big:total]  # valid rows before each row to solve
+        before = F.pad(count.cumsum(-1), (1, 0))[:, n_solved:total]  # valid rows before each row to solve
         g = g * (before > 0)[:, None]
     else:
         g = g * (src >= 0).any(1)[:, None]
         w = _slot_probs(qb, kb, src, scale) * g[:, :, None]  # (B, H, K, R)
-        local = src - big  # row among the rows to solve; < 0: a solved row, or empty
+        local = src - n_solved  # row among the rows to solve; < 0: a solved row, or empty
     rhs = (1 - g)[..., None] * rhs
-    if src is not None and big:  # the solved rows' share, for every row at once
-        held = (src >= 0) & (src < big)
+    if src is not None and n_solved:  # the solved rows' share, for every row at once
+        held = (src >= 0) & (src < n_solved)
         rhs = rhs + _slot_sum(w * held[:, None], solved, torch.where(held, src, 0))
     out = rhs[:, :, :0]
-    for c0 in range(0, total - big, chunk):
-        c1 = min(total - big, c0 + chunk)
-        a0, a1 = big + c0, big + c1
+    for c0 in range(0, total - n_solved, chunk):
+        c1 = min(total - n_solved, c0 + chunk)
+        a0, a1 = n_solved + c0, n_solved + c1
         if src is None:  # dense: the rows' probabilities over all earlier rows
             j = torch.arange(a1, device=device)
             mask = (j[None, :] < rows[c0:c1, None])[None]  # (B or 1, C, a1)
@@ -157,9 +158,9 @@ def solve_after(qb, kb, g, rhs, solved, scale, chunk: int, src=None, key_valid=N
                 mask = mask & key_valid[:, None, :a1]
             scores = qb[:, :, c0:c1] @ kb[:, :, :a1].transpose(-1, -2) * scale
             p = _masked_softmax(scores, mask[:, None], dim=-1) * g[:, :, c0:c1, None]  # (B, H, C, a1)
-            acc = rhs[:, :, c0:c1] + p[..., big:a0] @ out
-            if big:
-                acc = acc + p[..., :big] @ solved
+            acc = rhs[:, :, c0:c1] + p[..., n_solved:a0] @ out
+            if n_solved:
+                acc = acc + p[..., :n_solved] @ solved
             block = p[..., a0:a1]
         else:
             s, wc = local[..., c0:c1], w[..., c0:c1]  # (B or 1, K, C), (B, H, K, C)
