@@ -96,7 +96,7 @@ COMPILED = " compiled"  # suffix: the mixer's compiled decode step on a static c
 CHUNKED = " chunked"  # suffix: the prompt in chunks of --prefill-chunk tokens
 CONTEXTS = (1024, 4096, 16384, 32768, 65536)
 QUICK = dict(contexts=[512, 2048], new_tokens=16,
-             models=[GPT2, MAMBA2, "attention", "dense", "exp2:ce", "exp2:ce" + COMPILED],
+             models=[GPT2, MAMBA2, "attention", "dense", "exp2:ce", "exp2:ce" + COMPILED, "exp2:ce" + CHUNKED],
              batches=[1, 8], batch_context=1024)
 WARMUP_TOKENS = 16
 MIB = 2**20
@@ -106,7 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write (a PNG with the same stem goes next to it)")
     p.add_argument("--quick", action="store_true",
-                   help="n = 512 and 2048, 16 new tokens, gpt2 mamba2 attention dense exp2:ce, batch 1 and 8 at 1024 "
+                   help="n = 512 and 2048, 16 new tokens, gpt2 mamba2 attention dense exp2:ce (also compiled and "
+                        "chunked), batch 1 and 8 at 1024 "
                         "(explicit options still win)")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help=f"prompt lengths (default {CONTEXTS})")
     p.add_argument("--with-128k", action="store_true", help="add prompts of 131072 tokens")
