@@ -31,7 +31,7 @@ PyTorch code alone; ``"cpu"``: an error where the kernel cannot run).
 Several tokens after a decode state (a chunked prefill's later chunks, assisted decoding's drafts) run in parallel
 (:mod:`.chunk`) under ``"auto"``, ``"torch"``, ``"parallel"`` and ``"graph"`` (on the compiled CPU kernels where the
 parallel form would take them; in PyTorch alone for ``"torch"`` and ``"graph"``); one decode step per token
-under the other choices, for a static state, inside a compiled graph, and while a state records for rollbacks.
+under the other choices, inside a compiled graph, and while a state records for rollbacks.
 
 The backends live in the installed library. The flat copy of the ops modules that ``save_pretrained`` ships for
 ``trust_remote_code`` has none: there ``"auto"`` runs PyTorch and ``"cpu"`` or ``"triton"`` is an error.

@@ -243,7 +243,7 @@ class DecodeState:
 
     def takes_chunks(self, pattern: Pattern | str) -> bool:
         """True when :meth:`extend` can take several tokens at once: always, except while recording for a pattern
-        that drops positions (a crop then needs the state before each token) and for a static state."""
+        that drops positions (a crop then needs the state before each token)."""
         return self.history is None or self.keeps_every_position(pattern)
 
     def extend(self, pattern: Pattern | str, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
@@ -257,28 +257,14 @@ class DecodeState:
         """
         pattern = get_pattern(pattern)
         if not self.takes_chunks(pattern):
-            raise RuntimeError("this state records the state before each token (or is static): advance it token by "
-                               "token")
+            raise RuntimeError("this state records the state before each token: advance it token by token")
         length = r.shape[1]
         held = self.row_positions(r.shape[0], r.device)
         if self.uses_register(pattern):
             slots = _register(pattern, r[:, -1])
             positions = _distinct_desc(slots)
-            # each kept position is a new token (row p - r0 of the new rows) or a row already held: the few rows
-            # kept are read from either, never a copy of all new rows
-            fresh = positions >= r[:, :1]
-            from_new = torch.where(fresh, positions - r[:, :1], 0)
-            from_held = (positions[:, :, None] == held[:, None, :]).to(torch.int8).argmax(-1)
-
-            def rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-                return t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
-
             for name, t in new.items():
-                old = getattr(self, name)
-                kept = rows(t, from_new)
-                if old is not None and old.shape[2]:
-                    kept = torch.where(fresh[:, None, :, None], kept, rows(old, from_held))
-                setattr(self, name, kept)
+                setattr(self, name, _rows_at(positions, r, t, held, getattr(self, name)))
             self.slots, self.positions = slots, positions
         else:
             keep = self.trailing_rows(pattern)
@@ -634,14 +620,9 @@ class StaticDecodeState(DecodeState):
         if self.uses_register(pattern):  # the register's closed form on every slot of the capacity; rows follow
             slots = _register(pattern, r[:, -1])
             slots = torch.cat([slots, slots.new_full((slots.shape[0], self.offsets.numel() - slots.shape[1]), -1)], 1)
-            fresh = (slots >= r[:, :1])[:, None, :, None]
-            from_new = torch.where(slots >= r[:, :1], slots - r[:, :1], 0)
-            from_held = (slots[:, :, None] == self.positions[:, None, :]).to(torch.int8).argmax(-1)
             for name, t in new.items():
                 held = getattr(self, name)
-                index = from_new[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
-                moved = held.gather(2, from_held[:, None, :, None].expand(-1, held.shape[1], -1, held.shape[-1]))
-                held.copy_(torch.where(fresh, t.gather(2, index), moved))
+                held.copy_(_rows_at(slots, r, t, self.positions, held))
             self.positions.copy_(slots)
         elif self.trailing_rows(pattern) is not None:
             if self.rows():
@@ -712,6 +693,22 @@ def _grown(held: torch.Tensor | None, rows: torch.Tensor, dim: int) -> torch.Ten
     base.narrow(dim, 0, size).copy_(held)
     base.narrow(dim, size, more).copy_(rows)
     return base.narrow(dim, 0, size + more)
+
+
+def _rows_at(positions: torch.Tensor, r: torch.Tensor, new: torch.Tensor, held_positions: torch.Tensor,
+             held: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, W, .) the rows of ``positions`` (B, W) after L new tokens at positions r (B, L): each is a new token
+    (row p - r0 of ``new``) or a row of ``held`` (found by ``held_positions``). Only the W rows kept are read, never a
+    copy of all new rows; rows of empty positions are junk (never read)."""
+    def pick(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
+
+    fresh = positions >= r[:, :1]
+    rows = pick(new, torch.where(fresh, positions - r[:, :1], 0))
+    if held is None or not held.shape[2]:
+        return rows
+    from_held = (positions[:, :, None] == held_positions[:, None, :]).to(torch.int8).argmax(-1)
+    return torch.where(fresh[:, None, :, None], rows, pick(held, from_held))
 
 
 def _register_step(old: torch.Tensor, r: torch.Tensor, fs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
