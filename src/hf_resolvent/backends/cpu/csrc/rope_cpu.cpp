@@ -20,7 +20,9 @@
 namespace hf_resolvent {
 namespace {
 
-void check_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t B, int64_t n, int64_t hd) {
+// Both directions: an even head width, and cos and sin tables of (B, n, hd).
+void check_rotation(const char* op, const at::Tensor& cos, const at::Tensor& sin, int64_t B, int64_t n, int64_t hd) {
+  TORCH_CHECK(hd % 2 == 0, op, ": the head width must be even, got ", hd);
   for (const at::Tensor* t : {&cos, &sin}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == n && t->size(2) == hd && t->stride(2) == 1 &&
                     t->scalar_type() == at::kFloat,
@@ -60,8 +62,7 @@ at::Tensor rope_heads(const at::Tensor& src, const at::Tensor& cos, const at::Te
               "rope_heads: src must be a float32 (B, n, P, H, hd) tensor with a unit last stride, got ", src.sizes(),
               " ", src.scalar_type());
   const int64_t B = src.size(0), n = src.size(1), P = src.size(2), H = src.size(3), hd = src.size(4), half = hd / 2;
-  TORCH_CHECK(hd % 2 == 0, "rope_heads: the head width must be even, got ", hd);
-  check_tables(cos, sin, B, n, hd);
+  check_rotation("rope_heads", cos, sin, B, n, hd);
   at::Tensor out = at::empty({P, B, H, n, hd}, src.options());
   const float* s = src.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -83,8 +84,7 @@ at::Tensor rope_heads_backward(const at::Tensor& grad_in, const at::Tensor& cos,
   const at::Tensor grad = grad_in.contiguous();
   const int64_t P = grad.size(0), B = grad.size(1), H = grad.size(2), n = grad.size(3), hd = grad.size(4),
                 half = hd / 2;
-  TORCH_CHECK(hd % 2 == 0, "rope_heads_backward: the head width must be even, got ", hd);
-  check_tables(cos, sin, B, n, hd);
+  check_rotation("rope_heads_backward", cos, sin, B, n, hd);
   at::Tensor out = at::empty({B, n, P, H, hd}, grad.options());
   const float* g = grad.data_ptr<float>();
   float* o = out.data_ptr<float>();
