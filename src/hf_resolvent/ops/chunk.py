@@ -38,14 +38,12 @@ from .state import DecodeState
 DIRECT_ROWS = 512  # new rows per block of a dense pattern's attention over all rows
 
 
-def _sources(state: DecodeState, pattern, r: torch.Tensor, with_self: bool) -> torch.Tensor:
-    """(B, K, L) long: the row of [held rows; new rows] that slot k of new token (b, l) at position r[b, l] reads,
-    -1 where the slot is empty (with ``with_self``, slot 0 is the token itself)."""
+def _sources(state: DecodeState, pattern, r: torch.Tensor) -> torch.Tensor:
+    """(B, K, L) long: the row of [held rows; new rows] that slot k of new token (b, l) at position r[b, l] reads
+    through B (sparse patterns), -1 where the slot is empty."""
     held = state.row_positions(r.shape[0], r.device)  # (B, S)
     size, r0 = held.shape[1], r[:, :1]
     table = _source_table(pattern, r, int(r.max().item()) + 1).transpose(0, 1)  # (B, K, L) positions
-    if with_self:
-        table = torch.cat([r[:, None], table], dim=1)
     rows = torch.where(table >= r0[:, :, None], size + table - r0[:, :, None], state.held_rows(pattern, table))
     rows = torch.where(table >= 0, rows, -1)
     if size:
@@ -59,13 +57,24 @@ def _sources(state: DecodeState, pattern, r: torch.Tensor, with_self: bool) -> t
     return rows
 
 
-def _direct(state: DecodeState, pattern, qa, ka, x, r, scale) -> torch.Tensor:
-    """Z = A~ X for the new rows (B, H, L, e); ka and x hold all m rows."""
-    if not pattern.is_dense:
-        src = _sources(state, pattern, r, with_self=True)
+def _with_self(state: DecodeState, slots: torch.Tensor) -> torch.Tensor:
+    """(B, 1 + K, L): the sources of A, which reads the token itself (slot 0) and the slots of B."""
+    own = state.rows() + torch.arange(slots.shape[2], device=slots.device).expand(slots.shape[0], 1, -1)
+    return torch.cat([own, slots], dim=1)
+
+
+def _valid_rows(state: DecodeState, r: torch.Tensor) -> torch.Tensor:
+    """(B, m) which rows of [held rows; new rows] hold a token (dense patterns read every valid row before them)."""
+    return torch.cat([state.row_positions(r.shape[0], r.device) >= 0, r >= 0], dim=1)
+
+
+def _direct(state: DecodeState, qa, ka, x, scale, slots=None, valid=None) -> torch.Tensor:
+    """Z = A~ X for the new rows (B, H, L, e); ka and x hold all m rows. Sparse patterns give their ``slots``
+    (:func:`_sources`), dense ones their ``valid`` rows (:func:`_valid_rows`)."""
+    if slots is not None:
+        src = _with_self(state, slots)
         return _slot_sum(_slot_probs(qa, ka, src, scale), x, src)
     size, length = state.rows(), qa.shape[2]
-    valid = torch.cat([state.row_positions(r.shape[0], r.device) >= 0, r >= 0], dim=1)  # (B, m)
     out = []
     for c0 in range(0, length, DIRECT_ROWS):
         c1 = min(length, c0 + DIRECT_ROWS)
@@ -74,14 +83,6 @@ def _direct(state: DecodeState, pattern, qa, ka, x, r, scale) -> torch.Tensor:
         out.append(F.scaled_dot_product_attention(qa[:, :, c0:c1], ka[:, :, :size + c1], x[:, :, :size + c1],
                                                   attn_mask=mask[:, None], scale=scale))
     return torch.cat(out, dim=2)
-
-
-def _solve(state: DecodeState, pattern, qb, kb, g, rhs, solved, r, scale) -> torch.Tensor:
-    """Y for the new rows (B, H, L, e) given the held rows' outputs ``solved``; kb holds all m rows."""
-    if pattern.is_dense:
-        valid = torch.cat([state.row_positions(r.shape[0], r.device) >= 0, r >= 0], dim=1)
-        return solve_after(qb, kb, g, rhs, solved, scale, GRAPH_CHUNK, key_valid=valid)
-    return solve_after(qb, kb, g, rhs, solved, scale, GRAPH_CHUNK, src=_sources(state, pattern, r, with_self=False))
 
 
 def _with_held(state: DecodeState, name: str, new: torch.Tensor) -> torch.Tensor:
@@ -108,16 +109,15 @@ def _over_read_rows(table: torch.Tensor, used: torch.Tensor, held_rows: int) -> 
     return torch.cat([index.new_full((index.shape[0], used.numel()), -1), index], 1).contiguous()
 
 
-def _compiled_sparse(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
+def _compiled_sparse(state: DecodeState, pattern, slots, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
     """:func:`_outputs` of a sparse pattern on the compiled slot kernels, one sequence at a time (each has its own
     source table): (B, H, L, e). The held rows read enter with zero queries and empty slots (so their scores are
     empty) and with their outputs as the solve's right-hand side (so the solve gives them back)."""
     ops, held_rows = compiled_ops(), state.rows()
-    slots = _sources(state, pattern, r, with_self=False)  # (B, K, L)
-    own = held_rows + torch.arange(r.shape[1], device=r.device).expand(r.shape[0], 1, -1)  # A's slot 0: the row
+    sources_a = None if tied else _with_self(state, slots)
     out = []
     for b in range(x.shape[0]):
-        tables = [slots[b]] if tied else [slots[b], torch.cat([own[b], slots[b]], 0)]
+        tables = [slots[b]] if tied else [slots[b], sources_a[b]]
         used = torch.unique(torch.cat([t[(t >= 0) & (t < held_rows)] for t in tables]))  # held rows read, sorted
         u = used.numel()
 
@@ -146,14 +146,17 @@ def _compiled_sparse(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g
 
 def _outputs(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
     """The new rows' outputs as the state stores them (B, H, L, e): y, or the tied variant's z."""
-    if (not pattern.is_dense and state.rows() and compiled_for(x)
-            and not records_grad([t for t in (qa, ka, qb, kb, x, g) if t is not None] + list(state.tensors().values()))):
-        return _compiled_sparse(state, pattern, r, scale, qa, ka, qb, kb, x, g, tied)
-    direct = x if tied else _direct(state, pattern, qa, _with_held(state, "keys_a", ka),
-                                    _with_held(state, "values", x), r, scale)
+    slots = None if pattern.is_dense else _sources(state, pattern, r)
+    valid = _valid_rows(state, r) if pattern.is_dense else None
+    given = [t for t in (qa, ka, qb, kb, x, g) if t is not None] + list(state.tensors().values())
+    if slots is not None and state.rows() and compiled_for(x) and not records_grad(given):
+        return _compiled_sparse(state, pattern, slots, scale, qa, ka, qb, kb, x, g, tied)
+    direct = x if tied else _direct(state, qa, _with_held(state, "keys_a", ka), _with_held(state, "values", x), scale,
+                                    slots, valid)
     if not pattern.has_recurrence:
         return direct
-    return _solve(state, pattern, qb, _with_held(state, "keys_b", kb), g, direct, state.outputs.to(x.dtype), r, scale)
+    return solve_after(qb, _with_held(state, "keys_b", kb), g, direct, state.outputs.to(x.dtype), scale, GRAPH_CHUNK,
+                       src=slots, key_valid=valid)
 
 
 def chunk_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
