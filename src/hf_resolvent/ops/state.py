@@ -212,24 +212,23 @@ class DecodeState:
         if self.uses_register(pattern):
             self._advance_register(pattern, new, r)
         else:
-            self._append(new, r, self.trailing_rows(pattern))
+            rows = {name: t[:, :, None] for name, t in new.items()}
+            self._append(rows, r[:, None], self.trailing_rows(pattern))
         self.seen += 1
 
     def _append(self, new: dict[str, torch.Tensor], r: torch.Tensor, keep: int | None) -> None:
-        """Add the token as the newest row, then keep the last ``keep`` rows (None: all)."""
-        pos_new = torch.where(r >= 0, r, -1)[:, None]
+        """Add the tokens (each (B, H, L, .), at positions r (B, L); negative is stored as -1) as the newest rows, then
+        keep the last ``keep`` rows (None: all)."""
+        pos_new = torch.where(r >= 0, r, -1)
         # autograd keeps views of the rows: no writing into spare rows then
         if keep is None and pos_new.device.type == "cpu" and not records_grad(new.values()):
             for name, t in new.items():
-                setattr(self, name, _grown(getattr(self, name), t[:, :, None], dim=2))
+                setattr(self, name, _grown(getattr(self, name), t, dim=2))
             self.positions = _grown(self.positions, pos_new, dim=1)
             return
         for name, t in new.items():
-            old = getattr(self, name)
-            cat = t[:, :, None] if old is None else torch.cat([old, t[:, :, None]], dim=2)
-            setattr(self, name, cat if keep is None else cat[:, :, -keep:])
-        pos = pos_new if self.positions is None else torch.cat([self.positions, pos_new], dim=1)
-        self.positions = pos if keep is None else pos[:, -keep:]
+            setattr(self, name, _last_rows(getattr(self, name), t, keep, dim=2))
+        self.positions = _last_rows(self.positions, pos_new, keep, dim=1)
 
     def _advance_register(self, pattern: Pattern, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
         """Slot rule (:func:`_register_step`), then hold the distinct positions of the new register."""
@@ -258,28 +257,16 @@ class DecodeState:
         pattern = get_pattern(pattern)
         if not self.takes_chunks(pattern):
             raise RuntimeError("this state records the state before each token: advance it token by token")
-        length = r.shape[1]
-        held = self.row_positions(r.shape[0], r.device)
         if self.uses_register(pattern):
             slots = _register(pattern, r[:, -1])
             positions = _distinct_desc(slots)
+            held = self.row_positions(r.shape[0], r.device)
             for name, t in new.items():
                 setattr(self, name, _rows_at(positions, r, t, held, getattr(self, name)))
             self.slots, self.positions = slots, positions
         else:
-            keep = self.trailing_rows(pattern)
-            grow = keep is None and r.device.type == "cpu" and not records_grad(new.values())
-            for name, t in new.items():
-                old = getattr(self, name)
-                if grow:
-                    setattr(self, name, _grown(old, t, dim=2))
-                    continue
-                both = t.clone() if old is None else torch.cat([old, t], dim=2)
-                setattr(self, name, both if keep is None else both[:, :, -keep:].contiguous())
-            self.positions = _grown(self.positions, r, dim=1) if grow else torch.cat([held, r], dim=1)
-            if keep is not None:
-                self.positions = self.positions[:, -keep:]
-        self.seen += length
+            self._append(new, r, self.trailing_rows(pattern))
+        self.seen += r.shape[1]
 
     # ----------------------------------------------------------------------------------------------
     # Cache operations
@@ -693,6 +680,17 @@ def _grown(held: torch.Tensor | None, rows: torch.Tensor, dim: int) -> torch.Ten
     base.narrow(dim, 0, size).copy_(held)
     base.narrow(dim, size, more).copy_(rows)
     return base.narrow(dim, 0, size + more)
+
+
+def _last_rows(held: torch.Tensor | None, new: torch.Tensor, keep: int | None, dim: int) -> torch.Tensor:
+    """[held; new] along ``dim``, its last ``keep`` rows (None: all), as a new tensor: only the rows kept are copied,
+    and the result pins neither input."""
+    if keep is not None:
+        new = new.narrow(dim, max(0, new.shape[dim] - keep), min(keep, new.shape[dim]))
+        if held is not None:
+            left = max(0, keep - new.shape[dim])
+            held = held.narrow(dim, max(0, held.shape[dim] - left), min(left, held.shape[dim]))
+    return torch.cat([t for t in (held, new) if t is not None], dim=dim)
 
 
 def _rows_at(positions: torch.Tensor, r: torch.Tensor, new: torch.Tensor, held_positions: torch.Tensor,
