@@ -56,6 +56,7 @@ from .resolvent_ops import (
     IS_BUNDLE,
     decode_tokens,
     decode_tokens_tied,
+    gelu_tanh,
     require,
     resolvent_mix,
     resolvent_mix_tied,
@@ -258,14 +259,17 @@ class ResolventMLP(nn.Module):
         inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
         self.c_fc = nn.Linear(config.n_embd, inner)
         self.c_proj = nn.Linear(inner, config.n_embd)
-        # gelu_new (GPT-2's tanh approximation) as PyTorch's fused op: the same function to rounding, one pass over
-        # the activations instead of eight
-        name = "gelu_pytorch_tanh" if config.activation_function == "gelu_new" else config.activation_function
-        self.act = ACT2FN[name]
+        # gelu_new (GPT-2's tanh approximation) is ops.gelu_tanh: one pass over the activations where transformers'
+        # gelu_new makes eight, on the compiled kernel where the mixer's impl chooses them (None marks it)
+        tanh_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
+        self.act = None if tanh_gelu else ACT2FN[config.activation_function]
+        self.config = config  # shared with the model: config.mixer_impl is read at every call
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
+        h = self.c_fc(hidden_states)
+        h = gelu_tanh(h, impl=self.config.mixer_impl) if self.act is None else self.act(h)
+        return self.dropout(self.c_proj(h))
 
 
 class ResolventBlock(GradientCheckpointingLayer):
@@ -295,8 +299,8 @@ class ResolventBlock(GradientCheckpointingLayer):
 # three forms and the PyTorch code of the parallel form. They import each other, and patterns.py, as flat siblings
 # (``from .x import``), so a saved folder gets verbatim copies; tests/models/test_save_load.py loads one in a
 # process without hf_resolvent. The backends (hf_resolvent.backends) are not shipped: there dispatch runs PyTorch.
-_SHIPPED_OPS = ("chunk", "common", "dense", "dispatch", "flash", "graph", "mixer", "parallel", "recurrent",
-                "reference", "rope", "slots", "solve", "state", "threads")
+_SHIPPED_OPS = ("chunk", "common", "dense", "dispatch", "flash", "gelu", "graph", "mixer", "parallel",
+                "recurrent", "reference", "rope", "slots", "solve", "state", "threads")
 
 # The entry a saved folder gets in place of resolvent_ops.py. The relative imports are assembled in
 # write_ops_bundle: transformers scans this file for lines that start with one.
@@ -311,7 +315,7 @@ hf_resolvent is not installed. Install hf-resolvent and load without remote code
 IS_BUNDLE = True
 
 __all__ = ["IS_BUNDLE", "DecodeState", "MixerState", "StaticDecodeState", "decode_tokens", "decode_tokens_tied",
-           "require", "resolvent_mix", "resolvent_mix_tied", "rotated_heads", "state_from_sequence"]
+           "gelu_tanh", "require", "resolvent_mix", "resolvent_mix_tied", "rotated_heads", "state_from_sequence"]
 '''
 
 _BUNDLE_IMPORTS = (
@@ -319,6 +323,7 @@ _BUNDLE_IMPORTS = (
     ("state", "DecodeState, MixerState, StaticDecodeState, state_from_sequence"),
     ("common", "require"),
     ("rope", "rotated_heads"),
+    ("gelu", "gelu_tanh"),
 )
 
 

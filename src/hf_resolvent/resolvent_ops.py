@@ -16,6 +16,7 @@ from hf_resolvent.ops import (
     resolvent_mix_tied,
 )
 from hf_resolvent.ops.common import require
+from hf_resolvent.ops.gelu import gelu_tanh
 from hf_resolvent.ops.rope import rotated_heads
 from hf_resolvent.ops.state import StaticDecodeState, state_from_sequence
 
@@ -27,6 +28,7 @@ __all__ = [
     "MixerState",
     "decode_tokens",
     "decode_tokens_tied",
+    "gelu_tanh",
     "require",
     "resolvent_mix",
     "resolvent_mix_tied",

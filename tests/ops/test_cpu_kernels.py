@@ -278,3 +278,52 @@ def test_compiled_rope_checks_its_inputs():
         ops.rope_heads(src, table[:, :3], table)
     with pytest.raises(RuntimeError, match="the head width must be even, got 5"):
         ops.rope_heads(src[..., :5], table[..., :5], table[..., :5])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (F64, 1e-13)])
+def test_compiled_gelu_equals_pytorchs_tanh_gelu_and_its_gradient(dtype, tol):
+    """ops.gelu_tanh (the MLP's activation) on the compiled pass and on F.gelu(approximate="tanh"): values and
+    gradients over the range activations take, past the exponential's clamps, and at the special values."""
+    from hf_resolvent.ops.gelu import _GeluTanh, gelu_tanh
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(2991, generator=gen, dtype=dtype) * 4, torch.linspace(-60, 60, 1001, dtype=dtype),
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e20, -1e20, 300.0, -300.0], dtype=dtype)])
+    grad = torch.randn(x.shape, generator=gen, dtype=dtype)
+    out = {}
+    for impl in ("cpu", "torch"):
+        leaf = x.clone().view(4, 1000).requires_grad_()  # 2-D, as c_fc's output
+        y = gelu_tanh(leaf, impl=impl)
+        assert (y.grad_fn.name() == "_GeluTanhBackward") == (impl == "cpu")
+        y.backward(grad.view(4, 1000))
+        out[impl] = (y.detach().flatten(), leaf.grad.flatten())
+    torch.testing.assert_close(out["cpu"][0], out["torch"][0], atol=tol, rtol=tol)
+    finite = out["torch"][1].isfinite()  # PyTorch's float32 gradient at +-1e20 is NaN (x^3 overflows); ours is 1, 0
+    torch.testing.assert_close(out["cpu"][1][finite], out["torch"][1][finite], atol=10 * tol, rtol=10 * tol)
+    assert out["cpu"][1].isfinite().all()
+    torch.testing.assert_close(out["cpu"][1][-4:-2], torch.stack([grad[-4], 0 * grad[-3]]))
+    special = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    assert torch.equal(cpu.operators().gelu_tanh(special).isnan(), torch.tensor([True, False, True]))
+    assert cpu.operators().gelu_tanh(special)[1] == float("inf")
+    if dtype == F64:
+        assert torch.autograd.gradcheck(_GeluTanh.apply, (torch.randn(40, dtype=F64, requires_grad=True),))
+
+
+def test_compiled_gelu_is_chosen_in_one_place_and_refuses_a_second_derivative():
+    from hf_resolvent.ops.gelu import gelu_tanh
+
+    x = torch.randn(4, 6, requires_grad=True)
+    assert gelu_tanh(x).grad_fn.name() == "_GeluTanhBackward"  # auto, float32 on the CPU
+    with dispatch.torch_only():
+        assert gelu_tanh(x).grad_fn.name() == "GeluBackward0"
+    assert gelu_tanh(x, impl="torch").grad_fn.name() == "GeluBackward0"
+    assert gelu_tanh(x.t()).grad_fn.name() == "GeluBackward0"  # not contiguous: the reference
+    assert gelu_tanh(x.bfloat16()).grad_fn.name() == "GeluBackward0"
+    (g,) = torch.autograd.grad(gelu_tanh(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|non-differentiable|does not require grad"):
+        g.sum().backward()
+    with pytest.raises(RuntimeError, match="gelu_tanh: x must be a contiguous float32 or float64 tensor"):
+        cpu.operators().gelu_tanh(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="grad must match x"):
+        cpu.operators().gelu_tanh_backward(torch.zeros(3), torch.zeros(4))
+
