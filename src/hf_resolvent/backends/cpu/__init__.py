@@ -5,9 +5,10 @@ n = 512 issues ~6,700 ops per layer forward + backward); compiled loops do the s
 dense solve and causal attention become chunks of rows per head whose gemms see every key at once, with no
 tree of kernel calls. Each kernel replaces one PyTorch function of the parallel form (``ops/slots.py``,
 ``ops/solve.py``, ``ops/dense.py``, ``ops/flash.py``), the rotation of RoPE (``ops/rope.py``), the MLP's GELU
-(``ops/gelu.py``) or the arithmetic of the decode step (``ops/recurrent.py``), which stays beside it as the reference it is tested against and the path
-taken wherever the kernels are not: other devices, other dtypes, no C++ compiler, or a choice of
-``impl="torch"`` (:mod:`hf_resolvent.ops.dispatch` decides, the one switch; docs/ARCHITECTURE.md).
+(``ops/gelu.py``) or the arithmetic of the decode step (``ops/recurrent.py``), which stays beside it as the
+reference it is tested against and the path taken wherever the kernels are not: other devices, other dtypes, no
+C++ compiler, or a choice of ``impl="torch"`` (:mod:`hf_resolvent.ops.dispatch` decides, the one switch;
+docs/ARCHITECTURE.md).
 
 The first use compiles for about 20 s on 2 cores (a C++ compiler is needed, ninja is a dependency) and says so on
 stderr; the build is cached in :func:`build_dir` (under ``TORCH_EXTENSIONS_DIR``, by default

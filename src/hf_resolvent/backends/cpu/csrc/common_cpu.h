@@ -15,10 +15,10 @@ inline T dot(const T* __restrict x, const T* __restrict y, int64_t len) {
   int64_t j = 0;
   for (; j + L <= len; j += L)
     for (int c = 0; c < L; ++c) lane[c] += x[j + c] * y[j + c];
-  T s = 0;
-  for (; j < len; ++j) s += x[j] * y[j];
-  for (int c = 0; c < L; ++c) s += lane[c];
-  return s;
+  for (int c = 0; j + c < len; ++c) lane[c] += x[j + c] * y[j + c];
+  for (int w = L / 2; w > 0; w /= 2)
+    for (int c = 0; c < w; ++c) lane[c] += lane[c + w];
+  return lane[0];
 }
 
 // y += a x
