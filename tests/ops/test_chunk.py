@@ -177,3 +177,27 @@ def test_sparse_chunks_take_the_compiled_slot_kernels_where_the_parallel_form_wo
     grads = [None if t is None else t.requires_grad_() for t in _part(inp, FIRST, N)]
     chunk_mix(state, *grads, pattern).sum().backward()
     assert len(calls) == (1 if cpu_path == "compiled" else 0) and grads[0].grad is not None
+
+
+@pytest.mark.parametrize("spec", ["exp2:ce", "square:ce"])
+def test_layers_taking_the_same_chunk_share_its_tables_and_each_gets_its_own_rows(spec, cpu_path):
+    """Every layer of a cache takes the same chunk with the same register: the sources, the compiled path's tables
+    and the register's plan are worked out once (the later states hold the first one's positions tensor), while
+    each layer's rows and outputs stay its own; a state at other positions gets its own tables."""
+    pattern = get_pattern(spec)
+    layers = [_inputs(pattern, seed=s) for s in (11, 12)]
+    states = [_states(pattern, inp, start)[0] for inp, start in layers]
+    other_inp, other_start = _inputs(pattern, seed=13)
+    other = DecodeState(start=torch.tensor([0, 2]))  # another padding: other held positions
+    recurrent_mix(*_part(other_inp, 0, FIRST), pattern, start=other.start, state=other)
+    for a, b in zip(CUTS, CUTS[1:]):
+        for (inp, start), state in zip(layers, states):
+            y = chunk_mix(state, *_part(inp, a, b), pattern)
+            whole = reference_mix(*_part(inp, 0, b), pattern, start=start)
+            assert_close(y, whole[:, :, a:b], f"{spec}: rows {a}..{b}", tol=1e-12)
+        assert states[0].positions is states[1].positions
+        assert states[0].keys_b is not states[1].keys_b
+        y = chunk_mix(other, *_part(other_inp, a, b), pattern)
+        assert other.positions is not states[0].positions
+        whole = reference_mix(*_part(other_inp, 0, b), pattern, start=other.start)
+        assert_close(y, whole[:, :, a:b], f"{spec}: other padding, rows {a}..{b}", tol=1e-12)

@@ -327,3 +327,22 @@ def test_compiled_gelu_is_chosen_in_one_place_and_refuses_a_second_derivative():
     with pytest.raises(RuntimeError, match="grad must match x"):
         cpu.operators().gelu_tanh_backward(torch.zeros(3), torch.zeros(4))
 
+
+def test_slot_probs_and_combine_read_keys_and_values_past_their_rows():
+    """slot_probs and slot_combine for n rows of a layout may read k and v with more rows (a chunk's held rows come
+    first, ops/chunk.py): the result is the layout's rows over the longer keys, and a source past them is refused."""
+    ops = cpu.operators()
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 2, 4, 3, generator=gen), torch.randn(1, 2, 7, 3, generator=gen)
+    v = torch.randn(1, 2, 7, 5, generator=gen)
+    src = torch.tensor([[3, 4, 5, 6], [0, -1, 2, 1]])  # (K, n) over the 7 rows of k and v
+    probs = ops.slot_probs(q, k, src, 0.5)
+    keys = k[:, :, src.clamp(min=0)]  # (1, 2, K, n, 3)
+    scores = torch.where(src >= 0, 0.5 * (keys * q[:, :, None]).sum(-1), -torch.inf)
+    torch.testing.assert_close(probs, scores.softmax(2))
+    out = ops.slot_combine(probs, v, src)
+    torch.testing.assert_close(out, (probs[..., None] * v[:, :, src.clamp(min=0)]).sum(2))
+    with pytest.raises(RuntimeError, match="slot_probs: slot 0 of row 3 reads row 7, past the sequence"):
+        ops.slot_probs(q, k, torch.tensor([[3, 4, 5, 7]]), 0.5)
+    with pytest.raises(RuntimeError, match=r"slot_probs: k must match q but for its rows"):
+        ops.slot_probs(q, k[..., :2].contiguous(), src, 0.5)

@@ -15,6 +15,8 @@ On the CPU, without gradients, sparse patterns run the same rows on the compiled
 (``slot_probs``, ``slot_combine``, ``slot_solve``, which take any source table): per sequence, over [the held rows the
 new ones read; new rows], with the held rows' slots empty and their outputs as the right-hand side, so a solve
 reproduces them and goes on from there. The PyTorch code below is their reference and the path with autograd.
+Every layer of a cache takes the same chunk with the same held positions, so a register state's tables are worked
+out by the first layer and reused by the others (:func:`_plan_key`).
 
 The result equals L decode steps (and a prefill of the whole sequence) to rounding; the state then takes the L
 tokens in one :meth:`~.state.DecodeState.extend`. Memory and work are those of the L rows plus the rows they read,
@@ -33,7 +35,7 @@ from .dispatch import compiled_for, compiled_ops
 from .graph import GRAPH_CHUNK, _slot_probs, _slot_sum, _source_table, solve_after
 from .parallel import _promote
 from .patterns import get_pattern
-from .state import DecodeState
+from .state import _CHUNK_PLANS, DecodeState, _values
 
 DIRECT_ROWS = 512  # new rows per block of a dense pattern's attention over all rows
 
@@ -100,57 +102,77 @@ def _positions(state: DecodeState, x: torch.Tensor) -> torch.Tensor:
     return r
 
 
-def _over_read_rows(table: torch.Tensor, used: torch.Tensor, held_rows: int) -> torch.Tensor:
-    """A source table (K, L) over [held rows; new rows] as one (K, u + L) over [the u held rows ``used``; new rows],
-    with those held rows' own slots empty: the layout the compiled slot kernels take."""
-    held = (table >= 0) & (table < held_rows)
-    index = torch.where(held, torch.searchsorted(used, table.clamp(min=0)), table - held_rows + used.numel())
-    index = torch.where(table >= 0, index, -1)
-    return torch.cat([index.new_full((index.shape[0], used.numel()), -1), index], 1).contiguous()
-
-
-def _compiled_sparse(state: DecodeState, pattern, slots, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
-    """:func:`_outputs` of a sparse pattern on the compiled slot kernels, one sequence at a time (each has its own
-    source table): (B, H, L, e). The held rows read enter with zero queries and empty slots (so their scores are
-    empty) and with their outputs as the solve's right-hand side (so the solve gives them back)."""
-    ops, held_rows = compiled_ops(), state.rows()
-    sources_a = None if tied else _with_self(state, slots)
+def _read_rows(state: DecodeState, slots: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """For each sequence b, the tables of the compiled path over [the u held rows its new rows read; new rows]:
+    (used, src_a, src_b, src_solve, reads) with ``used`` (u,) those held rows, sorted; src_a (1 + K, L) and src_b
+    (K, L) the sources of A (the token itself, then B's) and of B for the new rows; src_solve (K, u + L) B's
+    sources for all rows, the held ones' slots empty (slot_solve's layout); reads (L,) the new rows that read
+    anything through B."""
+    held_rows, length = state.rows(), slots.shape[2]
     out = []
-    for b in range(x.shape[0]):
-        tables = [slots[b]] if tied else [slots[b], sources_a[b]]
-        used = torch.unique(torch.cat([t[(t >= 0) & (t < held_rows)] for t in tables]))  # held rows read, sorted
+    for table in slots:  # (K, L) over [held rows; new rows]
+        held = (table >= 0) & (table < held_rows)
+        used = torch.unique(table[held])
         u = used.numel()
+        src_b = torch.where(held, torch.searchsorted(used, table.clamp(min=0)), table - held_rows + u)
+        src_b = torch.where(table >= 0, src_b, -1)
+        src_a = torch.cat([u + torch.arange(length, device=table.device)[None], src_b])
+        src_solve = torch.cat([src_b.new_full((src_b.shape[0], u), -1), src_b], 1)
+        out.append((used, src_a, src_b.contiguous(), src_solve, (src_b >= 0).any(0)))
+    return out
 
-        def rows(name: str, new: torch.Tensor, b=b, used=used) -> torch.Tensor:  # (1, H, u + L, .)
-            return torch.cat([getattr(state, name)[b:b + 1].index_select(2, used).to(new.dtype), new[b:b + 1]], 2)
 
-        def queries(new: torch.Tensor, b=b, u=u) -> torch.Tensor:
-            return torch.cat([new.new_zeros(1, new.shape[1], u, new.shape[-1]), new[b:b + 1]], 2)
+def _compiled_sparse(state: DecodeState, pattern, plan, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
+    """:func:`_outputs` of a sparse pattern on the compiled slot kernels, one sequence at a time (each has its own
+    tables, :func:`_read_rows`): (B, H, L, e). The kernels score the new rows against [held rows read; new rows]; the
+    solve runs over those rows too, with the held rows' slots empty and their outputs as its right-hand side, so that
+    it gives them back and continues from them."""
+    ops = compiled_ops()
+    out = []
+    for b, (used, src_a, src_b, src_solve, reads) in enumerate(plan):
+        def rows(name: str, new: torch.Tensor | None, b=b, used=used) -> torch.Tensor:  # (1, H, u + L, .)
+            held = getattr(state, name)[b:b + 1].index_select(2, used)
+            return held if new is None else torch.cat([held.to(new.dtype), new[b:b + 1]], 2)
 
         if tied:
             direct = x[b:b + 1]
         else:
-            src_a = _over_read_rows(tables[1], used, held_rows)
-            probs = ops.slot_probs(queries(qa), rows("keys_a", ka), src_a, scale)
-            direct = ops.slot_combine(probs, rows("values", x), src_a)[:, :, u:]
+            probs = ops.slot_probs(qa[b:b + 1].contiguous(), rows("keys_a", ka), src_a, scale)
+            direct = ops.slot_combine(probs, rows("values", x), src_a)
         if not pattern.has_recurrence:
             out.append(direct)
             continue
-        src_b = _over_read_rows(tables[0], used, held_rows)
-        gate = g[b:b + 1] * (src_b[:, u:] >= 0).any(0)  # rows that read nothing take g = 0
-        w = ops.slot_probs(queries(qb), rows("keys_b", kb), src_b, scale) * F.pad(gate, (u, 0))[:, :, None]
-        rhs = torch.cat([rows("outputs", x)[:, :, :u], (1 - gate)[..., None] * direct], 2)
-        out.append(ops.slot_solve(w.contiguous(), rhs.contiguous(), src_b)[:, :, u:])
+        gate = g[b:b + 1] * reads  # rows that read nothing take g = 0
+        w = ops.slot_probs(qb[b:b + 1].contiguous(), rows("keys_b", kb), src_b, scale) * gate[:, :, None]
+        rhs = torch.cat([rows("outputs", None).to(x.dtype), (1 - gate)[..., None] * direct], 2)
+        u = used.numel()
+        out.append(ops.slot_solve(F.pad(w, (u, 0)), rhs, src_solve)[:, :, u:])
     return torch.cat(out, 0)
+
+
+def _plan_key(state: DecodeState, pattern, r: torch.Tensor) -> tuple | None:
+    """The memo key of the new rows' sources (``state._CHUNK_PLANS``): a register state's held positions and the
+    new positions decide them, and every layer of a cache has the same. None (no memo) off the CPU and for states
+    that hold every position or a window, whose sources cost less than a key of their positions."""
+    if r.device.type != "cpu" or not state.uses_register(pattern):
+        return None
+    return (pattern, r.shape[1], *_values(state.positions, r[:, 0]))
+
+
+def _planned(key: tuple | None, name: str, compute):
+    """``compute()``, shared by the layers of a cache under ``key`` (:func:`_plan_key`; None: not shared)."""
+    return compute() if key is None else _CHUNK_PLANS.get(("chunk " + name, *key), compute)
 
 
 def _outputs(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
     """The new rows' outputs as the state stores them (B, H, L, e): y, or the tied variant's z."""
-    slots = None if pattern.is_dense else _sources(state, pattern, r)
+    key = _plan_key(state, pattern, r)
+    slots = None if pattern.is_dense else _planned(key, "sources", lambda: _sources(state, pattern, r))
     valid = _valid_rows(state, r) if pattern.is_dense else None
     given = [t for t in (qa, ka, qb, kb, x, g) if t is not None] + list(state.tensors().values())
     if slots is not None and state.rows() and compiled_for(x) and not records_grad(given):
-        return _compiled_sparse(state, pattern, slots, scale, qa, ka, qb, kb, x, g, tied)
+        plan = _planned(key, "read rows", lambda: _read_rows(state, slots))
+        return _compiled_sparse(state, pattern, plan, scale, qa, ka, qb, kb, x, g, tied)
     direct = x if tied else _direct(state, qa, _with_held(state, "keys_a", ka), _with_held(state, "values", x), scale,
                                     slots, valid)
     if not pattern.has_recurrence:

@@ -258,11 +258,9 @@ class DecodeState:
         if not self.takes_chunks(pattern):
             raise RuntimeError("this state records the state before each token: advance it token by token")
         if self.uses_register(pattern):
-            slots = _register(pattern, r[:, -1])
-            positions = _distinct_desc(slots)
-            held = self.row_positions(r.shape[0], r.device)
+            slots, positions, plan = _extend_plan(pattern, self.row_positions(r.shape[0], r.device), r)
             for name, t in new.items():
-                setattr(self, name, _rows_at(positions, r, t, held, getattr(self, name)))
+                setattr(self, name, _rows_at(plan, t, getattr(self, name)))
             self.slots, self.positions = slots, positions
         else:
             self._append(new, r, self.trailing_rows(pattern))
@@ -607,9 +605,10 @@ class StaticDecodeState(DecodeState):
         if self.uses_register(pattern):  # the register's closed form on every slot of the capacity; rows follow
             slots = _register(pattern, r[:, -1])
             slots = torch.cat([slots, slots.new_full((slots.shape[0], self.offsets.numel() - slots.shape[1]), -1)], 1)
+            plan = _rows_plan(slots, r, self.positions)
             for name, t in new.items():
                 held = getattr(self, name)
-                held.copy_(_rows_at(slots, r, t, self.positions, held))
+                held.copy_(_rows_at(plan, t, held))
             self.positions.copy_(slots)
         elif self.trailing_rows(pattern) is not None:
             if self.rows():
@@ -693,20 +692,43 @@ def _last_rows(held: torch.Tensor | None, new: torch.Tensor, keep: int | None, d
     return torch.cat([t for t in (held, new) if t is not None], dim=dim)
 
 
-def _rows_at(positions: torch.Tensor, r: torch.Tensor, new: torch.Tensor, held_positions: torch.Tensor,
-             held: torch.Tensor | None) -> torch.Tensor:
-    """(B, H, W, .) the rows of ``positions`` (B, W) after L new tokens at positions r (B, L): each is a new token
-    (row p - r0 of ``new``) or a row of ``held`` (found by ``held_positions``). Only the W rows kept are read, never a
-    copy of all new rows; rows of empty positions are junk (never read)."""
+def _rows_plan(positions: torch.Tensor, r: torch.Tensor, held_positions: torch.Tensor):
+    """Where the rows of ``positions`` (B, W) come from after L new tokens at positions r (B, L): (fresh, index,
+    from_held), each (B, W): a new token's row ``index`` of the new rows where ``fresh``, else the held row
+    ``from_held`` (found by ``held_positions`` (B, S); None when nothing is held). Rows of empty positions are junk
+    (never read)."""
+    fresh = positions >= r[:, :1]
+    index = torch.where(fresh, positions - r[:, :1], 0)
+    if not held_positions.shape[1]:
+        return fresh, index, None
+    return fresh, index, (positions[:, :, None] == held_positions[:, None, :]).to(torch.int8).argmax(-1)
+
+
+def _rows_at(plan, new: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, W, .) the rows of a :func:`_rows_plan` from the new rows ``new`` (B, H, L, .) and the ``held`` ones:
+    only the W rows kept are read, never a copy of all new rows."""
     def pick(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
 
-    fresh = positions >= r[:, :1]
-    rows = pick(new, torch.where(fresh, positions - r[:, :1], 0))
-    if held is None or not held.shape[2]:
+    fresh, index, from_held = plan
+    rows = pick(new, index)
+    if from_held is None or held is None:
         return rows
-    from_held = (positions[:, :, None] == held_positions[:, None, :]).to(torch.int8).argmax(-1)
     return torch.where(fresh[:, None, :, None], rows, pick(held, from_held))
+
+
+def _extend_plan(pattern: Pattern, held_positions: torch.Tensor, r: torch.Tensor):
+    """A register state's bookkeeping for L tokens at positions r (B, L) after the rows at ``held_positions``:
+    (slots, positions, :func:`_rows_plan`), memoised on the CPU as :func:`_register_plan` is (every layer of a cache
+    takes the same tokens with the same register)."""
+    def plan():
+        slots = _register(pattern, r[:, -1])
+        positions = _distinct_desc(slots)
+        return slots, positions, _rows_plan(positions, r, held_positions)
+
+    if r.device.type != "cpu" or torch.compiler.is_compiling():
+        return plan()
+    return _CHUNK_PLANS.get(("extend", pattern, r.shape[1], *_values(held_positions, r[:, 0])), plan)
 
 
 def _register_step(old: torch.Tensor, r: torch.Tensor, fs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -720,9 +742,36 @@ def _register_step(old: torch.Tensor, r: torch.Tensor, fs: torch.Tensor) -> tupl
     return torch.where((fs <= rr + 1) & (rr >= 0), slots, -1), stay
 
 
-_PLANS: OrderedDict = OrderedDict()  # memo of _register_plan, most recent last
-_PLANS_KEPT = 64
-_PLANS_LOCK = threading.Lock()  # caches may decode in several threads
+class _Memo:
+    """Bookkeeping that every layer of a cache repeats on the same values (which rows a token reads and keeps),
+    worked out once: the last ``kept`` results by key (values, not tensors: :func:`_values`). The layers after the
+    first reuse the first one's tensors, which is safe because states never write into a tensor they hold."""
+
+    def __init__(self, kept: int):
+        self.kept, self.plans, self.lock = kept, OrderedDict(), threading.Lock()  # caches may decode in threads
+
+    def get(self, key: tuple, compute):
+        """``compute()``, or its result for the same key, kept from an earlier call."""
+        with self.lock:
+            plan = self.plans.get(key)
+            if plan is not None:
+                self.plans.move_to_end(key)
+                return plan
+        plan = compute()
+        with self.lock:
+            self.plans[key] = plan
+            if len(self.plans) > self.kept:
+                self.plans.popitem(last=False)
+        return plan
+
+
+_STEP_PLANS = _Memo(64)  # one token's plans: a few small tensors each
+_CHUNK_PLANS = _Memo(8)  # several tokens' plans, tables of (K, L): only the current forward's are reused
+
+
+def _values(*tensors: torch.Tensor | None) -> tuple:
+    """A memo key part for small tensors (host copies: CPU only): their shapes and values."""
+    return tuple(None if t is None else (tuple(t.shape), tuple(t.flatten().tolist())) for t in tensors)
 
 
 def _register_plan(pattern: Pattern, slots: torch.Tensor | None, positions: torch.Tensor | None,
@@ -736,19 +785,7 @@ def _register_plan(pattern: Pattern, slots: torch.Tensor | None, positions: torc
     they hold, so sharing them is safe). On other devices the key would cost copies to the host: no memo there."""
     if r.device.type != "cpu":
         return _plan(pattern, slots, positions, r)
-    key = (pattern, *(None if t is None else tuple(t.flatten().tolist()) + tuple(t.shape)
-                      for t in (slots, positions, r)))
-    with _PLANS_LOCK:
-        plan = _PLANS.get(key)
-        if plan is not None:
-            _PLANS.move_to_end(key)
-            return plan
-    plan = _plan(pattern, slots, positions, r)
-    with _PLANS_LOCK:
-        _PLANS[key] = plan
-        if len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
-    return plan
+    return _STEP_PLANS.get((pattern, *_values(slots, positions, r)), lambda: _plan(pattern, slots, positions, r))
 
 
 def _plan(pattern: Pattern, slots: torch.Tensor | None, positions: torch.Tensor | None,

@@ -27,8 +27,8 @@
 namespace hf_resolvent {
 namespace {
 
-// src must index rows before n (before t itself for the solves, whose sources must be solved already).
-void check_layout(const at::Tensor& src, int64_t n, bool strictly_causal, const char* op) {
+// src (K, n) must index rows before `bound` (before t itself for the solves, whose sources must be solved already).
+void check_layout(const at::Tensor& src, int64_t n, int64_t bound, bool strictly_causal, const char* op) {
   TORCH_CHECK(src.dim() == 2 && src.size(1) == n && src.scalar_type() == at::kLong && src.is_contiguous(), op,
               ": src must be a contiguous (K, n) int64 tensor with n = ", n, ", got ", src.sizes(), " ",
               src.scalar_type());
@@ -36,7 +36,7 @@ void check_layout(const at::Tensor& src, int64_t n, bool strictly_causal, const 
   for (int64_t slot = 0; slot < src.size(0); ++slot) {
     for (int64_t t = 0; t < n; ++t) {
       const int64_t j = s[slot * n + t];
-      TORCH_CHECK(j < (strictly_causal ? t : n), op, ": slot ", slot, " of row ", t, " reads row ", j,
+      TORCH_CHECK(j < (strictly_causal ? t : bound), op, ": slot ", slot, " of row ", t, " reads row ", j,
                   strictly_causal ? ", not an earlier row" : ", past the sequence");
     }
   }
@@ -62,7 +62,7 @@ at::Tensor slot_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t n = q.size(2), d = q.size(3);
   TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), "slot_dot: k must match q");
   rows_of(k, "k", "slot_dot");
-  check_layout(src, n, false, "slot_dot");
+  check_layout(src, n, n, false, "slot_dot");
   const int64_t slots = src.size(0);
   at::Tensor out = at::empty({q.size(0), q.size(1), slots, n}, q.options());
   const int64_t* s = src.data_ptr<int64_t>();
@@ -88,13 +88,15 @@ at::Tensor slot_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 }
 
 // probs[s, t] = softmax over the row's non-empty slots of scale * q_t . k_{src_s(t)}; 0 on empty slots (and on
-// rows without any). One pass per row instead of scores, mask, softmax and mask as separate tensors.
+// rows without any). One pass per row instead of scores, mask, softmax and mask as separate tensors. k may hold
+// more rows than q (rows that are read but ask nothing: a chunk's held rows, hf_resolvent/ops/chunk.py).
 at::Tensor slot_probs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& src, double scale) {
   const int64_t bh = rows_of(q, "q", "slot_probs");
-  const int64_t n = q.size(2), d = q.size(3);
-  TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), "slot_probs: k must match q");
+  const int64_t n = q.size(2), d = q.size(3), nk = k.size(2);
   rows_of(k, "k", "slot_probs");
-  check_layout(src, n, false, "slot_probs");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == d && k.scalar_type() == q.scalar_type(),
+              "slot_probs: k must match q but for its rows, got ", k.sizes(), " and ", q.sizes());
+  check_layout(src, n, nk, false, "slot_probs");
   const int64_t slots = src.size(0);
   at::Tensor out = at::empty({q.size(0), q.size(1), slots, n}, q.options());
   const int64_t* s = src.data_ptr<int64_t>();
@@ -109,7 +111,7 @@ at::Tensor slot_probs(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       std::vector<scalar_t> row(slots);
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* qr = qp + r * n * d;
-        const scalar_t* kr = kp + r * n * d;
+        const scalar_t* kr = kp + r * nk * d;
         scalar_t* o = op + r * slots * n;
         for (int64_t t = 0; t < n; ++t) {
           scalar_t top = -std::numeric_limits<scalar_t>::infinity();
@@ -140,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor> slot_probs_backward(const at::Tensor& dprobs,
   const int64_t n = q.size(2), d = q.size(3);
   TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), "slot_probs_backward: k must match q");
   rows_of(k, "k", "slot_probs_backward");
-  check_layout(src, n, false, "slot_probs_backward");
+  check_layout(src, n, n, false, "slot_probs_backward");
   const int64_t slots = src.size(0);
   check_weights(probs, src, q, "slot_probs_backward");
   check_weights(dprobs, src, q, "slot_probs_backward");
@@ -184,13 +186,14 @@ std::tuple<at::Tensor, at::Tensor> slot_probs_backward(const at::Tensor& dprobs,
   return {dq, dk};
 }
 
-// The four weighted sums below, in one loop: for each position t (ascending, or descending with `reverse`) and
+// The four weighted sums below, in one loop: for each position t < n (ascending, or descending with `reverse`) and
 // each non-empty slot s of it, with source j: out_t += w[s, t] in_j (gather), or out_j += w[s, t] in_t
 // (scatter, the transpose). The caller initialises out. For the solves `in` is `out`: sources precede their rows,
 // so ascending gathers read rows already solved, and descending scatters push a row only once it is complete.
 void weighted_sums(const at::Tensor& w, const at::Tensor& in, at::Tensor& out, const at::Tensor& src, bool scatter,
                    bool reverse) {
-  const int64_t n = out.size(2), e = out.size(3), slots = src.size(0), bh = out.size(0) * out.size(1);
+  const int64_t n = src.size(1), n_in = in.size(2), n_out = out.size(2), e = out.size(3), slots = src.size(0),
+                bh = out.size(0) * out.size(1);
   const int64_t* s = src.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "weighted_sums", [&] {
     const scalar_t* wp = w.data_ptr<scalar_t>();
@@ -199,8 +202,8 @@ void weighted_sums(const at::Tensor& w, const at::Tensor& in, at::Tensor& out, c
     at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* wr = wp + r * slots * n;
-        const scalar_t* ir = ip + r * n * e;
-        scalar_t* o = op + r * n * e;
+        const scalar_t* ir = ip + r * n_in * e;
+        scalar_t* o = op + r * n_out * e;
         for (int64_t step = 0; step < n; ++step) {
           const int64_t t = reverse ? n - 1 - step : step;
           for (int64_t slot = 0; slot < slots; ++slot) {
@@ -217,12 +220,14 @@ void weighted_sums(const at::Tensor& w, const at::Tensor& in, at::Tensor& out, c
   });
 }
 
-// out_t = sum_s w[s, t] v_{src_s(t)}.
+// out_t = sum_s w[s, t] v_{src_s(t)}, for the n = src.size(1) rows of the layout; v may hold more rows (see
+// slot_probs).
 at::Tensor slot_combine(const at::Tensor& w, const at::Tensor& v, const at::Tensor& src) {
   rows_of(v, "v", "slot_combine");
-  check_layout(src, v.size(2), false, "slot_combine");
+  TORCH_CHECK(src.dim() == 2, "slot_combine: src must be (K, n), got ", src.sizes());
+  check_layout(src, src.size(1), v.size(2), false, "slot_combine");
   check_weights(w, src, v, "slot_combine");
-  at::Tensor out = at::zeros(v.sizes(), v.options());
+  at::Tensor out = at::zeros({v.size(0), v.size(1), src.size(1), v.size(3)}, v.options());
   weighted_sums(w, v, out, src, false, false);
   return out;
 }
@@ -230,7 +235,7 @@ at::Tensor slot_combine(const at::Tensor& w, const at::Tensor& v, const at::Tens
 // The transpose of slot_combine: out_j = sum over (s, t) with src_s(t) = j of w[s, t] u_t.
 at::Tensor slot_scatter(const at::Tensor& w, const at::Tensor& u, const at::Tensor& src) {
   rows_of(u, "u", "slot_scatter");
-  check_layout(src, u.size(2), false, "slot_scatter");
+  check_layout(src, u.size(2), u.size(2), false, "slot_scatter");
   check_weights(w, src, u, "slot_scatter");
   at::Tensor out = at::zeros(u.sizes(), u.options());
   weighted_sums(w, u, out, src, true, false);
@@ -240,7 +245,7 @@ at::Tensor slot_scatter(const at::Tensor& w, const at::Tensor& u, const at::Tens
 // y = (I - B)^-1 z with B[t, src_s(t)] = w[s, t]: rows in order, each reading only rows already solved.
 at::Tensor slot_solve(const at::Tensor& w, const at::Tensor& z, const at::Tensor& src) {
   rows_of(z, "z", "slot_solve");
-  check_layout(src, z.size(2), true, "slot_solve");
+  check_layout(src, z.size(2), z.size(2), true, "slot_solve");
   check_weights(w, src, z, "slot_solve");
   at::Tensor y = z.clone();
   weighted_sums(w, y, y, src, false, false);
@@ -250,7 +255,7 @@ at::Tensor slot_solve(const at::Tensor& w, const at::Tensor& z, const at::Tensor
 // dz = (I - B)^-T dy: rows from the last, each pushing its share back to its sources once complete.
 at::Tensor slot_solve_transpose(const at::Tensor& w, const at::Tensor& dy, const at::Tensor& src) {
   rows_of(dy, "dy", "slot_solve_transpose");
-  check_layout(src, dy.size(2), true, "slot_solve_transpose");
+  check_layout(src, dy.size(2), dy.size(2), true, "slot_solve_transpose");
   check_weights(w, src, dy, "slot_solve_transpose");
   at::Tensor dz = dy.clone();
   weighted_sums(w, dz, dz, src, true, true);
