@@ -127,6 +127,10 @@ class ResolventConfig(PretrainedConfig):
             ``"triton"``, ``"parallel"`` (never Triton), ``"graph"`` (what ``torch.compile`` runs), ``"reference"``
             or ``"recurrent"``. A runtime choice:
             override it with ``from_pretrained(..., mixer_impl=...)``.
+        chunk_size_feed_forward: ``transformers``' name for the rows each block's position-wise half (LayerNorm, MLP,
+            residual) takes at a time in a sequence longer than it (default 1024), so that the MLP's activations stay
+            in the processor's caches during a long prefill; 0 takes the whole sequence at once. The same function
+            either way (to rounding); a runtime choice like ``mixer_impl``.
     """
 
     model_type = "resolvent"
@@ -164,6 +168,7 @@ class ResolventConfig(PretrainedConfig):
         pad_token_id: int | None = None,
         tie_word_embeddings: bool = True,
         mixer_impl: str = "auto",
+        chunk_size_feed_forward: int = 1024,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -189,6 +194,7 @@ class ResolventConfig(PretrainedConfig):
         self.pad_token_id = pad_token_id
         self.tie_word_embeddings = tie_word_embeddings
         self.mixer_impl = mixer_impl
+        self.chunk_size_feed_forward = chunk_size_feed_forward
         self._validate()
         if self.head_dim is None:
             self.head_dim = n_embd // n_head
@@ -197,6 +203,7 @@ class ResolventConfig(PretrainedConfig):
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             tie_word_embeddings=tie_word_embeddings,
+            chunk_size_feed_forward=chunk_size_feed_forward,
             **kwargs,
         )
         self._validate_rope()
@@ -239,6 +246,9 @@ class ResolventConfig(PretrainedConfig):
                 f"activation_function {self.activation_function!r} is unknown; use one of transformers' ACT2FN keys "
                 "such as 'gelu_new' or 'gelu'"
             )
+        value = self.chunk_size_feed_forward
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"chunk_size_feed_forward must be a whole number of rows (0: no chunks), got {value!r}")
         if self.mixer_impl not in MIXER_IMPLS:
             raise ValueError(
                 f"mixer_impl must be one of {MIXER_IMPLS} (see hf_resolvent/ops/dispatch.py), got {self.mixer_impl!r}"

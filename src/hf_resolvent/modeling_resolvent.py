@@ -273,7 +273,8 @@ class ResolventMLP(nn.Module):
 
 
 class ResolventBlock(GradientCheckpointingLayer):
-    """Pre-norm block: h + mixer(ln_1(h)), then + mlp(ln_2(.))."""
+    """Pre-norm block: h + mixer(ln_1(h)), then + mlp(ln_2(.)), the latter in blocks of
+    ``config.chunk_size_feed_forward`` rows."""
 
     def __init__(self, config: ResolventConfig, layer_idx: int):
         super().__init__()
@@ -282,13 +283,18 @@ class ResolventBlock(GradientCheckpointingLayer):
         self.mixer = ResolventMixer(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = ResolventMLP(config)
+        self.config = config  # shared with the model: config.chunk_size_feed_forward is read at every call
 
     def forward(self, hidden_states, rope=None, start=None, past_key_values=None, use_cache=False, cache=None):
         # the model passes the cache under CACHE_NAME: the name GradientCheckpointingLayer clears while it recomputes
         cache = _one_cache(past_key_values, cache)
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
         hidden_states = hidden_states + self.mixer(self.ln_1(hidden_states), rope, start, layer_cache)
-        return hidden_states + self.mlp(self.ln_2(hidden_states))
+        rows = self.config.chunk_size_feed_forward
+        if not rows or hidden_states.shape[1] <= rows:
+            return hidden_states + self.mlp(self.ln_2(hidden_states))
+        # position-wise, so in blocks of rows: the MLP's (rows, n_inner) activations stay in the processor's caches
+        return torch.cat([h + self.mlp(self.ln_2(h)) for h in hidden_states.split(rows, dim=1)], dim=1)
 
 
 # --------------------------------------------------------------------------------------------------

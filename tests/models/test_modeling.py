@@ -62,6 +62,8 @@ def test_config_fields_aliases_and_round_trip(tmp_path):
         (dict(resid_pdrop=1.5), "resid_pdrop"),
         (dict(activation_function="swishy"), "activation_function"),
         (dict(mixer_impl="cuda"), "mixer_impl"),
+        (dict(chunk_size_feed_forward=-2), "chunk_size_feed_forward"),
+        (dict(chunk_size_feed_forward=True), "chunk_size_feed_forward"),
     ],
 )
 def test_config_rejects_bad_values(fields, needle):
@@ -110,6 +112,33 @@ def test_forward_shapes_loss_and_hidden_states():
     torch.testing.assert_close(model.lm_head(out.hidden_states[-1]), out.logits)
     tup = model(ids, return_dict=False, use_cache=False)
     assert isinstance(tup, tuple) and torch.equal(tup[0], out.logits)
+
+
+def test_the_position_wise_half_in_blocks_of_rows_is_the_same_function(monkeypatch):
+    """chunk_size_feed_forward (a runtime choice, read at every call): the MLP runs once per block of rows in a longer
+    sequence, and the logits and gradients are those of the whole sequence at once."""
+    model = tiny_model(["exp2:ce", "dense"])
+    ids = torch.randint(1, 61, (2, 11))
+    calls, mlp_forward = [], hr.modeling_resolvent.ResolventMLP.forward
+
+    def counted(self, h):
+        calls.append(h.shape[1])
+        return mlp_forward(self, h)
+
+    monkeypatch.setattr(hr.modeling_resolvent.ResolventMLP, "forward", counted)
+    results = []
+    for rows in (0, 4, 11):
+        model.config.chunk_size_feed_forward = rows
+        calls.clear()
+        model.zero_grad()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        results.append((out.logits, [p.grad.clone() for p in model.parameters()]))
+        assert calls == {0: [11, 11], 4: [4, 4, 3] * 2, 11: [11, 11]}[rows]
+    for logits, grads in results[1:]:
+        torch.testing.assert_close(logits, results[0][0])
+        for g, want in zip(grads, results[0][1]):
+            torch.testing.assert_close(g, want)
 
 
 def test_inputs_embeds_equal_input_ids():
