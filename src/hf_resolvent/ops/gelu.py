@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .common import records_grad
 from .dispatch import choose, compiled_for, compiled_ops
 
 
@@ -33,5 +34,6 @@ def gelu_tanh(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2, elementwise, any shape; ``impl`` is the model's
     ``mixer_impl`` (:mod:`.dispatch`): the compiled pass runs where it chooses the CPU kernels."""
     if x.is_contiguous() and choose(impl, x) == "cpu" and compiled_for(x):
-        return _GeluTanh.apply(x)
+        # without a graph to record, the operator alone: a decode step's activations are a few thousand numbers
+        return _GeluTanh.apply(x) if records_grad([x]) else compiled_ops().gelu_tanh(x)
     return F.gelu(x, approximate="tanh")

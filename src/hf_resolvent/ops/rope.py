@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .common import records_grad
 from .dispatch import choose, compiled_for, compiled_ops
 
 
@@ -54,6 +55,7 @@ def rotated_heads(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl:
     if (run.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad) and run.stride(-1) == 1
             and choose(impl, run) == "cpu" and compiled_for(run, cos, sin)):
         cos, sin = (table.expand(run.shape[0], -1, -1) for table in (cos.squeeze(1), signed_sin(sin.squeeze(1))))
-        return _RopeHeads.apply(run, cos, sin).unbind(0)
+        rotated = _RopeHeads.apply(run, cos, sin) if records_grad([run]) else compiled_ops().rope_heads(run, cos, sin)
+        return rotated.unbind(0)
     tables = (table.transpose(1, 2).unsqueeze(2) for table in (cos, sin))  # (B, n, 1, 1, hd), as the run's parts
     return tuple(part.transpose(1, 2) for part in apply_rope(run, *tables).unbind(2))
