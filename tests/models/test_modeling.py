@@ -63,7 +63,6 @@ def test_config_fields_aliases_and_round_trip(tmp_path):
         (dict(activation_function="swishy"), "activation_function"),
         (dict(mixer_impl="cuda"), "mixer_impl"),
         (dict(chunk_size_feed_forward=-2), "chunk_size_feed_forward"),
-        (dict(chunk_size_feed_forward=True), "chunk_size_feed_forward"),
     ],
 )
 def test_config_rejects_bad_values(fields, needle):
