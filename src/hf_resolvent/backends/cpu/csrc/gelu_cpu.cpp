@@ -8,8 +8,7 @@
 //   gelu(x) = x (1 + tanh(u)) / 2 = x sigmoid(2u) = x / (1 + e^(-2u)),   u = c (x + a x^3),  c = sqrt(2/pi), a = 0.044715
 //   gelu'(x) = s + x s (1 - s) 2 c (1 + 3 a x^2),                            s = sigmoid(2u)
 //
-// float32 takes the vectorised exponential below (within 2 units in the last place of std::exp); float64 takes
-// std::exp. NaN stays NaN.
+// float32 takes the vectorised exponential of common_cpu.h; float64 takes std::exp. NaN stays NaN.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -17,10 +16,9 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
+
+#include "common_cpu.h"
 
 namespace hf_resolvent {
 namespace {
@@ -28,33 +26,6 @@ namespace {
 constexpr double kC = 0.7978845608028654;  // sqrt(2 / pi)
 constexpr double kA = 0.044715;
 constexpr int64_t kGrain = 1 << 14;  // elements per task of the intra-op threads
-
-// e^y in float32 without a library call, so that a loop of it vectorises: y = k ln2 + r with |r| <= ln2 / 2 (ln 2
-// split in two parts so that k ln2 is exact), e^r by its Taylor series to r^7 (relative error below 1e-8 there),
-// and 2^k written into the exponent bits. Past 88, e^y overflows to infinity as std::exp does; below -87 it stays
-// at e^-87 (the callers add it to 1). The bounds are two compares each, which the compiler turns into vector min,
-// max and blend (std::fmin would not vectorise); a NaN passes them and stays NaN.
-inline float exp_f32(float y) {
-  float c = y < -87.f ? -87.f : y;
-  c = c > 88.f ? 88.f : c;
-  const float k = std::nearbyint(c * 1.44269504088896341f);
-  const float r = (c - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof two_k);
-  return y > 88.f ? std::numeric_limits<float>::infinity() : p * two_k;
-}
-
-inline float exp_of(float y) { return exp_f32(y); }
-inline double exp_of(double y) { return std::exp(y); }
 
 // sigmoid(2u) for the x given: 1 / (1 + e^(-2u)).
 template <typename T>

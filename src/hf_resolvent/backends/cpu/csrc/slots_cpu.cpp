@@ -87,6 +87,13 @@ at::Tensor slot_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return out;
 }
 
+// row[s] = e^(row[s] - top), in one vector loop for float32.
+template <typename T>
+void exp_row(T* __restrict row, T top, int64_t len) {
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) row[i] = exp_of(row[i] - top);
+}
+
 // probs[s, t] = softmax over the row's non-empty slots of scale * q_t . k_{src_s(t)}; 0 on empty slots (and on
 // rows without any). One pass per row instead of scores, mask, softmax and mask as separate tensors. k may hold
 // more rows than q (rows that are read but ask nothing: a chunk's held rows, hf_resolvent/ops/chunk.py).
@@ -120,12 +127,14 @@ at::Tensor slot_probs(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             row[slot] = j >= 0 ? sc * dot(qr + t * d, kr + j * d, d) : -std::numeric_limits<scalar_t>::infinity();
             top = std::max(top, row[slot]);
           }
-          scalar_t total = 0;
-          for (int64_t slot = 0; slot < slots; ++slot) {
-            row[slot] = s[slot * n + t] >= 0 ? std::exp(row[slot] - top) : scalar_t(0);
-            total += row[slot];
+          if (top == -std::numeric_limits<scalar_t>::infinity()) {  // no slot: a row of zeros
+            for (int64_t slot = 0; slot < slots; ++slot) o[slot * n + t] = scalar_t(0);
+            continue;
           }
-          const scalar_t inv = total > 0 ? scalar_t(1) / total : scalar_t(0);
+          exp_row(row.data(), top, slots);  // empty slots hold -inf: their e^(s - top) is 0
+          scalar_t total = 0;
+          for (int64_t slot = 0; slot < slots; ++slot) total += row[slot];
+          const scalar_t inv = scalar_t(1) / total;
           for (int64_t slot = 0; slot < slots; ++slot) o[slot * n + t] = row[slot] * inv;
         }
       }
