@@ -294,6 +294,7 @@ class ResolventBlock(GradientCheckpointingLayer):
         if not rows or hidden_states.shape[1] <= rows:
             return hidden_states + self.mlp(self.ln_2(hidden_states))
         # position-wise, so in blocks of rows: the MLP's (rows, n_inner) activations stay in the processor's caches
+        # (transformers' apply_chunking_to_forward would refuse a length that is not a multiple of the block)
         return torch.cat([h + self.mlp(self.ln_2(h)) for h in hidden_states.split(rows, dim=1)], dim=1)
 
 

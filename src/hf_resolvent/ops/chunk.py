@@ -118,7 +118,7 @@ def _read_rows(state: DecodeState, slots: torch.Tensor) -> list[tuple[torch.Tens
         src_b = torch.where(table >= 0, src_b, -1)
         src_a = torch.cat([u + torch.arange(length, device=table.device)[None], src_b])
         src_solve = torch.cat([src_b.new_full((src_b.shape[0], u), -1), src_b], 1)
-        out.append((used, src_a, src_b.contiguous(), src_solve, (src_b >= 0).any(0)))
+        out.append((used, src_a, src_b, src_solve, (src_b >= 0).any(0)))
     return out
 
 
