@@ -207,14 +207,13 @@ def test_kernels_check_their_inputs():
         ops.dense_solve_forward(z, z, g.double(), z, 1.0, 4)
 
 
-def test_failed_build_warns_once_and_falls_back(monkeypatch):
-    import torch.utils.cpp_extension as cpp_extension
-
+def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
     def no_compiler(**kwargs):
         raise OSError("c++: command not found")
 
     monkeypatch.setattr(cpu, "_state", {})  # as in a fresh process
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty build cache: a build is needed
+    monkeypatch.setattr(cpu, "_compile", no_compiler)
     x = torch.randn(1, 2, 40, 4)
     with pytest.warns(RuntimeWarning, match="could not be built .*c\\+\\+: command not found.*PyTorch path"):
         assert not dispatch.compiled_for(x)
@@ -231,11 +230,10 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
 
 
 def test_environment_switch_skips_the_build(monkeypatch):
-    import torch.utils.cpp_extension as cpp_extension
-
     monkeypatch.setattr(cpu, "_state", {})
     monkeypatch.setenv("HF_RESOLVENT_CPU_KERNELS", "0")
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("the build must be skipped"))
+    monkeypatch.setattr(cpu, "_compile", lambda **kw: pytest.fail("the build must be skipped"))
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: pytest.fail("the library must not be loaded"))
     assert not cpu.available()
 
 
@@ -253,7 +251,7 @@ def test_compiled_rope_equals_the_pytorch_rotation_and_its_gradient(table_batch)
 
     gen = torch.Generator().manual_seed(table_batch)
     proj = torch.randn(2, 7, 5, 3, 8, generator=gen)  # (B, n, parts, H, hd); parts 1:3 are the rotated run
-    angles = torch.randn(table_batch, 1, 7, 4, generator=gen).repeat(1, 1, 1, 2)
+    angles = torch.randn(table_batch, 7, 4, generator=gen).repeat(1, 1, 2)
     cos, sin = angles.cos(), angles.sin()
     weights = torch.randn(2, 2, 3, 7, 8, generator=gen)
     results = {}

@@ -46,7 +46,7 @@ def rotated_heads(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl:
 
     Args:
         run: (B, n, P, H, hd), P query/key parts of H heads (a slice of the mixer's input projection).
-        cos, sin: (B, 1, n, hd) tables of :class:`~hf_resolvent.modeling_resolvent.ResolventRotaryEmbedding`.
+        cos, sin: (B or 1, n, hd) tables of :class:`~hf_resolvent.modeling_resolvent.ResolventRotaryEmbedding`.
         impl: the mixer's ``impl`` (:mod:`.dispatch`): the compiled call runs where it chooses the CPU kernels.
 
     Returns:
@@ -54,8 +54,8 @@ def rotated_heads(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl:
     """
     if (run.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad) and run.stride(-1) == 1
             and choose(impl, run) == "cpu" and compiled_for(run, cos, sin)):
-        cos, sin = (table.expand(run.shape[0], -1, -1) for table in (cos.squeeze(1), signed_sin(sin.squeeze(1))))
+        cos, sin = (table.expand(run.shape[0], -1, -1) for table in (cos, signed_sin(sin)))
         rotated = _RopeHeads.apply(run, cos, sin) if records_grad([run]) else compiled_ops().rope_heads(run, cos, sin)
         return rotated.unbind(0)
-    tables = (table.transpose(1, 2).unsqueeze(2) for table in (cos, sin))  # (B, n, 1, 1, hd), as the run's parts
+    tables = (table[:, :, None, None] for table in (cos, sin))  # (B, n, 1, 1, hd), as the run's parts
     return tuple(part.transpose(1, 2) for part in apply_rope(run, *tables).unbind(2))
