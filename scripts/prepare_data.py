@@ -9,6 +9,8 @@ Examples::
     # the papers' data: OpenWebText with the GPT-2 tokenizer, 0.05% validation documents (needs network)
     python scripts/prepare_data.py --source Skylion007/openwebtext --output-dir data/openwebtext --num-proc 16
     python scripts/prepare_data.py --source Skylion007/openwebtext --streaming --output-dir data/openwebtext
+    # (its loading script is not run: datasets 4 and later refuse scripts, so its archives are read directly;
+    # a local copy works too: hf download Skylion007/openwebtext --repo-type dataset --local-dir DIR, --source DIR)
 
     # local files (.txt / .md split into paragraphs, .jsonl / .parquet with a text column)
     python scripts/prepare_data.py --files corpus/*.jsonl --output-dir data/mine
@@ -24,7 +26,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_resolvent.data import OPENWEBTEXT, STDLIB, DataError, prepare_dataset, verify_prepared
+from hf_resolvent.data import (
+    DEFAULT_MAX_ENCODE_CHARS,
+    OPENWEBTEXT,
+    STDLIB,
+    DataError,
+    prepare_dataset,
+    verify_prepared,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--output-dir", required=True, help="folder for meta.json, tokenizer/ and shards/")
     p.add_argument("--source", default=STDLIB,
-                   help=f"'{STDLIB}' (offline default: Python standard-library text) or a Hugging Face dataset id "
-                        f"such as {OPENWEBTEXT}")
+                   help=f"'{STDLIB}' (offline default: Python standard-library text), a Hugging Face dataset id "
+                        f"such as {OPENWEBTEXT}, or a local copy of a dataset repository")
     p.add_argument("--files", nargs="+", help="local .txt/.md, .jsonl/.json or .parquet files (overrides --source)")
     p.add_argument("--text-column", default="text", help="column holding the documents (jsonl/parquet/datasets)")
     p.add_argument("--text-sample-by", default="paragraph", choices=["line", "paragraph", "document"],
@@ -49,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-proc", type=int, default=None, help="tokenisation processes (default: CPU count, max 8)")
     p.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it whole")
     p.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
+    p.add_argument("--max-encode-chars", type=int, default=DEFAULT_MAX_ENCODE_CHARS,
+                   help="most characters the tokenizer gets at once: longer documents are cut before a word (the "
+                        "same tokens for GPT-2-style tokenizers), so memory does not grow with the longest document")
     p.add_argument("--offline", action="store_true", help="never try the network (also: HF_HUB_OFFLINE=1)")
     p.add_argument("--no-overwrite", action="store_true",
                    help="stop with an error instead of rebuilding when --output-dir holds data prepared from other "
@@ -71,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size=args.vocab_size, val_fraction=args.val_fraction, seed=args.seed,
             docs_per_shard=args.docs_per_shard, num_proc=args.num_proc, streaming=args.streaming,
             max_docs=args.max_docs, text_column=args.text_column, text_sample_by=args.text_sample_by,
-            allow_download=not args.offline, overwrite=not args.no_overwrite,
+            allow_download=not args.offline, overwrite=not args.no_overwrite, max_encode_chars=args.max_encode_chars,
         )
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -214,3 +214,72 @@ def test_prepare_data_cli_reports_errors(tmp_path, capsys):
     mod = load_script("prepare_data")
     assert mod.main(["--output-dir", str(tmp_path / "x"), "--files", str(tmp_path / "nope.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+class _RecordingTokenizer:
+    """A tokenizer whose backend records how many characters each encode call gets."""
+
+    def __init__(self, tok):
+        self.backend_tokenizer, self._backend, self.calls = self, tok.backend_tokenizer, []
+
+    def encode_batch(self, texts, **kwargs):
+        self.calls.append([len(t) for t in texts])
+        return self._backend.encode_batch(texts, **kwargs)
+
+
+def _long_text(docs) -> str:
+    """Prose with every kind of whitespace run (spaces, tabs, blank lines, spaces before newlines) and symbols."""
+    parts = [d["text"] for d in docs] + ["naïve café 東京 — x = 3.14;\t\ty  \n  z\n\n\n  (end)  "] * 50
+    return "  \n".join(parts)
+
+
+def test_long_documents_are_tokenised_in_pieces_with_the_same_tokens(docs):
+    tok = D.train_bpe_tokenizer([d["text"] for d in docs], vocab_size=600)
+    text = _long_text(docs)
+    short = [d["text"] for d in docs[:20]]
+    assert len(text) > 50_000
+    budget = 4_000
+    rec = _RecordingTokenizer(tok)
+    out = D._tokenize_batch({"text": [short[0], text, *short[1:]]}, rec, eot_id=0, max_chars=budget)["ids"]
+    assert max(sum(call) for call in rec.calls) <= budget  # no call sees more text than the budget
+    assert len(rec.calls) > len(text) // budget  # the long document went in pieces
+    whole = [e.ids for e in tok.backend_tokenizer.encode_batch([short[0], text, *short[1:]], add_special_tokens=False)]
+    assert [list(ids) for ids in out] == [ids + [0] for ids in whole]  # cut before words: GPT-2 pre-tokens kept
+    assert tok.decode(list(out[1][:-1])) == text
+
+
+def test_text_without_word_starts_is_cut_at_the_budget_and_still_decodes(docs):
+    tok = D.train_bpe_tokenizer([d["text"] for d in docs], vocab_size=600)
+    blob = "QUJD" * 3_000 + " and then words" + "\t" * 2_000 + "end"  # base64-like: no whitespace for 12,000 chars
+    pieces = D._text_pieces(blob, 1_000)
+    assert "".join(pieces) == blob and max(map(len, pieces)) <= 1_000
+    rec = _RecordingTokenizer(tok)
+    ids = D._tokenize_batch({"text": [blob]}, rec, eot_id=0, max_chars=1_000)["ids"][0]
+    assert max(sum(call) for call in rec.calls) <= 1_000
+    assert tok.decode(list(ids[:-1])) == blob
+
+
+def test_prepare_tokenises_a_long_jsonl_document_in_pieces(tmp_path, docs, monkeypatch):
+    """The budget reaches the tokenizer from the command line, and the shard holds the document's own tokens."""
+    text = _long_text(docs)
+    src = tmp_path / "long.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in [text, docs[0]["text"], docs[1]["text"]]))
+    tok_dir = tmp_path / "tok"
+    D.train_bpe_tokenizer([d["text"] for d in docs], vocab_size=600).save_pretrained(tok_dir)
+    sizes = []
+    real = D._encode_groups
+    monkeypatch.setattr(D, "_encode_groups", lambda texts, max_chars: (
+        sizes.append(max_chars) or g for g in real(texts, max_chars)))
+    mod = load_script("prepare_data")
+    out = tmp_path / "out"
+    assert mod.main(["--output-dir", str(out), "--files", str(src), "--tokenizer", str(tok_dir), "--val-fraction", "0",
+                     "--num-proc", "1", "--max-encode-chars", "3000"]) == 0
+    assert sizes and set(sizes) == {3000}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    ts = D.TokenShards(out, "train")
+    ids = ts.read(0, len(ts))
+    first = ids[: int(np.argmax(ids == tok.eos_token_id))]
+    assert first.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(first.tolist()) == text

@@ -22,6 +22,13 @@ settings rebuilds the folder (or stops, with ``overwrite=False``). A document go
 seeded hash of its index is below ``val_fraction`` (0.05% for OpenWebText, like the papers and nanoGPT): the split
 does not depend on shard size, process count or streaming.
 
+A Hugging Face dataset is read with ``datasets.load_dataset``. OpenWebText's repository is a loading script, which
+``datasets`` 4 and later refuse to run: its archive files are read here instead (the same documents, see
+:func:`_load_hub_dataset`), from the Hub or from a local copy of the repository given as the source.
+
+Long documents reach the tokenizer in pieces of at most ``max_encode_chars`` characters, cut before a word (the
+same tokens for GPT-2-style tokenizers), so memory does not grow with the longest document.
+
 The offline default corpus (:func:`stdlib_corpus`) is the English text that ships with every CPython: the
 interactive help topics of ``pydoc_data`` (the language reference) and the docstrings of the standard library
 modules. When the GPT-2 tokenizer cannot be loaded (no network, nothing cached) a byte-level BPE tokenizer is
@@ -58,6 +65,8 @@ OPENWEBTEXT = "Skylion007/openwebtext"
 DEFAULT_VAL_FRACTION = {STDLIB: 0.05}
 OWT_VAL_FRACTION = 0.0005
 TOKEN_DTYPE = np.uint16
+# Longest text the tokenizer gets in one call (long documents are cut): bounds the memory tokenising takes.
+DEFAULT_MAX_ENCODE_CHARS = 100_000
 
 # Parts of the standard library left out of the offline corpus: tests, demos, bundled third-party code and
 # modules whose docstrings are mostly tables or code.
@@ -289,14 +298,64 @@ def is_validation(indices: np.ndarray, seed: int, fraction: float) -> np.ndarray
     return split_hash(indices, seed) < fraction
 
 
-def _tokenize_batch(batch: dict, tokenizer, eot_id: int) -> dict:
-    enc = tokenizer.backend_tokenizer.encode_batch(batch["text"], add_special_tokens=False)
-    return {"ids": [e.ids + [eot_id] for e in enc]}
+# Where a long document may be cut for the tokenizer: just before the whitespace character that starts a word
+# (" word", "\nword"). GPT-2's pre-tokenizer regex always starts a token there (a leading space belongs to the
+# word, and a run of whitespace gives its last character to what follows), so a byte-level BPE gives the pieces
+# exactly the tokens of the whole document. ``.*`` is greedy: the match ends at the last such start it can reach.
+_LAST_WORD_START = re.compile(r"(?s:.*)\s(?=\S)")
+
+
+def _text_pieces(text: str, max_chars: int) -> list[str]:
+    """``text`` cut into pieces of at most ``max_chars`` characters, each cut at the last word start within the
+    budget (see ``_LAST_WORD_START``); a stretch with no word start in it is cut where the budget ends."""
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        last = _LAST_WORD_START.match(text, start + 1, start + max_chars + 1)
+        end = last.end() - 1 if last else start + max_chars
+        pieces.append(text[start:end])
+        start = end
+    pieces.append(text[start:])
+    return pieces
+
+
+def _encode_groups(texts: Sequence[str], max_chars: int):
+    """``(document index, piece)`` pairs in groups of at most ``max_chars`` characters: short documents share a
+    group, a longer one is cut (:func:`_text_pieces`)."""
+    group: list[tuple[int, str]] = []
+    size = 0
+    for i, text in enumerate(texts):
+        for piece in _text_pieces(text, max_chars):
+            if group and size + len(piece) > max_chars:
+                yield group
+                group, size = [], 0
+            group.append((i, piece))
+            size += len(piece)
+    if group:
+        yield group
+
+
+def _tokenize_batch(batch: dict, tokenizer, eot_id: int, max_chars: int) -> dict:
+    """Token ids (the shards' dtype) of a batch of documents, each followed by ``eot_id``.
+
+    The tokenizer gets at most ``max_chars`` characters per call: its encodings keep strings and offsets for every
+    token (hundreds of bytes each), so a call on a whole 28 MB document took gigabytes. Cut at word starts, the
+    pieces' tokens are the document's own for GPT-2-style tokenizers.
+    """
+    parts: list[list[np.ndarray]] = [[] for _ in batch["text"]]
+    for group in _encode_groups(batch["text"], max_chars):
+        encodings = tokenizer.backend_tokenizer.encode_batch([piece for _, piece in group], add_special_tokens=False)
+        for (i, _), enc in zip(group, encodings):
+            parts[i].append(np.asarray(enc.ids, dtype=TOKEN_DTYPE))
+    eot = np.array([eot_id], dtype=TOKEN_DTYPE)
+    return {"ids": [np.concatenate([*p, eot]) for p in parts]}
 
 
 def _write_shard(out: Path, shard: int, texts_ds, offset: int, tokenizer, eot_id: int, seed: int,
-                 val_fraction: float, forced_val: int, num_proc: int, log, end_of_data: bool | None = None) -> dict:
+                 val_fraction: float, forced_val: int, num_proc: int, log, end_of_data: bool | None = None,
+                 max_chars: int = DEFAULT_MAX_ENCODE_CHARS) -> dict:
     """Tokenise one block of documents (a ``datasets.Dataset`` with a ``text`` column) and write its shard.
+
+    ``max_chars`` bounds the text the tokenizer gets at once (:func:`_tokenize_batch`).
 
     The marker written last records the block, and the size and sha256 of both files, so that a re-run keeps the
     shard only when it is intact and holds the documents that run needs.
@@ -309,7 +368,7 @@ def _write_shard(out: Path, shard: int, texts_ds, offset: int, tokenizer, eot_id
         _tokenize_batch,
         batched=True,
         batch_size=256,
-        fn_kwargs=dict(tokenizer=tokenizer, eot_id=eot_id),
+        fn_kwargs=dict(tokenizer=tokenizer, eot_id=eot_id, max_chars=max_chars),
         remove_columns=texts_ds.column_names,
         num_proc=num_proc if num_proc > 1 and n >= 4 * num_proc else None,
         desc=f"tokenizing shard {shard}",
@@ -371,6 +430,9 @@ def verify_prepared(data_dir: str | os.PathLike, full: bool = False) -> dict:
     why there is no manifest (preparation unfinished, or a folder from a version that wrote none).
     """
     d = Path(data_dir)
+    if d.exists() and not d.is_dir():
+        raise DataError(f"{d} is a file, not a prepared data folder; pass the folder that scripts/prepare_data.py "
+                        f"--output-dir wrote")
     manifest = _read_json(d / MANIFEST)
     if not (d / MANIFEST).exists():
         settings = _read_json(d / "settings.json")
@@ -485,6 +547,19 @@ def _finished_shard(out: Path, shard: int, first_doc: int, num_docs: int, forced
     return info, None
 
 
+def _check_output_dir(out: Path) -> None:
+    """Raise :class:`DataError` when ``out``, or the nearest existing path above it, is not a folder (the folder
+    could not be created: the OS would say NotADirectoryError or FileExistsError half-way through)."""
+    for path in (out, *out.parents):
+        if not path.exists():
+            continue
+        if path.is_dir():
+            return
+        where = "is an existing file" if path == out else f"is inside {path}, which is a file"
+        raise DataError(f"--output-dir {out} {where}, not a folder; pass a folder (one that does not exist yet is "
+                        f"created), or move the file away")
+
+
 def _clear(out: Path) -> None:
     """Remove what an earlier preparation wrote in ``out`` (only the names in ``_OWN``)."""
     for name in _OWN:
@@ -512,13 +587,27 @@ def _files_builder(files: Sequence[str]) -> str:
     return builders.pop()
 
 
-def _check_input_file(path: Path, builder: str) -> None:
-    """Cheap checks that catch the usual wrong inputs (missing, empty, binary, not parquet) before ``datasets``
-    turns them into a traceback; reads at most the first 64 KiB (and the last bytes of a parquet file)."""
+def _check_input_path(path: Path) -> None:
+    """``path`` exists and is a file. Run before the kind of the files is worked out from their suffixes, which a
+    folder or a missing name would otherwise fail as a file of no known kind.
+
+    A folder is refused, not read: which of its files to take (suffixes, subfolders, order) would be a guess that
+    the settings could not record; the message gives the glob to pass instead.
+    """
+    if path.is_dir():
+        kinds = sorted({p.suffix.lower() for p in path.iterdir() if p.suffix.lower() in _FILE_BUILDERS})
+        hint = (" or ".join(f"--files {path / ('*' + k)}" for k in kinds) if kinds
+                else "its .txt/.md, .jsonl/.json or .parquet files")
+        raise DataError(f"--files takes files; got a folder {path}: pass {hint}")
     if not path.exists():
         raise DataError(f"--files: {path} not found")
     if not path.is_file():
         raise DataError(f"--files: {path} is not a file")
+
+
+def _check_input_file(path: Path, builder: str) -> None:
+    """Cheap checks that catch the usual wrong inputs (empty, binary, not parquet) before ``datasets`` turns them
+    into a traceback; reads at most the first 64 KiB (and the last bytes of a parquet file)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(1 << 16)
@@ -645,6 +734,140 @@ def _quiet_datasets():
         logger.setLevel(level)
 
 
+# ------------------------------------------------------------------------------------------- Hub datasets
+
+# OpenWebText's repository (Skylion007/openwebtext) holds 21 archives, each holding ``.xz`` files, each an
+# xz-compressed tar of ``.txt`` files, one per document; its loading script, which read them, is what ``datasets``
+# 4 and later refuse to run.
+OWT_ARCHIVES = "subsets/*.tar"
+# The branch where the Hub keeps the parquet files its dataset viewer converted a repository to.
+PARQUET_REVISION = "refs/convert/parquet"
+_BLANK_LINES = re.compile("\n\n\n+")
+
+
+def _archive_documents(archives: list[tuple[str, int, int]]):
+    """``{"text": ...}`` for each document of OpenWebText-layout archives, in archive order.
+
+    ``archives`` are ``(path or URL, size, mtime)``: the size and mtime only make ``datasets``' cache key change
+    with the files. The documents are the ones the repository's script gave: members named ``.*`` or ``__*`` are
+    skipped (as ``datasets``' archive iterator skipped them), runs of three or more newlines become one blank line
+    and the text is stripped. Every archive is read as a stream (``fsspec``: a local path or an ``hf://`` URL).
+    """
+    import tarfile
+
+    import fsspec
+
+    def files(tar, suffix: str):
+        for member in tar:
+            name = member.name.rsplit("/", 1)[-1]
+            if member.isfile() and name.endswith(suffix) and not name.startswith((".", "__")):
+                yield tar.extractfile(member)
+
+    for url, _, _ in archives:
+        with fsspec.open(url, "rb") as f, tarfile.open(fileobj=f, mode="r|") as outer:
+            for xz in files(outer, ".xz"):
+                with tarfile.open(fileobj=xz, mode="r|*") as inner:
+                    for txt in files(inner, ".txt"):
+                        yield {"text": _BLANK_LINES.sub("\n\n", txt.read().decode("utf-8")).strip()}
+
+
+def _owt_archives(source: str, streaming: bool) -> list[tuple[str, int, int]]:
+    """The OpenWebText-layout archives of ``source``, a local folder or a Hub dataset id (``[]`` when it has none),
+    as :func:`_archive_documents` takes them. From the Hub they are downloaded (``snapshot_download``: cached and
+    resumed like ``load_dataset``'s downloads), or, when ``streaming``, read over ``hf://``."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        if streaming:
+            from huggingface_hub import HfFileSystem
+
+            found = HfFileSystem().glob(f"datasets/{source}/{OWT_ARCHIVES}", detail=True)
+            return [(f"hf://{path}", int(info["size"]), 0) for path, info in sorted(found.items())]
+        import huggingface_hub
+
+        folder = Path(huggingface_hub.snapshot_download(repo_id=source, repo_type="dataset",
+                                                        allow_patterns=[OWT_ARCHIVES]))
+    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.glob(OWT_ARCHIVES))]
+
+
+def _archive_dataset(archives: list[tuple[str, int, int]], streaming: bool, num_proc: int):
+    """A ``datasets`` dataset (iterable when ``streaming``) with the documents of ``archives`` in a ``text``
+    column; ``num_proc`` processes read different archives."""
+    import datasets
+
+    kwargs = dict(features=datasets.Features({"text": datasets.Value("string")}), gen_kwargs={"archives": archives})
+    if streaming:
+        return datasets.IterableDataset.from_generator(_archive_documents, **kwargs)
+    procs = min(num_proc, len(archives))
+    return datasets.Dataset.from_generator(_archive_documents, num_proc=procs if procs > 1 else None, **kwargs)
+
+
+def _is_script_refusal(err: BaseException) -> bool:
+    """True when ``load_dataset`` refused a repository because it is a loading script: ``datasets`` 4 and later
+    run none, 3.x none without ``trust_remote_code`` (which this package does not pass: it runs no one's code)."""
+    return "scripts are no longer supported" in str(err) or "trust_remote_code" in str(err)
+
+
+def _load_hub_dataset(source: str, streaming: bool, num_proc: int):
+    """``(dataset, description)`` for a Hugging Face dataset id, or a local folder laid out like a Hub repository.
+
+    ``load_dataset(source)`` reads every repository of data files. A loading script (OpenWebText's) is refused by
+    ``datasets`` 4 and later, so its data is read without it: the repository's OpenWebText-layout archives
+    (:data:`OWT_ARCHIVES`, the same documents the script gave), else the Hub's parquet conversion
+    (:data:`PARQUET_REVISION`). A local folder holding such archives is read directly. When nothing works, the
+    :class:`DataError` says what was tried and what to pass instead.
+    """
+    import datasets
+
+    local = Path(source).expanduser().is_dir()
+    streamed = ", streaming" if streaming else ""
+    if local and (archives := _owt_archives(source, streaming)):
+        return (_archive_dataset(archives, streaming, num_proc),
+                f"{len(archives)} OpenWebText-layout archives {OWT_ARCHIVES} in {source}, read directly (split "
+                f"train{streamed})")
+    kwargs = {} if streaming else {"num_proc": max(1, num_proc)}
+    try:
+        return (datasets.load_dataset(source, split="train", streaming=streaming, **kwargs),
+                f"Hugging Face dataset {source} (split train{streamed})")
+    except Exception as err:  # noqa: BLE001 - datasets raises many types for "not reachable"
+        if not _is_script_refusal(err):
+            raise DataError(
+                f"could not load dataset {source!r} ({type(err).__name__}: {str(err)[:200]}). Without network, use "
+                f"the offline default (--source stdlib) or local files (--files a.txt b.jsonl c.parquet)."
+            ) from err
+        refusal = err
+    script = f"{source!r} is a loading script, which datasets {datasets.__version__} does not run"
+    if local:
+        raise DataError(f"{script}, and holds no {OWT_ARCHIVES} archives to read instead; pass its documents as "
+                        f"--files (.txt/.md, .jsonl/.json or .parquet), or its Hub id as --source to read the Hub's "
+                        f"parquet conversion") from refusal
+    tried = []
+    try:
+        archives = _owt_archives(source, streaming)
+    except Exception as err:  # noqa: BLE001 - the Hub client raises many types for "not reachable"
+        archives = []
+        tried.append(f"its archives {OWT_ARCHIVES} ({type(err).__name__}: {_first_line(err)})")
+    if archives:
+        return (_archive_dataset(archives, streaming, num_proc),
+                f"Hugging Face dataset {source}: its {len(archives)} archives {OWT_ARCHIVES} read directly (the "
+                f"documents of its loading script, which datasets {datasets.__version__} does not run; split "
+                f"train{streamed})")
+    if not tried:
+        tried.append(f"it has no {OWT_ARCHIVES} archives")
+    try:
+        with _quiet_datasets():
+            ds = datasets.load_dataset(source, revision=PARQUET_REVISION, split="train", streaming=streaming,
+                                       **kwargs)
+        return ds, (f"Hugging Face dataset {source}: the Hub's parquet conversion (revision {PARQUET_REVISION}; "
+                    f"its loading script is not run by datasets {datasets.__version__}; split train{streamed})")
+    except Exception as err:  # noqa: BLE001 - as above
+        tried.append(f"the Hub's parquet conversion, revision {PARQUET_REVISION} ({type(err).__name__}: "
+                     f"{_first_line(err)})")
+    raise DataError(f"could not load dataset {source!r}: {script}, and reading its data without the script failed: "
+                    f"{'; '.join(tried)}. Check the network and re-run, or download the repository (hf download "
+                    f"{source} --repo-type dataset --local-dir DIR) and pass --source DIR, or pass its documents as "
+                    f"--files (.txt/.md, .jsonl/.json or .parquet)") from refusal
+
+
 def _load_source(source: str, files: Sequence[str] | None, text_column: str, streaming: bool,
                  max_docs: int | None, text_sample_by: str, num_proc: int):
     """Returns (kind, dataset-or-list, description)."""
@@ -669,15 +892,7 @@ def _load_source(source: str, files: Sequence[str] | None, text_column: str, str
             raise _files_error(files, builder, text_column, err) from err
         desc = f"local {builder} files: {', '.join(str(f) for f in files)}"
     else:
-        try:
-            ds = datasets.load_dataset(source, split="train", streaming=streaming,
-                                       **({} if streaming else {"num_proc": max(1, num_proc)}))
-        except Exception as err:  # noqa: BLE001 - datasets raises many types for "not reachable"
-            raise DataError(
-                f"could not load dataset {source!r} ({type(err).__name__}: {str(err)[:200]}). Without network, use "
-                f"the offline default (--source stdlib) or local files (--files a.txt b.jsonl c.parquet)."
-            ) from err
-        desc = f"Hugging Face dataset {source} (split train{', streaming' if streaming else ''})"
+        ds, desc = _load_hub_dataset(source, streaming, num_proc)
     columns = ds.column_names
     if columns is not None and text_column not in columns:
         if files:
@@ -714,6 +929,7 @@ def prepare_dataset(
     text_sample_by: str = "paragraph",
     allow_download: bool = True,
     overwrite: bool = True,
+    max_encode_chars: int = DEFAULT_MAX_ENCODE_CHARS,
     log=print,
 ) -> dict:
     """Tokenise a corpus into uint16 shards under ``output_dir`` (layout in the module docstring); returns meta.
@@ -729,6 +945,10 @@ def prepare_dataset(
         streaming: iterate the source without downloading it whole (``datasets`` streaming).
         overwrite: what to do with a folder holding other data (other inputs or settings, an earlier version's
             layout, a damaged tokenizer or shard): rebuild it (default) or raise :class:`DataError` (False).
+        max_encode_chars: the most text the tokenizer gets at once. Longer documents are cut before a word and
+            their pieces' tokens joined (for GPT-2-style byte-level tokenizers, the document's own tokens), so the
+            memory tokenising takes is bounded by this, not by the longest document. Not part of the settings:
+            documents shorter than it are never cut.
 
     A folder whose manifest matches this request and all its checksums is reused as it is; an unfinished one
     (same settings) is completed, keeping the shards that are intact.
@@ -745,8 +965,13 @@ def prepare_dataset(
         raise DataError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
     if max_docs is not None and max_docs < 1:
         raise DataError(f"max_docs must be >= 1, got {max_docs}")
+    if max_encode_chars < 1:
+        raise DataError(f"max_encode_chars must be >= 1, got {max_encode_chars}")
     check_tokenizer_path(tokenizer)
+    _check_output_dir(out)
     if files:
+        for f in files:
+            _check_input_path(Path(f))
         builder = _files_builder(files)
         for f in files:
             _check_input_file(Path(f), builder)
@@ -858,13 +1083,14 @@ def prepare_dataset(
                 continue
             lo, hi = shard * docs_per_shard, min(n_docs, (shard + 1) * docs_per_shard)
             shard_infos.append(_write_shard(out, shard, ds.select(range(lo, hi)), lo, tok, eot_id, seed,
-                                            val_fraction, forced_val, num_proc, log))
+                                            val_fraction, forced_val, num_proc, log, max_chars=max_encode_chars))
     else:
         shard_infos = [keep[i] for i in range(len(keep))]
         done = sum(info["num_docs"] for info in shard_infos)
         if not (shard_infos and shard_infos[-1].get("end_of_data")):
             shard_infos += _stream_shards(out, data, len(shard_infos), done, max_docs, docs_per_shard, tok,
-                                          eot_id, seed, val_fraction, num_proc, log, files, text_column)
+                                          eot_id, seed, val_fraction, num_proc, log, files, text_column,
+                                          max_encode_chars)
     meta = {
         "format": "uint16 token shards (nanoGPT layout), documents separated by end-of-text",
         "data": data_desc,
@@ -909,7 +1135,7 @@ def prepare_dataset(
 
 def _stream_shards(out: Path, data, first_shard: int, done: int, max_docs: int | None, docs_per_shard: int, tok,
                    eot_id: int, seed: int, val_fraction: float, num_proc: int, log, files: Sequence[str] | None,
-                   text_column: str) -> list[dict]:
+                   text_column: str, max_chars: int = DEFAULT_MAX_ENCODE_CHARS) -> list[dict]:
     """Write the shards of a streamed source from shard ``first_shard``, document ``done`` on (the earlier ones
     are finished)."""
     import datasets
@@ -935,7 +1161,8 @@ def _stream_shards(out: Path, data, first_shard: int, done: int, max_docs: int |
             if not block:
                 break
             infos.append(_write_shard(out, shard, datasets.Dataset.from_dict({"text": block}), done, tok, eot_id,
-                                      seed, val_fraction, -1, num_proc, log, end_of_data=len(block) < want))
+                                      seed, val_fraction, -1, num_proc, log, end_of_data=len(block) < want,
+                                      max_chars=max_chars))
             done += len(block)
             bar.update(len(block))
             shard += 1

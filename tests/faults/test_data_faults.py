@@ -295,3 +295,43 @@ def test_split_shorter_than_one_window_is_an_error(tmp_path, tokenizer_dir):
     for needle in ("val split", f"has {len(val):,} tokens", f"window of {len(val) + 1}", "lower seq_len",
                    "more validation data"):
         assert needle in message, message
+
+
+# ------------------------------------------------------------------------- item 9: paths of the wrong kind
+
+
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_output_dir_that_is_a_file(tmp_path, capsys, below):
+    src = _jsonl(tmp_path / "a.jsonl", ROWS)
+    taken = tmp_path / "taken"
+    taken.write_text("someone's notes\n")
+    out = taken / below if below else taken
+    code, err = _cli(capsys, "--output-dir", out, "--files", src, "--tokenizer", "bpe", "--vocab-size", 300)
+    assert code == 2
+    _assert_one_clear_error(err, f"--output-dir {out}", "not a folder", "move the file away")
+    if below:
+        assert f"inside {taken}, which is a file" in err
+    assert taken.read_text() == "someone's notes\n"  # left as it was
+    code, err = _cli(capsys, "--output-dir", taken, "--verify")
+    assert code == 2
+    _assert_one_clear_error(err, str(taken), "is a file, not a prepared data folder")
+
+
+def test_files_given_a_folder(tmp_path, capsys):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    _jsonl(folder / "a.jsonl", ROWS)
+    _jsonl(folder / "b.jsonl", ROWS)
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "--output-dir", out, "--files", folder, "--tokenizer", "bpe", "--vocab-size", 300)
+    assert code == 2
+    _assert_one_clear_error(err, f"--files takes files; got a folder {folder}", f"--files {folder / '*.jsonl'}")
+    assert "(none)" not in err and not out.exists()
+
+
+def test_files_given_a_missing_name_without_suffix(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "--output-dir", out, "--files", tmp_path / "corpus", "--tokenizer", "bpe")
+    assert code == 2
+    _assert_one_clear_error(err, f"--files: {tmp_path / 'corpus'} not found")
+    assert "(none)" not in err and not out.exists()
