@@ -276,3 +276,36 @@ class ResolventCache(Cache):
         if len(sizes) > 1:
             raise ValueError(f"the batch size is not consistent across layers: {sorted(sizes)}")
         return sizes.pop() if sizes else -1
+
+
+# A pytree of the layers' states, so that torch.export can return the cache a forward builds (use_cache=True, the
+# default in eval mode) and take one as an input. transformers' own exporter registers Cache classes its way when it
+# finds one unregistered; this one comes first.
+
+
+def _cache_children(cache: ResolventCache) -> tuple[list, tuple]:
+    layers = tuple((layer.pattern.name, layer.tied, layer.max_cache_len, layer.record_past) for layer in cache.layers)
+    return [layer.state for layer in cache.layers], (cache.head_shape, layers)
+
+
+def _cache_from_children(states, context) -> ResolventCache:
+    head_shape, specs = context
+    layers = []
+    for state, (pattern, tied, max_cache_len, record_past) in zip(states, specs):
+        layer = ResolventCacheLayer(pattern, tied, max_cache_len)
+        layer.record_past, layer._state = record_past, state  # as flattened: no new recording starts
+        layers.append(layer)
+    cache = ResolventCache.__new__(ResolventCache)
+    Cache.__init__(cache, layers=layers)
+    cache.head_shape = head_shape
+    return cache
+
+
+def _cache_children_with_keys(cache: ResolventCache) -> tuple[list, tuple]:
+    states, context = _cache_children(cache)
+    return [(torch.utils._pytree.SequenceKey(i), state) for i, state in enumerate(states)], context
+
+
+torch.utils._pytree.register_pytree_node(
+    ResolventCache, _cache_children, _cache_from_children,
+    serialized_type_name=f"{ResolventCache.__module__}.ResolventCache", flatten_with_keys_fn=_cache_children_with_keys)

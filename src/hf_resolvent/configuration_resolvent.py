@@ -26,6 +26,17 @@ MIXER_IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "graph", "reference
 # yet the gate keeps a non-zero gradient in log space (d log g / d A_log = -16), so fine-tuning can open it.
 CLOSED_GATE_VALUE = math.exp(-16.0)
 
+
+class _LastId:
+    """The default of ``bos_token_id`` and ``eos_token_id``: GPT-2's convention, the last id of the vocabulary
+    (50256 for its 50257 tokens), whatever ``vocab_size`` is."""
+
+    def __repr__(self) -> str:
+        return "vocab_size - 1"
+
+
+LAST_ID = _LastId()
+
 PRESETS: dict[str, dict[str, Any]] = {
     # The papers' sizes (docs/DESIGN.md section 5).
     "44m": {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_inner": 2048, "n_positions": 512},
@@ -95,7 +106,9 @@ class ResolventConfig(PretrainedConfig):
 
     Args:
         vocab_size: vocabulary size (50257, GPT-2's tokenizer).
-        n_positions: maximum sequence length (pattern positions, padding excluded).
+        n_positions: the context the model is made for (pattern positions, padding excluded): the rows of a learned
+            position table, which ends there; RoPE models run past it (with the scaling of ``rope_parameters``,
+            if any, which takes it as the original context).
         n_embd: model width.
         n_layer: number of blocks.
         n_head: heads per mixer.
@@ -120,6 +133,8 @@ class ResolventConfig(PretrainedConfig):
             dt_bias) exp(A_log)), softplus(dt_bias) log-uniform in [1e-3, 1e-1], exp(A_log) uniform in [1, 16]),
             ``"closed"`` (g = e^-16 ~ 1.1e-7 at start, input-independent: the layer starts as its direct channel,
             used by :meth:`ResolventForCausalLM.from_gpt2`) or a float v in (0, 1) (g = v at start).
+        bos_token_id, eos_token_id: default ``vocab_size - 1`` (GPT-2's ``<|endoftext|>`` for its vocabulary); ids
+            (and ``pad_token_id``) must lie in the vocabulary, or be None.
         tie_word_embeddings: share the input embedding and the LM head.
         mixer_impl: which code runs the mixers, passed as ``impl`` to the ops (``hf_resolvent/ops/dispatch.py``):
             ``"auto"`` (default: the environment variable ``HF_RESOLVENT_MIXER_IMPL`` if set, else the Triton
@@ -163,8 +178,8 @@ class ResolventConfig(PretrainedConfig):
         mixer: Any = "exp2:ce",
         gate_init: str | float = "mamba2",
         use_cache: bool = True,
-        bos_token_id: int | None = 50256,
-        eos_token_id: int | None = 50256,
+        bos_token_id: int | None = LAST_ID,
+        eos_token_id: int | list[int] | None = LAST_ID,
         pad_token_id: int | None = None,
         tie_word_embeddings: bool = True,
         mixer_impl: str = "auto",
@@ -189,6 +204,8 @@ class ResolventConfig(PretrainedConfig):
         self.mixer = list(mixer) if isinstance(mixer, tuple) else mixer
         self.gate_init = gate_init
         self.use_cache = use_cache
+        bos_token_id = vocab_size - 1 if bos_token_id is LAST_ID and isinstance(vocab_size, int) else bos_token_id
+        eos_token_id = vocab_size - 1 if eos_token_id is LAST_ID and isinstance(vocab_size, int) else eos_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -217,6 +234,14 @@ class ResolventConfig(PretrainedConfig):
 
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
             positive_int(name)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            for token in value if isinstance(value, list) else [value]:
+                if token is not None and (isinstance(token, bool) or not isinstance(token, int)
+                                          or not 0 <= token < self.vocab_size):
+                    raise ValueError(
+                        f"{name} = {value!r} lies outside the vocabulary (vocab_size = {self.vocab_size}: ids 0 to "
+                        f"{self.vocab_size - 1}); give your tokenizer's id (e.g. {name}=tokenizer.{name}), or None")
         if self.n_inner is not None:
             positive_int("n_inner")
         if self.head_dim is not None:

@@ -106,9 +106,9 @@ class ResolventRotaryEmbedding(nn.Module):
     @torch.no_grad()
     @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for integer positions (B, n), each (B, 1, n, head_dim) in float32 (x gives the device)."""
+        """cos and sin for integer positions (B, n), each (B, n, head_dim) in float32 (x gives the device)."""
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(x.device, torch.float32)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
@@ -355,11 +355,18 @@ def write_ops_bundle(folder: str | Path) -> list[Path]:
 # --------------------------------------------------------------------------------------------------
 # Checkpoints: the weights files record the mixers they were saved for
 
-# Key in the safetensors header metadata (``__metadata__``, str -> str) of every weights file save_pretrained
-# writes: a JSON list with one mixer spec per layer. config.json can be edited and from_pretrained(..., mixer=...)
-# overrides it, while parameters of the same shapes load into any pattern without complaint: this record is
-# what tells that the weights were trained for another mixer.
+# Keys in the safetensors header metadata (``__metadata__``, str -> str) of every weights file save_pretrained
+# writes: a JSON list with one mixer spec per layer (so also the number of layers), and the kind of positions.
+# config.json can be edited and from_pretrained(..., mixer=...) overrides it, while parameters of the same shapes load
+# into any pattern without complaint, and missing layers or a missing position table are initialised at random: these
+# records are what tell that the weights were trained for another model.
 MIXERS_METADATA_KEY = "hf_resolvent.mixers"
+POSITIONS_METADATA_KEY = "hf_resolvent.position_embedding"
+
+
+def _architecture_record(config: ResolventConfig) -> dict[str, str]:
+    """The metadata entries save_pretrained adds to every weights file."""
+    return {MIXERS_METADATA_KEY: json.dumps(_mixer_specs(config)), POSITIONS_METADATA_KEY: config.position_embedding}
 
 
 def _mixer_specs(config: ResolventConfig) -> list[str]:
@@ -376,6 +383,27 @@ def _variant_name(name: str, variant: str | None) -> str:
     return f"{stem}.{variant}.{ext}"
 
 
+def _read_weight_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file) of a safetensors index, or an OSError naming the file."""
+    problem = None
+    try:
+        content = json.loads(index.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        problem = f"is not valid JSON ({err})"
+    else:
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(content, dict):
+            problem = f"holds a {type(content).__name__}, not a JSON object"
+        elif not isinstance(weight_map, dict) or not weight_map:
+            problem = "has no weight_map (tensor name -> shard file), or an empty one"
+        elif not all(isinstance(name, str) for name in weight_map.values()):
+            problem = "has a weight_map whose values are not all shard file names"
+    if problem:
+        raise OSError(f"the weights index {index} {problem}: the model folder is damaged (an interrupted save, copy "
+                      "or download, or a hand edit); save or download the model again")
+    return weight_map
+
+
 def _saved_weight_files(folder: Path, variant: str | None) -> list[Path]:
     """The safetensors files of a saved folder: the single file and/or the shards its index lists."""
     files = []
@@ -384,7 +412,7 @@ def _saved_weight_files(folder: Path, variant: str | None) -> list[Path]:
         files.append(single)
     index = folder / _variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
     if index.is_file():
-        files += [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        files += [folder / name for name in sorted(set(_read_weight_index(index).values()))]
     return files
 
 
@@ -401,8 +429,9 @@ def _add_safetensors_metadata(path: Path, metadata: dict[str, str]) -> None:
 
 
 def _check_weight_files(config: ResolventConfig, files: list[str] | None) -> None:
-    """Before from_pretrained reads any weight: every safetensors file must open (else an OSError naming it), and
-    the mixers recorded at save time must be those of ``config`` (else a warning naming both)."""
+    """Before from_pretrained reads any weight: every safetensors file must open and hold finite floating weights
+    (else an OSError naming the file, and the tensor), and the model recorded at save time (the mixer of each layer,
+    the positions) must be the one ``config`` builds (else a warning naming the differences)."""
     saved = None
     for file in files or []:
         if not str(file).endswith(".safetensors"):
@@ -414,30 +443,62 @@ def _check_weight_files(config: ResolventConfig, files: list[str] | None) -> Non
         try:
             with safe_open(file, framework="pt") as f:
                 metadata = f.metadata() or {}
+                bad = next((name for name in f.keys() if _not_finite(f.get_tensor(name))), None)
         except (SafetensorError, OSError) as err:
             raise OSError(
                 f"cannot read the weights file {file}: {err}. The file is truncated or damaged (an interrupted save, "
                 "copy or download): save or download the model again"
             ) from None
+        if bad is not None:
+            raise OSError(
+                f"the weights file {file} holds NaN or infinite values in {bad}: the file is damaged (overwritten "
+                "bytes), or the model diverged before it was saved; save or download the model again, or load an "
+                "earlier checkpoint"
+            )
         if saved is None and MIXERS_METADATA_KEY in metadata:
-            saved = (file, metadata[MIXERS_METADATA_KEY])
-    if saved is None:  # saved before this record existed, or by other code: nothing to compare
-        return
-    file, record = saved
+            saved = (file, metadata)
+    if saved is not None:  # else saved before these records existed, or by other code: nothing to compare
+        differences = _architecture_differences(config, saved[1])
+        if differences:
+            warnings.warn(
+                f"the weights in {saved[0]} do not match the model the config loading them builds: "
+                f"{'; '.join(differences)}. The outputs will not be those of the trained model: load with the saved "
+                "config.json (restore it, or drop the overrides given to from_pretrained), or fine-tune if the change "
+                "is intended",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+def _not_finite(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+
+
+def _architecture_differences(config: ResolventConfig, metadata: dict[str, str]) -> list[str]:
+    """What the records of a weights file (:func:`_architecture_record`) say differs from ``config``, in words."""
     try:
-        trained = json.loads(record)
+        trained = json.loads(metadata[MIXERS_METADATA_KEY])
     except ValueError:
-        trained = record
+        trained = [metadata[MIXERS_METADATA_KEY]]
     loading = _mixer_specs(config)
-    if trained != loading:
-        warnings.warn(
-            f"the weights in {file} were trained with mixer={_shown_specs(trained)}, but the config loading them "
-            f"says mixer={_shown_specs(loading)}: the outputs will not be those of the trained model. Load with the "
-            "saved mixer (restore config.json, or drop the mixer override of from_pretrained), or fine-tune if the "
-            "switch is intended",
-            UserWarning,
-            stacklevel=2,
-        )
+    differences = []
+    if len(trained) != len(loading):
+        saved_layers, layers = len(trained), len(loading)
+        what = (f"layers {saved_layers} to {layers - 1} start from random weights" if layers > saved_layers else
+                f"the trained layers {layers} to {saved_layers - 1} are left out")
+        differences.append(f"they were saved for n_layer = {saved_layers}, but the config says n_layer = {layers} "
+                           f"({what})")
+    common = min(len(trained), len(loading))
+    if trained[:common] != loading[:common]:
+        differences.append(f"they were trained with mixer={_shown_specs(trained[:common])}, but the config says "
+                           f"mixer={_shown_specs(loading[:common])}")
+    positions = metadata.get(POSITIONS_METADATA_KEY)
+    if positions is not None and positions != config.position_embedding:
+        effect = (" (its learned position table starts from random weights)" if config.position_embedding == "learned"
+                  else " (the trained position table goes unused)")
+        differences.append(f"they were trained with position_embedding={positions!r}, but the config says "
+                           f"position_embedding={config.position_embedding!r}{effect}")
+    return differences
 
 
 def _shown_specs(specs: Any) -> str:
@@ -488,10 +549,21 @@ class ResolventPreTrainedModel(PreTrainedModel):
         if kwargs.get("is_main_process", True):  # the process that wrote the files
             if remote:
                 write_ops_bundle(save_directory)
-            record = {MIXERS_METADATA_KEY: json.dumps(_mixer_specs(self.config))}
+            record = _architecture_record(self.config)
             for path in _saved_weight_files(Path(save_directory), kwargs.get("variant")):
                 _add_safetensors_metadata(path, record)
         return result
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, after checking a local folder's safetensors index, which transformers
+        reads without a check (a damaged one fails deep inside it)."""
+        folder = Path(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        variant = kwargs.get("variant")
+        index = folder / _variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+        if index.is_file() and not (folder / _variant_name(SAFE_WEIGHTS_NAME, variant)).is_file():  # the one read
+            _read_weight_index(index)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
@@ -756,11 +828,13 @@ class ResolventModel(ResolventPreTrainedModel):
                     "that is for training; a decode cache needs one document per sequence, so pass the documents "
                     "as separate (left-padded) sequences to use_cache / generate()")
             use_cache, past_key_values = False, None
-        if n:
+        if self.wpe is not None:  # a learned table ends at n_positions; RoPE goes on (scaled as the config says)
             top = position_ids.max()
-            require(top < self.config.n_positions, f"a position past n_positions = {self.config.n_positions}", lambda: (
-                f"sequence too long: position {int(top)} reached, but the model has max_position_embeddings = "
-                f"n_positions = {self.config.n_positions}; shorten the input or use a config with a larger n_positions"))
+            limit = self.config.n_positions
+            require(top < limit, f"a position past n_positions = {limit}", lambda: (
+                f"sequence too long: position {int(top)} reached, but the model's learned position table has "
+                f"n_positions = {limit} rows; shorten the input (a model with position_embedding='rope' has no "
+                "such limit)"))
 
         hidden_states = inputs_embeds
         if self.wpe is not None:
@@ -771,19 +845,21 @@ class ResolventModel(ResolventPreTrainedModel):
         rope = None if self.rotary_emb is None else self.rotary_emb(hidden_states, position_ids)
         start = None if start is None else start.to(device)
 
+        regrouped = documents or regroup  # at most one of them (refused above)
         all_hidden_states = () if output_hidden_states else None
         for block in self.h:
             if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+                if regrouped is not None:  # the tensor shown is the one the block reads: gradients reach it
+                    shown = regrouped.unpack(hidden_states)
+                    hidden_states = regrouped.pack(shown)
+                all_hidden_states += (hidden_states if regrouped is None else shown,)
             hidden_states = block(hidden_states, rope=rope, start=start, use_cache=use_cache,
                                   **{CACHE_NAME: past_key_values})
         hidden_states = self.ln_f(hidden_states)
+        if regrouped is not None:
+            hidden_states = regrouped.unpack(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        for regrouped in (documents, regroup):
-            if regrouped is not None:
-                hidden_states = regrouped.unpack(hidden_states)
-                all_hidden_states = all_hidden_states and tuple(regrouped.unpack(h) for h in all_hidden_states)
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
@@ -866,7 +942,17 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode=None, batch_size=None,
                                       max_cache_length=None, *args, **kwargs):
         """generate() hook: make a :class:`ResolventCache` (instead of a ``DynamicCache``), static for
-        ``cache_implementation="static"``."""
+        ``cache_implementation="static"``. Also takes the cache under the other release's name (see
+        :data:`CACHE_NAME`), and checks ``prefill_chunk_size``, which transformers uses unchecked."""
+        chunk = generation_config.prefill_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill_chunk_size must be a positive number of tokens (or None: the prompt at once), "
+                             f"got {chunk!r}")
+        other = "past_key_values" if CACHE_NAME == "cache" else "cache"
+        if model_kwargs.get(other) is not None:
+            if model_kwargs.get(CACHE_NAME) is not None:
+                raise ValueError("got two caches, as past_key_values and as cache; pass one")
+            model_kwargs[CACHE_NAME] = model_kwargs.pop(other)
         cache = model_kwargs.get(CACHE_NAME)
         if cache is not None:
             if generation_config.cache_implementation is not None:

@@ -2,9 +2,10 @@
 
 - Token inputs (empty prompt, batch of 0, ids outside the vocabulary): a ValueError from the model's forward, also
   through generate(); valid inputs at the vocabulary's edges still run.
-- Model folders: the weights files record the mixer of each layer, and loading them with another mixer (edited
-  config.json, ``from_pretrained(..., mixer=...)``) warns naming both; a missing config.json or a damaged or missing
-  weights file is an OSError naming the file.
+- Model folders: the weights files record the mixer of each layer and the kind of positions, and loading them
+  into another model (edited config.json: other mixers, another n_layer, other positions; ``from_pretrained(...,
+  mixer=...)``) warns naming the differences; a missing config.json, a damaged or missing weights file, weights
+  that are not finite, or a damaged safetensors index are an OSError naming the file.
 """
 
 from __future__ import annotations
@@ -244,3 +245,74 @@ def test_a_missing_shard_is_named(saved, tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         hr.ResolventForCausalLM.from_pretrained(folder)
     assert str(path) in str(info.value) and "missing" in str(info.value)
+
+
+def _architecture_warnings(record):
+    return [str(w.message) for w in record if "do not match the model the config loading them builds" in
+            str(w.message)]
+
+
+@pytest.mark.parametrize("edit, fragments", [
+    (dict(n_layer=3), ["saved for n_layer = 2, but the config says n_layer = 3",
+                       "layers 2 to 2 start from random weights"]),
+    (dict(n_layer=1), ["saved for n_layer = 2, but the config says n_layer = 1",
+                       "the trained layers 1 to 1 are left out"]),
+    (dict(position_embedding="learned"), ["trained with position_embedding='rope', but the config says "
+                                          "position_embedding='learned'", "learned position table starts from random"]),
+], ids=["more-layers", "fewer-layers", "learned-positions"])
+def test_a_config_edited_to_another_shape_warns_naming_it(saved, edit, fragments, tmp_path):
+    folder = _copy(saved, "single", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(edit)
+    if "n_layer" in edit:  # the mixer list follows the layers, with the same spec in every common layer
+        config["mixer"] = (MIXERS * 2)[:edit["n_layer"]]
+    (folder / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        hr.ResolventForCausalLM.from_pretrained(folder)
+    (message,) = _architecture_warnings(record)
+    assert all(fragment in message for fragment in fragments), message
+    assert "trained with mixer" not in message, message  # the common layers' mixers agree: not said to differ
+
+
+def _overwrite_middle(path):
+    """0xff bytes over a stretch in the middle of the tensor data, as a bad copy might leave: every float32 there
+    reads as NaN, and the file still opens."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = b"\xff" * 4096
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor_and_file(saved, layout, tmp_path):
+    folder = _copy(saved, layout, tmp_path)
+    path = max(_weight_files(folder), key=lambda p: p.stat().st_size)
+    _overwrite_middle(path)
+    with safe_open(path, framework="pt") as f:
+        names = [name for name in f.keys() if not torch.isfinite(f.get_tensor(name)).all()]
+    assert names  # the damage is there, and safetensors reads it without complaint
+    for cls in (hr.ResolventForCausalLM, AutoModelForCausalLM):
+        with pytest.raises(OSError) as info:
+            cls.from_pretrained(folder)
+        message = str(info.value)
+        assert str(path) in message and f"NaN or infinite values in {names[0]}" in message, message
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("{not json", "is not valid JSON"),
+    ("", "is not valid JSON"),
+    ("[1, 2]", "holds a list, not a JSON object"),
+    ('{"metadata": {}, "weight_map": {}}', "has no weight_map"),
+    ('{"metadata": {}}', "has no weight_map"),
+    ('{"weight_map": {"lm_head.weight": 3}}', "has a weight_map whose values are not all shard file names"),
+], ids=["broken", "empty", "list", "empty-map", "no-map", "bad-values"])
+def test_a_damaged_weights_index_is_named(saved, content, problem, tmp_path):
+    folder = _copy(saved, "sharded", tmp_path)
+    index = folder / "model.safetensors.index.json"
+    index.write_text(content)
+    for cls in (hr.ResolventForCausalLM, AutoModelForCausalLM):
+        with pytest.raises(OSError) as info:
+            cls.from_pretrained(folder)
+        message = str(info.value)
+        assert f"the weights index {index} {problem}" in message and "save or download the model again" in message

@@ -331,3 +331,25 @@ def test_forward_takes_the_cache_under_either_name():
         assert out[hr.modeling_resolvent.CACHE_NAME] is cache
     with pytest.raises(ValueError, match="got two different caches, as past_key_values and as cache; pass one"):
         model(ids, cache=hr.ResolventCache(model.config), past_key_values=hr.ResolventCache(model.config))
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_generate_continues_from_a_returned_cache_under_either_name(name):
+    """A second generate() from the first one's returned cache, passed as cache= (transformers >= 5.24's name) or as
+    past_key_values= (the name before), gives the tokens of one generate() over the whole text, on every supported
+    release (CI runs this file at both ends of the range)."""
+    model = tiny_model(["exp2:ce", "dense"])
+    ids = torch.randint(1, 61, (2, 5), generator=torch.Generator().manual_seed(4))
+    first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = first[hr.modeling_resolvent.CACHE_NAME]
+    assert isinstance(cache, hr.ResolventCache)
+    text = torch.cat([first.sequences, torch.full((2, 1), 7)], dim=1)
+    again = model.generate(text, max_new_tokens=4, do_sample=False, **{name: cache})
+    assert torch.equal(again, model.generate(text, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("size", [0, -3, 2.5, True])
+def test_a_prefill_chunk_size_that_is_not_a_positive_count_is_refused(size):
+    model = tiny_model("exp2:ce")
+    with pytest.raises(ValueError, match=f"prefill_chunk_size must be a positive number of tokens .*got {size!r}"):
+        model.generate(torch.randint(1, 61, (1, 6)), max_new_tokens=2, prefill_chunk_size=size)

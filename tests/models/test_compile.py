@@ -109,3 +109,24 @@ def test_inductor_compiled_static_decoding_equals_eager():
     assert torch.equal(got.sequences, want.sequences)
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"new token {step}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fullgraph_forward_with_the_default_cache_continues_like_eager(family):
+    """An eval-mode forward with the defaults (use_cache=True) in one graph, left padding included: the cache built
+    inside the graph (static widths for the register, runtime asserts for start) continues three tokens exactly as
+    the eager prefill's cache does."""
+    model = family_model(family)
+    ids, mask = padded_batch(19)
+    mask[2] = 1  # a left-padded batch, which a cache can continue
+    new = torch.randint(1, 61, (3, 3), generator=torch.Generator().manual_seed(3))
+    longer = torch.cat([mask, torch.ones_like(new)], dim=1)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids, attention_mask=mask)
+        eager = model(ids, attention_mask=mask)
+        got = model(new, attention_mask=longer, past_key_values=compiled.past_key_values).logits
+        want = model(new, attention_mask=longer, past_key_values=eager.past_key_values).logits
+    real = mask.bool()
+    torch.testing.assert_close(compiled.logits[real], eager.logits[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

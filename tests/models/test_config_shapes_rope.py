@@ -109,3 +109,56 @@ def test_rope_parameters_set_on_a_built_config_are_refused(tmp_path):
     assert model.transformer.rotary_emb.rope_type == "yarn" and model.config.n_positions == 1024
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(1, 61, (1, 300))).logits).all()  # past the trained 256
+
+
+# The checks of transformers' common tests test_model_rope_scaling_from_config and
+# test_model_rope_scaling_frequencies, at 1.5x the context, past n_positions: RoPE has no table to run out of.
+
+def test_rope_models_run_past_n_positions_and_decode_there_as_their_full_forward():
+    model = tiny_model(n_positions=32)
+    ids = torch.randint(1, 61, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :40], use_cache=True)
+        step = model(ids[:, 40:], past_key_values=out.past_key_values).logits
+        seq = model.generate(ids[:, :30], max_new_tokens=12, do_sample=False)  # crosses position 32 while decoding
+        again = model(seq).logits
+    assert torch.isfinite(full).all()
+    torch.testing.assert_close(step, full[:, 40:], atol=1e-4, rtol=1e-4)
+    assert torch.equal(seq[:, 30:], again[:, 29:-1].argmax(-1))
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn"])
+def test_rope_scaling_from_config_past_the_context(rope_type):
+    """Short inputs: dynamic NTK equals plain RoPE (it scales only past the original context), linear and YaRN
+    differ. Inputs of 1.5x n_positions: every scaling differs from plain RoPE."""
+    context = 32
+    plain = tiny_model(n_positions=context)
+    scaled = tiny_model(n_positions=context, rope_parameters={"rope_type": rope_type, "factor": 4.0})
+    scaled.load_state_dict(plain.state_dict())
+    short = torch.randint(1, 61, (1, 10), generator=torch.Generator().manual_seed(1))
+    long = torch.randint(1, 61, (1, int(1.5 * context)), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        same_short = torch.allclose(plain(short).logits, scaled(short).logits, atol=1e-5)
+        same_long = torch.allclose(plain(long).logits, scaled(long).logits, atol=1e-5)
+    assert same_short == (rope_type == "dynamic")
+    assert not same_long
+
+
+def test_rope_tables_are_batch_positions_head_dim_and_scale_as_transformers_does():
+    """cos and sin come as (B, n, head_dim), like transformers' rotary modules; linear scaling by 2 at position 2p
+    is plain RoPE at p; dynamic NTK keeps the short tables and changes the long ones."""
+    context, factor = 32, 2.0
+    x = torch.zeros(1)
+    short, long = torch.arange(10)[None], torch.arange(int(1.5 * context))[None]
+    plain = tiny_model(n_positions=context).transformer.rotary_emb
+    linear = tiny_model(n_positions=context, rope_parameters={"rope_type": "linear", "factor": factor})
+    dynamic = tiny_model(n_positions=context, rope_parameters={"rope_type": "dynamic", "factor": factor})
+    cos, sin = plain(x, long)
+    assert cos.shape == sin.shape == (1, long.shape[1], 16)
+    for got, want in zip(linear.transformer.rotary_emb(x, 2 * short), plain(x, short)):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(dynamic.transformer.rotary_emb(x, short), plain(x, short)):
+        torch.testing.assert_close(got, want)
+    long_cos, _ = dynamic.transformer.rotary_emb(x, long)
+    assert not torch.allclose(long_cos, cos)

@@ -102,3 +102,20 @@ def test_onnx_export_matches_pytorch_in_onnxruntime(tmp_path):
 
     got = run_steps(run, seq, step.initial_state())
     torch.testing.assert_close(got, want[:, :-1], atol=1e-4, rtol=1e-4)
+
+
+def test_torch_export_of_the_model_with_its_defaults_returns_a_cache_that_continues():
+    """torch.export.export(model, (ids,)) as users call it: eval mode, use_cache=True, so the output holds a
+    ResolventCache (a registered pytree). The exported program's logits and cache equal eager ones, and the cache
+    continues two tokens exactly as the eager prefill's does."""
+    model = tiny_model()
+    ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(4))
+    new = torch.randint(1, 61, (2, 2), generator=torch.Generator().manual_seed(5))
+    program = torch.export.export(model, (ids,))
+    with torch.no_grad():
+        exported, eager = program.module()(ids), model(ids)
+        assert isinstance(exported.past_key_values, hr.ResolventCache)
+        got = model(new, past_key_values=exported.past_key_values).logits
+        want = model(new, past_key_values=eager.past_key_values).logits
+    torch.testing.assert_close(exported.logits, eager.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

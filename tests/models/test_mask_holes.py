@@ -53,3 +53,22 @@ def test_generation_continues_after_a_prompt_with_holes(mixer):
     for b in range(2):
         real = ids[b][mask[b].bool()][None]
         assert torch.equal(out[b, 8:], model.generate(real, max_new_tokens=6, do_sample=False)[0, real.shape[1]:])
+
+
+@pytest.mark.parametrize("layout", ["holes", "packed"])
+def test_returned_hidden_states_are_on_the_gradient_path(layout):
+    """transformers' test_retain_grad_hidden_states_attentions with a regrouped batch (a mask with holes, or packed
+    documents): every returned hidden state gets a gradient, and asking for them changes no logit."""
+    model = tiny_model("exp2:ce").train()
+    ids = torch.randint(1, 61, (2, 8), generator=torch.Generator().manual_seed(3))
+    if layout == "holes":
+        kw = dict(attention_mask=torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 1, 1, 1, 1]]))
+    else:
+        kw = dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]]))
+    out = model(ids, output_hidden_states=True, **kw)
+    for h in out.hidden_states:
+        h.retain_grad()
+    out.logits.sum().backward()
+    assert all(h.grad is not None and h.grad.abs().sum() > 0 for h in out.hidden_states)
+    with torch.no_grad():
+        assert torch.equal(model(ids, **kw).logits, out.logits)

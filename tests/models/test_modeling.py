@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -63,12 +64,28 @@ def test_config_fields_aliases_and_round_trip(tmp_path):
         (dict(activation_function="swishy"), "activation_function"),
         (dict(mixer_impl="cuda"), "mixer_impl"),
         (dict(chunk_size_feed_forward=-2), "chunk_size_feed_forward"),
+        (dict(eos_token_id=61), "eos_token_id = 61 lies outside the vocabulary (vocab_size = 61: ids 0 to 60)"),
+        (dict(bos_token_id=-1), "bos_token_id = -1 lies outside the vocabulary"),
+        (dict(eos_token_id=[3, 99]), "eos_token_id = [3, 99] lies outside"),
+        (dict(pad_token_id=61), "pad_token_id = 61 lies outside"),
     ],
 )
 def test_config_rejects_bad_values(fields, needle):
     with pytest.raises(ValueError) as err:
         tiny_config(**fields)
     assert needle in str(err.value)
+
+
+def test_default_special_token_ids_follow_the_vocabulary():
+    """GPT-2's convention, the last id (50256 for its vocabulary), for any vocab_size: no id outside the table, so
+    transformers has nothing to warn about when the model is built."""
+    assert hr.ResolventConfig().bos_token_id == hr.ResolventConfig().eos_token_id == 50256
+    small = hr.ResolventConfig(vocab_size=128, n_embd=32, n_layer=1, n_head=2)
+    assert small.bos_token_id == small.eos_token_id == 127
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hr.ResolventForCausalLM(small)
+    assert hr.ResolventConfig(vocab_size=128, eos_token_id=None).eos_token_id is None
 
 
 def _count(cfg) -> int:
@@ -176,8 +193,8 @@ def test_bad_inputs_raise_clear_errors():
         model(ids, attention_mask=torch.ones(2, 1, 6, 6))
     with pytest.raises(ValueError, match="no real token|without any real token"):
         model(ids, attention_mask=torch.tensor([[0] * 6, [1] * 6]))
-    with pytest.raises(ValueError, match="n_positions"):
-        model(torch.randint(1, 61, (1, 65)))
+    with pytest.raises(ValueError, match="learned position table has n_positions = 64 rows"):
+        tiny_model("exp2:ce", position_embedding="learned")(torch.randint(1, 61, (1, 65)))
     with pytest.raises(ValueError, match="output_attentions"):
         model(ids, output_attentions=True)
     with pytest.raises(ValueError, match="ResolventCache"):

@@ -420,13 +420,17 @@ class DecodeState:
         device = ref.device
         if start is not None:
             start = start.to(device=device, dtype=torch.long)
-            if start.shape != (batch,) or (start < 0).any() or (start >= n).any():
-                raise ValueError(f"start must be (batch,) = ({batch},) with values in [0, n) = [0, {n})")
+            message = f"start must be (batch,) = ({batch},) with values in [0, n) = [0, {n})"
+            if start.shape != (batch,):
+                raise ValueError(message)
+            require(((start >= 0) & (start < n)).all(), message, lambda: message)
         offset = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start
 
         if cls.uses_register(pattern):
-            slots = _register(pattern, n - 1 - offset)
-            positions = _distinct_desc(slots)
+            # inside a graph the register's width cannot depend on the values of start: n - 1 bounds every row
+            bound = n - 1 if torch.compiler.is_compiling() else None
+            slots = _register(pattern, n - 1 - offset, top=bound)
+            positions = _distinct_desc(slots, width=None if bound is None else slots.shape[1])
             rows = torch.where(positions >= 0, positions + offset[:, None], 0)  # (B, W) sequence index t
             kept = {name: t.gather(2, rows[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
                     for name, t in tensors.items()}
@@ -797,6 +801,8 @@ def _plan(pattern: Pattern, slots: torch.Tensor | None, positions: torch.Tensor 
     old = slots if slots is not None else torch.full((batch, 0), -1, dtype=torch.long, device=device)
     if old.shape[1] < fs.numel():
         old = torch.cat([old, old.new_full((batch, fs.numel() - old.shape[1]), -1)], dim=1)
+    else:  # slots past these offsets are empty (f(k) > r + 1): a register built with a bound (from_prefill in a graph)
+        old = old[:, :fs.numel()]
     new_slots, _ = _register_step(old, r, fs)
     new_positions = _distinct_desc(new_slots)
     held = torch.cat([positions if positions is not None else new_positions.new_full((batch, 0), -1), r[:, None]], 1)
@@ -804,10 +810,12 @@ def _plan(pattern: Pattern, slots: torch.Tensor | None, positions: torch.Tensor 
     return new_slots, new_positions, match.to(torch.int8).argmax(-1)
 
 
-def _register(pattern: Pattern, r_last: torch.Tensor) -> torch.Tensor:
-    """(B, K) slot register after the tokens up to pattern position r_last (B,), in closed form."""
+def _register(pattern: Pattern, r_last: torch.Tensor, top: int | None = None) -> torch.Tensor:
+    """(B, K) slot register after the tokens up to pattern position r_last (B,), in closed form. ``top`` bounds
+    r_last from above (default: its maximum); a larger bound only adds empty slots (-1) on the right."""
     device = r_last.device
-    top = int(r_last.max().item())
+    if top is None:
+        top = int(r_last.max().item())
     fs = torch.tensor(pattern.offsets(top + 2), dtype=torch.long, device=device)
     steps = torch.tensor(pattern.steps(top + 2), dtype=torch.long, device=device)
     i = (r_last + 2)[:, None]  # 1-indexed row of the next token
@@ -816,12 +824,48 @@ def _register(pattern: Pattern, r_last: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, pos, -1)
 
 
-def _distinct_desc(slots: torch.Tensor) -> torch.Tensor:
-    """(B, K) slots -> (B, W) their distinct valid values, newest first, padded with -1 (W = widest row)."""
+def _distinct_desc(slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """(B, K) slots -> (B, W) their distinct valid values, newest first, padded with -1 (W = ``width``, at least
+    the widest row's count; default: that count)."""
     batch = slots.shape[0]
     ordered = slots.sort(dim=1, descending=True).values
     first = torch.ones_like(ordered[:, :1], dtype=torch.bool)
     distinct = torch.cat([first, ordered[:, 1:] != ordered[:, :-1]], dim=1) & (ordered >= 0)
-    width = int(distinct.sum(1).max().item()) if batch else 0
+    if width is None:
+        width = int(distinct.sum(1).max().item()) if batch else 0
     order = torch.sort(distinct.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
     return torch.where(distinct.gather(1, order), ordered.gather(1, order), -1)
+
+
+# --------------------------------------------------------------------------------------------------
+# States as pytrees: torch.export returns the cache a prefill builds, and takes one as an input
+
+
+def _state_children(state: DecodeState) -> tuple[list, tuple]:
+    """A state's tensors (and containers of tensors, None where unused) as children; its other fields (counts,
+    capacity) and its class as the context."""
+    children, names, constants = [], [], []
+    for field in fields(state):
+        value = getattr(state, field.name)
+        if value is None or isinstance(value, (torch.Tensor, list, dict)):
+            children.append(value)
+            names.append(field.name)
+        else:
+            constants.append((field.name, value))
+    return children, (type(state), tuple(names), tuple(constants))
+
+
+def _state_from_children(children, context) -> DecodeState:
+    cls, names, constants = context
+    return cls(**dict(zip(names, children)), **dict(constants))
+
+
+def _state_children_with_keys(state: DecodeState) -> tuple[list, tuple]:
+    children, context = _state_children(state)
+    return [(torch.utils._pytree.GetAttrKey(name), child) for name, child in zip(context[1], children)], context
+
+
+for _cls in (DecodeState, StaticDecodeState):
+    torch.utils._pytree.register_pytree_node(
+        _cls, _state_children, _state_from_children, serialized_type_name=f"{_cls.__module__}.{_cls.__qualname__}",
+        flatten_with_keys_fn=_state_children_with_keys)
