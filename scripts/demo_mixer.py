@@ -1,10 +1,11 @@
 """Short tour of the mixer library: every pattern, its three forms side by side, cost and cache figures.
 
-    python scripts/demo_mixer.py [--n 300] [--plot patterns.png]
+    python scripts/demo_mixer.py [--n 300] [--plot runs/patterns.png]
 """
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -14,11 +15,16 @@ from hf_resolvent.patterns import get_pattern, plot_patterns
 SPECS = ["attention", "local_attention:8", "dense", "banded:8", "diagonal", "exp2", "exp2:ce", "square", "square:ce"]
 
 
-def main() -> None:
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=300, help="sequence length of the random test inputs")
-    parser.add_argument("--plot", default="patterns.png", help="where to write the A/B masks (PNG)")
-    args = parser.parse_args()
+    # runs/ is git-ignored: a figure written there is never taken for a file of the repository
+    parser.add_argument("--plot", default="runs/patterns.png", help="where to write the A/B masks (PNG)")
+    return parser.parse_args(argv)
+
+
+def main(argv: "list[str] | None" = None) -> None:
+    args = parse_args(argv)
 
     torch.manual_seed(0)
     batch, heads, d = 2, 4, 32
@@ -36,8 +42,9 @@ def main() -> None:
         p = get_pattern(spec)
         print(f"{spec:<18}{(par - ref).abs().max().item():>11.1e}{(rec - ref).abs().max().item():>11.1e}"
               f"{ms:>9.1f}{p.cost(2048):>7}{p.cache_size(2048):>7}")
-    plot_patterns(args.plot)
-    print(f"wrote {args.plot} (non-zero entries of A and B, the papers' Figure 2)")
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    plot_patterns(args.plot, SPECS)  # the patterns of the table above
+    print(f"wrote {args.plot} (non-zero entries of A and B, the papers' Figure 2 with the diagonal pattern)")
 
 
 if __name__ == "__main__":

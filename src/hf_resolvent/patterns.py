@@ -11,7 +11,7 @@ analysis functions, to make the papers' examples checkable verbatim (``exp2:ce``
 ``masks``) is 0-indexed: row ``t`` is the papers' position ``i = t + 1`` and a source position ``s`` is
 the papers' ``j = s + 1``.
 
-Run ``python -m hf_resolvent.patterns --plot patterns.png`` for the papers' Figure 2.
+``python -m hf_resolvent --plot runs/patterns.png`` prints the named patterns' costs and draws their masks.
 """
 
 from __future__ import annotations
@@ -362,6 +362,8 @@ def _check_f(pattern: "Pattern", probes: int = 8) -> None:
 
 
 def _offsets(f: Callable[[int], int], n: int) -> tuple[int, ...]:
+    if torch.compiler.is_compiling():  # dynamo traces through the memo anyway, and warns that it does
+        return _offsets_cached.__wrapped__(f, n)
     try:
         return _offsets_cached(f, n)
     except TypeError:  # unhashable callable
@@ -540,24 +542,7 @@ def plot_patterns(path: str, specs: "list[str] | None" = None, n: int = 64) -> N
     plt.close(fig)
 
 
-def _main(argv: "list[str] | None" = None) -> None:
-    import argparse
+if __name__ == "__main__":  # the older command: ``python -m hf_resolvent`` runs the same without runpy's warning
+    from hf_resolvent.__main__ import main
 
-    parser = argparse.ArgumentParser(description="Inspect resolvent mixer patterns.")
-    parser.add_argument("--plot", metavar="PNG", help="write the A/B masks of the named patterns")
-    parser.add_argument("-n", type=int, default=2048, help="sequence length for the figures printed")
-    parser.add_argument("specs", nargs="*", default=["attention", "local_attention:8", "dense", "banded:8",
-                                                     "diagonal", "exp2", "exp2:ce", "square", "square:ce"])
-    args = parser.parse_args(argv)
-    n = args.n
-    print(f"{'pattern':<20}{'cost(n)':>10}{'cache_size(n)':>15}   (n = {n})")
-    for spec in args.specs:
-        p = get_pattern(spec)
-        print(f"{p.name:<20}{p.cost(n):>10}{p.cache_size(n):>15}")
-    if args.plot:
-        plot_patterns(args.plot)
-        print(f"wrote {args.plot}")
-
-
-if __name__ == "__main__":
-    _main()
+    main()

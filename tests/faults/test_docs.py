@@ -1,19 +1,29 @@
-"""What a new user copies runs as written: the README's Python blocks, the model card's usage block (in a process
-without hf_resolvent, at a terminal where an interactive prompt would wait), and the README's benchmark
+"""What a new user copies runs as written: the README's Python blocks (after the install their text names: every
+package a block imports is in that extra of pyproject.toml, or a base dependency), the model card's usage block (in
+a process without hf_resolvent, at a terminal where an interactive prompt would wait), and the README's benchmark
 commands write to an untracked folder, never over the committed reference results in bench/."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
 from conftest import REPO, load_script, tiny_run_args
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the dev extra installs it there)
+    import tomli as tomllib
 
 ROOT = REPO
 README = (ROOT / "README.md").read_text()
@@ -40,6 +50,77 @@ def _python(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedP
 def test_every_python_block_of_the_readme_runs_as_written(index, tmp_path):
     result = _python(_blocks(README, "python")[index], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)
+_HEADING = re.compile(r"^#{1,6} ", flags=re.M)
+# pip install "hf-resolvent[export]", pip install hf-resolvent, pip install -e ".[dev]", pip install -e .
+_INSTALL = re.compile(r"""pip install\s+(?:-e\s+)?["']?(?:hf-resolvent|\.)(?:\[([\w,\s-]*)\])?""")
+
+
+def _python_blocks_and_extras(text: str) -> list[tuple[str, set[str]]]:
+    """Each Python block of ``text`` with the extras its install line names: the last ``pip install`` of this
+    package in the block itself, or else in the prose that leads to it (since the previous code block or heading).
+    No install line: the base install."""
+    found, prose_start = [], 0
+    for fence in _FENCE.finditer(text):
+        if fence.group(1) == "python":
+            lead = text[prose_start:fence.start()]
+            headings = list(_HEADING.finditer(lead))
+            if headings:
+                lead = lead[headings[-1].start():]
+            installs = _INSTALL.findall(lead + fence.group(2))
+            extras = {e.strip() for e in installs[-1].split(",") if e.strip()} if installs else set()
+            found.append((fence.group(2), extras))
+        prose_start = fence.end()
+    return found
+
+
+def _installed_by(extras: set[str]) -> set[str]:
+    """The distributions ``pip install "hf-resolvent[extras]"`` asks for by name (an extra may name others)."""
+    names = {canonicalize_name(PROJECT["name"])}
+    names |= {canonicalize_name(Requirement(r).name) for r in PROJECT["dependencies"]}
+    todo, seen = set(extras), set()
+    while todo:
+        extra = todo.pop()
+        seen.add(extra)
+        for requirement in map(Requirement, PROJECT["optional-dependencies"][extra]):
+            if canonicalize_name(requirement.name) == canonicalize_name(PROJECT["name"]):
+                todo |= requirement.extras - seen
+            names.add(canonicalize_name(requirement.name))
+    return names
+
+
+def _imported_modules(code: str) -> set[str]:
+    """The top-level modules ``code`` imports, the standard library's left out."""
+    modules = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules.add(node.module.split(".")[0])
+    return modules - set(sys.stdlib_module_names)
+
+
+def test_the_install_lines_are_found():
+    assert len(_python_blocks_and_extras(README)) == len(_blocks(README, "python"))
+    assert any("onnxruntime" in code and extras == {"export"} for code, extras in _python_blocks_and_extras(README))
+
+
+@pytest.mark.parametrize("index", range(len(_blocks(README, "python"))))
+def test_every_python_block_imports_only_what_its_install_line_installs(index):
+    code, extras = _python_blocks_and_extras(README)[index]
+    assert extras <= set(PROJECT["optional-dependencies"]), f"block {index}: no such extra in pyproject.toml"
+    install = f"pip install \"hf-resolvent[{','.join(sorted(extras))}]\"" if extras else "pip install hf-resolvent"
+    installed = _installed_by(extras)
+    distributions = packages_distributions()
+    for module in sorted(_imported_modules(code)):
+        providers = {canonicalize_name(d) for d in distributions.get(module, [])}
+        assert providers, f"block {index} imports {module}, which is not installed here (no distribution has it)"
+        assert providers & installed, (
+            f"README Python block {index} imports {module} ({', '.join(sorted(providers))}), which `{install}` "
+            f"does not install: add it to that extra in pyproject.toml, or name the extra that has it")
 
 
 _NO_HF_RESOLVENT = textwrap.dedent("""
@@ -93,3 +174,35 @@ def test_readme_commands_write_to_an_untracked_folder():
 def test_bench_kernels_default_output_is_untracked():
     out = load_script("bench_kernels").parse_args([]).out
     assert subprocess.run(["git", "check-ignore", "-q", out + ".json"], cwd=ROOT).returncode == 0, out
+
+
+def test_the_patterns_command_prints_no_warning(tmp_path):
+    png = tmp_path / "figures" / "patterns.png"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "hf_resolvent", "-n", "64", "--plot", str(png)], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Warning" not in result.stderr, result.stderr[-3000:]  # runpy's, when the package ran patterns.py again
+    assert "diagonal" in result.stdout and png.stat().st_size > 0
+    # the older command still runs it (Python itself warns there: the package has imported patterns.py already)
+    older = subprocess.run([sys.executable, "-m", "hf_resolvent.patterns", "-n", "64"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert older.returncode == 0 and older.stdout == result.stdout.replace(f"wrote {png}\n", ""), older.stderr
+
+
+def test_demo_mixer_draws_the_patterns_of_its_table_where_git_ignores_it(tmp_path, monkeypatch):
+    demo = load_script("demo_mixer")
+    default = demo.parse_args([]).plot
+    assert subprocess.run(["git", "check-ignore", "-q", default], cwd=ROOT).returncode == 0, default
+    drawn = []
+
+    def plot_patterns(path, specs=None, n=64):
+        drawn.append(specs)
+        return real_plot_patterns(path, specs, n)
+
+    real_plot_patterns = demo.plot_patterns
+    monkeypatch.setattr(demo, "plot_patterns", plot_patterns)
+    png = tmp_path / "figures" / "patterns.png"
+    demo.main(["--n", "16", "--plot", str(png)])
+    assert drawn == [demo.SPECS] and "diagonal" in demo.SPECS
+    assert png.stat().st_size > 0
