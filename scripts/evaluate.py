@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_resolvent import data as hdata
+from hf_resolvent import files
 from hf_resolvent.experiments import training as T
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,11 +88,28 @@ def _data_dir_for(model_dir: Path, override: str | None) -> Path:
         return Path(override)
     run_cfg = model_dir / "run_config.json"
     if run_cfg.exists():
-        d = json.loads(run_cfg.read_text())["data"]["dir"]
-        if d is None:
-            d = Path(os.environ.get("HF_RESOLVENT_DATA", "data")) / "stdlib"
-        return Path(d)
+        return T.recorded_data_dir(json.loads(run_cfg.read_text()))
     raise hdata.DataError(f"{model_dir} has no run_config.json to tell which data it was trained on; pass --data")
+
+
+def load_tokenizer(model_dir: Path, data_dir: Path | None):
+    """The tokenizer saved in ``model_dir``. A folder without tokenizer files is an error that says so and where the
+    training data's tokenizer is (``data_dir``, when known): transformers' own error for it is a guess about a
+    missing converter ("You need to have sentencepiece or tiktoken installed")."""
+    from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import FULL_TOKENIZER_FILE, TOKENIZER_CONFIG_FILE
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception:
+        if any((model_dir / name).exists() for name in (TOKENIZER_CONFIG_FILE, FULL_TOKENIZER_FILE)):
+            raise  # the files are there: transformers' error is about them
+        source = data_dir / "tokenizer" if data_dir is not None else None
+        where = (f" (the tokenizer of the data it was trained on is in {source}: copy its files into {model_dir})"
+                 if source is not None and source.is_dir() else "")
+        raise hdata.DataError(f"{model_dir} has no tokenizer files ({TOKENIZER_CONFIG_FILE}, {FULL_TOKENIZER_FILE}): "
+                              f"save the tokenizer the model was trained with into it, with "
+                              f"tokenizer.save_pretrained({str(model_dir)!r}){where}") from None
 
 
 def _check_same_tokenizer(tokenizer, data_dir: Path) -> None:
@@ -166,13 +183,13 @@ def generate_samples(model, tokenizer, prompts: list[str], max_new_tokens: int, 
 
 
 def evaluate_model(model_dir: Path, args, device: torch.device, log=print) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import hf_resolvent  # noqa: F401 - registers the resolvent model type
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data_dir = _data_dir_for(model_dir, args.data)
+    tokenizer = load_tokenizer(model_dir, data_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
     try:
         hdata.verify_prepared(data_dir)
     except hdata.DataError as err:
@@ -208,7 +225,8 @@ def evaluate_model(model_dir: Path, args, device: torch.device, log=print) -> di
               "params": T.count_parameters(model), "data": meta.get("data"), "split": args.split, **ppl,
               "time_per_token": cx.get("time_per_token"), "cache": cx.get("cache"), "budget": budget,
               "samples": samples}
-    hdata.atomic_write_json(model_dir / "eval_results.json", result)
+    with files.writing(model_dir, "or copy the model folder somewhere writable and evaluate the copy"):
+        hdata.atomic_write_json(model_dir / "eval_results.json", result)
     return result
 
 
@@ -295,17 +313,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise hdata.DataError(f"{model_dir} is not a model folder (no config.json); pass the --output-dir "
                                       f"of a finished scripts/pretrain.py run")
             results.append(evaluate_model(model_dir, args, device))
-    except (hdata.DataError, T.RunError, ValueError) as err:
+        out = Path(args.out) if args.out else Path(args.models[0]).resolve().parent / "eval"
+        references, said = reference_rows(results, args.references)
+        print(f"[evaluate] {said}")
+        table = markdown_table(results + references)
+        with files.writing(out, "or pass another --out"):
+            out.mkdir(parents=True, exist_ok=True)
+            hdata.atomic_write_json(out / "eval.json", {"rows": results, "references": references})
+            (out / "eval.md").write_text(table)
+            plot_comparison(results + references, out / "perplexity_vs_complexity.png")
+    except (hdata.DataError, T.RunError, ValueError, OSError) as err:  # OSError: a damaged model folder, a refused write
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path(args.models[0]).resolve().parent / "eval"
-    out.mkdir(parents=True, exist_ok=True)
-    references, said = reference_rows(results, args.references)
-    print(f"[evaluate] {said}")
-    hdata.atomic_write_json(out / "eval.json", {"rows": results, "references": references})
-    table = markdown_table(results + references)
-    (out / "eval.md").write_text(table)
-    plot_comparison(results + references, out / "perplexity_vs_complexity.png")
     print(table)
     print(f"[evaluate] wrote {out / 'eval.json'}, {out / 'eval.md'} and {out / 'perplexity_vs_complexity.png'}")
     return 0

@@ -17,10 +17,13 @@ The data order is a function of the optimizer step (``StepSampler``), checkpoint
 last) and hold the model, optimizer, RNG states, the step and the run's configuration: killing the run at any
 moment and re-running the same command with ``--resume`` ends with the same weights as a run never interrupted.
 ``--resume`` takes the newest checkpoint that matches its manifest (naming any damaged one it skips) and refuses
-a configuration or data set other than the checkpoint's. One run at a time may use an output folder (a lock that
-ends with its process). A non-finite loss or validation result stops the run with an error. At the end
-OUTPUT_DIR is a ``save_pretrained`` folder (model, tokenizer, README.md model card; published so that a kill
-never leaves a half-written model that loads), with ``metrics.jsonl``, ``loss.png`` and ``train_results.json``.
+a configuration or data set other than the checkpoint's. A full device or an output folder that cannot be written
+stops the run with an error naming the folder: the checkpoint being written is removed, the earlier ones are kept.
+One run at a time may use an output folder (a lock that ends with its process). A non-finite loss or validation
+result stops the run with an error. At the end OUTPUT_DIR is a ``save_pretrained`` folder (model, tokenizer,
+README.md model card; published so that a kill never leaves a half-written model that loads), with
+``metrics.jsonl``, ``loss.png`` and ``train_results.json``. The run's record (``run_config.json``, and in every
+checkpoint) names the data folder by its absolute path, so evaluate.py finds it from any working folder.
 
 FSDP2 (``--fsdp``, or an accelerate config with ``distributed_type: FSDP``) shards parameters, gradients and optimizer
 state per transformer block with Accelerate's FSDP plugin, on GPUs and on CPU processes (gloo) alike; checkpoints
@@ -33,11 +36,15 @@ error. With several nodes, OUTPUT_DIR and the data must be on a filesystem all o
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
+import logging
 import math
 import os
+import re
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,10 +54,9 @@ import torch
 import torch.nn.functional as F
 
 from hf_resolvent import data as hdata
-from hf_resolvent import locks
+from hf_resolvent import files, locks
 from hf_resolvent.experiments import training as T
 
-DEFAULT_DATA_ROOT = "data"
 # fields that may change between an interrupted run and its resumption (they do not change the weights)
 RESUMABLE_CHANGES = {("eval", "every"), ("checkpoint", "every"), ("checkpoint", "keep"), ("log", "every"),
                      ("log", "trackers"), ("eval", "max_windows"), ("eval", "micro_batch")}
@@ -91,10 +97,7 @@ def _resolve_config(args) -> dict:
         overrides.append(f"eval.every={args.eval_every}")
     if args.data:
         overrides.append(f"data.dir={args.data}")
-    cfg = T.load_config(args.config, overrides)
-    if int(cfg["train"]["max_steps"]) < 1:
-        raise T.ConfigError("train.max_steps must be >= 1")
-    return cfg
+    return T.load_config(args.config, overrides)  # which also checks every numeric setting
 
 
 def _mixed_precision(setting: str) -> str:
@@ -134,6 +137,16 @@ def _flat(cfg: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out
+
+
+def _absolute_data_dir(record: dict) -> dict:
+    """``record`` with its data folder as an absolute path, as this version records it. Records of earlier versions
+    hold it as given, relative to the folder the run was started from (which a resume shares), or null for the
+    offline default."""
+    data = record.get("data")
+    if not isinstance(data, dict) or "dir" not in data:
+        return record
+    return {**record, "data": {**data, "dir": str(T.recorded_data_dir(record).resolve())}}
 
 
 def _check_resumable(saved: dict, now: dict) -> None:
@@ -238,34 +251,88 @@ def params_checksum(model) -> torch.Tensor:
 
 
 def ensure_data(accelerator, cfg: dict) -> Path:
-    """The prepared data folder; prepares the offline default on the main process when none is configured."""
+    """The prepared data folder, as an absolute path; prepares the offline default on the main process when none
+    is configured."""
     data_dir = cfg["data"]["dir"]
     if data_dir is None:
-        data_dir = Path(os.environ.get("HF_RESOLVENT_DATA", DEFAULT_DATA_ROOT)) / "stdlib"
+        data_dir = T.default_data_dir()
         if accelerator.is_main_process and not hdata.is_prepared(data_dir):
             print(f"[pretrain] no --data given: preparing the offline default corpus in {data_dir}", flush=True)
-            hdata.prepare_dataset(data_dir, source=hdata.STDLIB)
+            with files.writing(data_dir, "or pass --data with a folder prepared elsewhere"):
+                hdata.prepare_dataset(data_dir, source=hdata.STDLIB)
         accelerator.wait_for_everyone()
     data_dir = Path(data_dir)
     hdata.verify_prepared(data_dir)  # says what is missing, unfinished or damaged, and the fix
-    return data_dir
+    return data_dir.resolve()
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, keep: int) -> Path:
-    """accelerator.save_state into a temporary folder, then an atomic rename to checkpoints/step_N."""
+class _TiedWeightsNotice(logging.Filter):
+    """Drops Accelerate's "Removed shared tensor {...} while saving" when every name it lists is a tied parameter
+    of the model: the LM head shares the input embedding's matrix, safetensors stores that matrix once, and
+    loading ties the two again, so the notice is expected at every checkpoint. A notice naming any other tensor,
+    and every other record, passes."""
+
+    def __init__(self, tied: set[str]):
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = re.search(r"Removed shared tensor (\{.*?\}) while saving", record.getMessage())
+        if found is None:
+            return True
+        try:
+            names = ast.literal_eval(found.group(1))
+        except (ValueError, SyntaxError):
+            return True
+        return not (isinstance(names, set) and names <= self.tied)
+
+
+def _tied_names(model) -> set[str]:
+    """Names of the parameters that share their tensor with another parameter (tied embeddings), all of them."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n for group in names.values() if len(group) > 1 for n in group}
+
+
+@contextlib.contextmanager
+def _tied_weights_notice_hidden(model):
+    """Hide Accelerate's notice about the model's tied weights (:class:`_TiedWeightsNotice`) while it saves."""
+    notice = _TiedWeightsNotice(_tied_names(model))
+    logger = logging.getLogger("accelerate.utils.other")  # where clean_state_dict_for_safetensors logs it
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
+def save_checkpoint(accelerator, model, output_dir: Path, step: int, state: dict, keep: int) -> Path:
+    """accelerator.save_state into a temporary folder, then an atomic rename to checkpoints/step_N.
+
+    A write the filesystem refuses (a full device, a read-only folder) removes the temporary folder and raises
+    :class:`files.WriteError`: the checkpoints written before are kept, and --resume continues from the newest."""
     final = T.checkpoint_dir(output_dir, step)
     tmp = final.with_name(f".tmp_{final.name}")
-    if accelerator.is_main_process:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        hdata.atomic_write_json(tmp / "trainer_state.json", state)
-        T.finalize_checkpoint(tmp, final, keep)
+    last = T.latest_checkpoint(output_dir)
+    then = (f"then run the same command with --resume: it continues from {last.name}, the last checkpoint written"
+            if last else "then run the same command with --resume (no checkpoint was written yet: it starts again)")
+    try:
+        with files.writing(final.parent, f"{then} ({final.name} was not written)"):
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            accelerator.wait_for_everyone()
+            with _tied_weights_notice_hidden(accelerator.unwrap_model(model)):
+                accelerator.save_state(str(tmp), safe_serialization=True)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                hdata.atomic_write_json(tmp / "trainer_state.json", state)
+                T.finalize_checkpoint(tmp, final, keep)
+    except Exception:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint only takes space: resume never reads it
+        raise
     accelerator.wait_for_everyone()
     return final
 
@@ -296,8 +363,6 @@ def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data
     state_dict = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return
-    import shutil
-
     raw = accelerator.unwrap_model(model)
     cls = _model_class(raw)
     if type(raw) is not cls:
@@ -311,14 +376,20 @@ def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data
             if first.setdefault(id(p), name) != name:
                 state_dict.pop(name, None)
     staged = output_dir / ".tmp_final"
-    shutil.rmtree(staged, ignore_errors=True)
-    raw.save_pretrained(staged, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(staged)
-    T.plot_loss(output_dir / "metrics.jsonl", staged / "loss.png",
-                title=f"{T.model_label(cfg['model'])} ({cfg['name']})")
-    hdata.atomic_write_json(staged / "train_results.json", results)
-    (staged / "README.md").write_text(T.render_model_card(card_info(cfg, data_meta, results, argv, raw)))
-    T.publish_model_folder(staged, output_dir)
+    try:
+        with files.writing(output_dir, "then run the same command with --resume: it writes the model folder from "
+                                       "the last checkpoint"):
+            shutil.rmtree(staged, ignore_errors=True)
+            raw.save_pretrained(staged, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(staged)
+            T.plot_loss(output_dir / "metrics.jsonl", staged / "loss.png",
+                        title=f"{T.model_label(cfg['model'])} ({cfg['name']})")
+            hdata.atomic_write_json(staged / "train_results.json", results)
+            (staged / "README.md").write_text(T.render_model_card(card_info(cfg, data_meta, results, argv, raw)))
+            T.publish_model_folder(staged, output_dir)
+    except Exception:
+        shutil.rmtree(staged, ignore_errors=True)  # never loaded (no config.json moved out of it): only space
+        raise
 
 
 def card_info(cfg: dict, data_meta: dict, results: dict, argv: list[str], model) -> dict:
@@ -398,10 +469,11 @@ def train(argv: list[str] | None = None) -> dict:
     if accelerator.is_main_process:  # the run's first line: how it is distributed
         print(f"[pretrain] {T.describe_distributed(accelerator)}", flush=True)
     # one run per output folder: the main process holds the lock until the run ends, however it ends
-    run_lock = (locks.exclusive(output_dir / ".run.lock", what=f"the run folder {output_dir}",
-                                fix="wait for that run to end, or pass another --output-dir")
-                if accelerator.is_main_process else contextlib.nullcontext())
-    with run_lock:
+    with contextlib.ExitStack() as run_lock:
+        if accelerator.is_main_process:
+            with files.writing(output_dir, "or pass another --output-dir"):  # the run's first write
+                run_lock.enter_context(locks.exclusive(output_dir / ".run.lock", what=f"the run folder {output_dir}",
+                                                       fix="wait for that run to end, or pass another --output-dir"))
         return _run(args, argv, cfg, accelerator, output_dir, trackers)
 
 
@@ -478,6 +550,8 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     if accelerator.device.type == "cpu":
         T.keep_freed_memory()  # reuse the large blocks every step frees (see its docstring)
     data_dir = ensure_data(accelerator, cfg)
+    # recorded as an absolute path: evaluate.py (and a resume) find the data from any working folder
+    cfg = {**cfg, "data": {**cfg["data"], "dir": str(data_dir)}}
     data_meta = json.loads((data_dir / "meta.json").read_text())
     from transformers import AutoTokenizer
 
@@ -506,12 +580,13 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
             raise T.ConfigError(f"{last} does not record the configuration it was trained with (an older "
                                 f"version wrote it), so it cannot be checked against this run; train into another "
                                 f"--output-dir")
-        _check_resumable(saved, record)
+        _check_resumable(_absolute_data_dir(saved), record)
     accelerator.wait_for_everyone()
     if main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        T.clean_temporary_checkpoints(output_dir)
-        hdata.atomic_write_json(saved_cfg_path, cfg)
+        with files.writing(output_dir, "or pass another --output-dir"):
+            output_dir.mkdir(parents=True, exist_ok=True)
+            T.clean_temporary_checkpoints(output_dir)
+            hdata.atomic_write_json(saved_cfg_path, cfg)
 
     set_seed(int(tcfg["seed"]))
     model = T.build_model(cfg["model"], len(tokenizer), seq_len, eos_token_id=tokenizer.eos_token_id)
@@ -547,7 +622,8 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     elif args.resume:
         log(f"[pretrain] --resume: no checkpoint in {output_dir}, starting from step 0")
     if main:
-        T.truncate_metrics(output_dir / "metrics.jsonl", step)
+        with files.writing(output_dir):
+            T.truncate_metrics(output_dir / "metrics.jsonl", step)
 
     tokens_per_step = sampler.global_batch * seq_len
     label = T.model_label(cfg["model"])
@@ -566,7 +642,7 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
 
     def log_row(row: dict) -> None:
         if main:
-            with open(metrics_path, "a") as f:
+            with files.writing(output_dir, "then run the same command with --resume"), open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         if trackers:
             accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
@@ -621,7 +697,7 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
         if step % int(cfg["checkpoint"]["every"]) == 0 or step == max_steps:
             state = {"step": step, "tokens": tokens_seen, "train_time": train_time, **last_eval, "run": record,
                      "distributed": how}
-            save_checkpoint(accelerator, output_dir, step, state, int(cfg["checkpoint"]["keep"]))
+            save_checkpoint(accelerator, model, output_dir, step, state, int(cfg["checkpoint"]["keep"]))
             window_t0 = time.time()
         bar.update(1)
         if args.pause_after is not None and step == args.pause_after:
@@ -675,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         T.relaunch_cpu_processes_if_needed(__file__, sys.argv[1:])
     try:
         train(argv)
-    except (T.ConfigError, T.RunError, hdata.DataError, locks.LockHeld) as err:
+    except (T.ConfigError, T.RunError, hdata.DataError, locks.LockHeld, files.WriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

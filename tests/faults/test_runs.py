@@ -1,10 +1,15 @@
 """Faults injected into training runs (scripts/pretrain.py) and evaluation (scripts/evaluate.py): a second run
 into a busy folder, a resume against another configuration or data, damaged checkpoints, a kill while the final
-model is written, non-finite numbers, a validation split too short for one window."""
+model is written, non-finite numbers, a validation split too short for one window, numeric settings out of range,
+a full device or a read-only folder, a model folder without its tokenizer, a run evaluated from another folder."""
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +22,7 @@ from conftest import load_script, tiny_run_args
 from safetensors.torch import load_file, save_file
 
 from hf_resolvent import data as D
+from hf_resolvent import files
 from hf_resolvent.experiments import training as T
 
 pretrain = load_script("pretrain")
@@ -104,8 +110,6 @@ def test_resume_refuses_another_configuration_even_without_run_config(tiny_data,
 
 
 def test_resume_refuses_data_prepared_anew_in_the_same_folder(tiny_data, tmp_path, capsys):
-    import shutil
-
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     out = tmp_path / "run"
@@ -196,8 +200,6 @@ def test_training_stops_at_the_first_non_finite_loss(tiny_data, tmp_path, capsys
 
 
 def test_resuming_a_finished_run_with_non_finite_weights_is_refused(tiny_data, straight, tmp_path, capsys):
-    import shutil
-
     out = tmp_path / "run"
     shutil.copytree(straight[0], out)
     (out / "model.safetensors").unlink()
@@ -227,18 +229,25 @@ def test_a_validation_split_shorter_than_one_window_is_refused(tiny_data, tmp_pa
 
 
 def test_evaluate_refuses_non_finite_results_and_short_splits(straight, tmp_path, capsys):
-    import shutil
-
     folder = tmp_path / "model"
-    shutil.copytree(straight[0], folder)
+    shutil.copytree(straight[0], folder, ignore=shutil.ignore_patterns("eval_results.json"))
     code = evaluate.main([str(folder), "--samples", "0", "--max-length", str(10**6), "--out", str(tmp_path / "e")])
     assert code == 2
     assert "fewer than one window" in capsys.readouterr().err
-    _poison(folder, manifest=False)  # the model folder's own weights
+    _poison(folder, manifest=False)  # NaN in the model folder's own weights: refused as they load, or by the result
     code = evaluate.main([str(folder), "--samples", "0", "--out", str(tmp_path / "e")])
     assert code == 2
     err = capsys.readouterr().err
-    assert "not finite" in err and "Traceback" not in err
+    assert "Traceback" not in err and ("not finite" in err or "NaN" in err), err
+    assert not (folder / "eval_results.json").exists() and not (tmp_path / "e" / "eval.json").exists()
+    # finite weights so large that the outputs overflow: only the result can tell
+    weights = load_file(str(straight[0] / "model.safetensors"))
+    final_norm = next(k for k in weights if "ln_f" in k and k.endswith("weight"))
+    weights[final_norm].fill_(3e38)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    code = evaluate.main([str(folder), "--samples", "0", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code == 2 and "not finite" in err and "Traceback" not in err, err
     assert not (folder / "eval_results.json").exists() and not (tmp_path / "e" / "eval.json").exists()
 
 
@@ -248,3 +257,213 @@ def test_the_two_perplexities_say_what_they_measure(straight, tmp_path, capsys):
     assert "(4 non-overlapping windows of 32 tokens" in (folder / "README.md").read_text()
     assert evaluate.main([str(folder), "--samples", "0", "--out", str(tmp_path / "e")]) == 0
     assert "strided: windows of 32 tokens every 16" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------- round two, item 1: numeric settings
+
+
+@pytest.mark.parametrize("setting, named", [
+    (["--set", "train.batch_size=0"], "train.batch_size=0"),
+    (["--set", "train.batch_size=-4"], "train.batch_size=-4"),
+    (["--save-every", "0"], "checkpoint.every=0"),
+    (["--eval-every", "0"], "eval.every=0"),
+    (["--set", "train.lr=-1e-3"], "train.lr='-1e-3'"),
+    (["--set", "train.lr=abc"], "train.lr='abc'"),
+])
+def test_a_numeric_setting_out_of_range_stops_the_run_before_it_starts(tiny_data, tmp_path, capsys, setting, named):
+    out = tmp_path / "run"
+    code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "4", *setting), capsys)
+    assert code == 2
+    assert named in err and "must be a" in err and "Traceback" not in err, err
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_every_numeric_setting_is_checked_and_sound_values_pass():
+    for key in T.NUMERIC_SETTINGS:
+        for bad in ("-1", "abc", "true", ".nan"):
+            with pytest.raises(T.ConfigError, match=f"^{key}=.* is not allowed: it must be "):
+                T.load_config("tiny", [f"{key}={bad}"])
+    for whole in ("train.max_steps", "eval.every", "checkpoint.every", "log.every", "data.seq_len"):
+        with pytest.raises(T.ConfigError, match="whole number"):
+            T.load_config("tiny", [f"{whole}=2.5"])
+    with pytest.raises(T.ConfigError, match="two numbers"):
+        T.load_config("tiny", ["train.betas=[0.9]"])
+    # edge values that are allowed, and a fraction as YAML leaves it (a string float() reads)
+    cfg = T.load_config("tiny", ["train.lr=3e-4", "train.warmup_steps=0", "checkpoint.keep=0", "train.seed=0",
+                                 "train.min_lr_ratio=0", "train.weight_decay=0", "train.betas=[0.0, 0.999]"])
+    assert cfg["train"]["lr"] == "3e-4" and T.lr_at(0, cfg["train"]) == pytest.approx(3e-4)
+
+
+# ---------------------------------------------------------- round two, item 8: a full device, a read-only folder
+
+
+TORCH_SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"
+
+
+@pytest.mark.parametrize("error", [RuntimeError(TORCH_SHORT_WRITE), OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))],
+                         ids=["torch-short-write", "ENOSPC"])
+def test_a_full_device_during_a_checkpoint_keeps_the_last_one(tiny_data, straight, tmp_path, monkeypatch, capsys,
+                                                              error):
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):  # the device fills up while step 6's checkpoint is written
+        if "step_0000006" in str(f):
+            Path(f).write_bytes(b"\0" * 100)  # what the writer got onto the disk
+            raise error
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    out = tmp_path / "run"
+    code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "7"), capsys)
+    assert code == 2
+    assert f"no space left on the device holding {out / 'checkpoints'}" in err, err
+    assert "--resume" in err and "step_0000003" in err and "Traceback" not in err and "enforce" not in err, err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000003"]  # no partial checkpoint
+    assert not (out / "config.json").exists()
+    monkeypatch.undo()
+    code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "7", "--resume"), capsys)
+    assert code == 0, err
+    a, b = load_file(str(straight[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # steps 4-7 trained again from step 3: the same weights
+
+
+def test_a_full_device_while_the_final_model_is_written_leaves_nothing_that_loads(tiny_data, tmp_path,
+                                                                                   monkeypatch, capsys):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(T, "plot_loss", full)  # the weights and config are staged by now
+    out = tmp_path / "run"
+    code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "3"), capsys)
+    assert code == 2
+    assert f"no space left on the device holding {out}" in err and "--resume" in err and "Traceback" not in err, err
+    assert not (out / "config.json").exists() and not (out / ".tmp_final").exists()
+
+
+def _refuse_writes(monkeypatch, folder: Path, code: int = errno.EROFS) -> None:
+    """Make every write under ``folder`` fail as on a read-only filesystem (tests run as root, whom chmod does not
+    stop): creating a folder or a file, or opening one for writing."""
+    folder = os.path.abspath(folder)
+    inside = lambda path: os.path.commonpath([folder, os.path.abspath(os.fspath(path))]) == folder  # noqa: E731
+    refused = lambda path: OSError(code, os.strerror(code), os.fspath(path))  # noqa: E731
+    real_open, real_os_open, real_mkdir = builtins.open, os.open, os.mkdir
+
+    def open_(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and inside(file) and any(c in mode for c in "wax+"):
+            raise refused(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def os_open(path, flags, *args, **kwargs):
+        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise refused(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def mkdir(path, *args, **kwargs):
+        if inside(path) and not os.path.exists(path):  # an existing folder is EEXIST, as on a read-only mount
+            raise refused(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+
+
+@pytest.mark.parametrize("refused", [errno.EROFS, errno.EACCES], ids=["EROFS", "EACCES"])
+def test_a_read_only_output_folder_is_a_clear_error(tiny_data, tmp_path, monkeypatch, capsys, refused):
+    out = tmp_path / "run"
+    out.mkdir()
+    _refuse_writes(monkeypatch, out, refused)
+    code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "3"), capsys)
+    assert code == 2
+    assert f"cannot write to {out} ({os.strerror(refused)})" in err and "--output-dir" in err, err
+    assert "Traceback" not in err and list(out.iterdir()) == []
+
+
+def test_evaluate_into_read_only_folders_is_a_clear_error(straight, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "model"
+    shutil.copytree(straight[0], folder, ignore=shutil.ignore_patterns("checkpoints", "eval_results.json"))
+    with monkeypatch.context() as m:
+        _refuse_writes(m, folder)
+        code = evaluate.main([str(folder), "--samples", "0", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot write to {folder}" in err and "Traceback" not in err, err
+    assert not (folder / "eval_results.json").exists() and not (tmp_path / "e").exists()
+    with monkeypatch.context() as m:
+        _refuse_writes(m, tmp_path / "e")
+        code = evaluate.main([str(folder), "--samples", "0", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot write to {tmp_path / 'e'}" in err and "--out" in err, err
+
+
+def test_writing_names_refused_writes_and_passes_other_errors_on(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    full = {"no space left on the device holding": [
+        OSError(errno.ENOSPC, "No space left on device"), RuntimeError(TORCH_SHORT_WRITE),
+        RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
+                     "data/0: file write failed"),
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")],
+        "cannot write to": [OSError(errno.EROFS, "Read-only file system"), PermissionError(errno.EACCES, "denied")]}
+    for said, errors in full.items():
+        for error in errors:
+            with pytest.raises(files.WriteError, match=f"^{said} {tmp_path}.*, or pass another --out$"):
+                with files.writing(tmp_path, "or pass another --out"):
+                    raise error
+    for other in (RuntimeError("boom"), FileNotFoundError(errno.ENOENT, "gone"), ValueError("no")):
+        with pytest.raises(type(other)) as caught, files.writing(tmp_path):
+            raise other
+        assert caught.value is other
+    # an atomic write cut short leaves neither the file nor its temporary twin
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(files.WriteError, match="no space left"), files.writing(tmp_path):
+        files.atomic_write_json(tmp_path / "x.json", {"a": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------- round two, item 9: a folder without its tokenizer
+
+
+def test_evaluate_a_model_folder_without_its_tokenizer_says_so(tiny_data, straight, tmp_path, capsys):
+    folder = tmp_path / "model"
+    shutil.copytree(straight[0], folder, ignore=shutil.ignore_patterns("checkpoints", "eval_results.json",
+                                                                       "tokenizer*.json"))
+    code = evaluate.main([str(folder), "--samples", "0", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{folder} has no tokenizer files (tokenizer_config.json, tokenizer.json)" in err, err
+    assert str(tiny_data / "tokenizer") in err and "sentencepiece" not in err and "Traceback" not in err, err
+    assert not (folder / "eval_results.json").exists() and not (tmp_path / "e").exists()
+
+
+# ------------------------------------------------------ round two, item 18: the record's data folder is absolute
+
+
+def test_evaluate_finds_the_data_of_a_run_started_in_another_folder(tiny_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tiny_data.parent)
+    out = tmp_path / "run"
+    pretrain.train(tiny_run_args(tiny_data.name, out, "--max-steps", "3"))  # --data data0: relative
+    assert json.loads((out / "run_config.json").read_text())["data"]["dir"] == str(tiny_data.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code = evaluate.main([str(out), "--samples", "0", "--out", str(tmp_path / "e")])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((out / "eval_results.json").read_text())["tokens"] > 0
+
+
+def test_resume_accepts_the_relative_data_folder_an_earlier_version_recorded(tiny_data, tmp_path, monkeypatch,
+                                                                             capsys):
+    monkeypatch.chdir(tiny_data.parent)
+    out = tmp_path / "run"
+    _stopped_run(Path(tiny_data.name), out, 3, "--no-final-save")
+    last = out / "checkpoints" / "step_0000003"
+    state = json.loads((last / "trainer_state.json").read_text())
+    state["run"]["data"]["dir"] = tiny_data.name  # as recorded before paths were made absolute
+    (last / "trainer_state.json").write_text(json.dumps(state))
+    T.write_manifest(last)
+    code, err = _main(tiny_run_args(tiny_data.name, out, "--max-steps", "7", "--resume", "--no-final-save"), capsys)
+    assert code == 0, err
+    assert T.latest_checkpoint(out).name == "step_0000007"

@@ -4,6 +4,7 @@ script under ``accelerate launch --num_processes 2 --cpu``; the final folder (mo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -112,6 +113,36 @@ def test_usage_errors_are_clear(data_dir, straight, tmp_path, capsys):
     assert "multiple" in capsys.readouterr().err
     assert pretrain.main(["--config", "tiny", "--data", str(tmp_path), "--output-dir", str(tmp_path / "z")]) == 2
     assert "prepare_data.py" in capsys.readouterr().err
+
+
+def test_checkpoints_say_nothing_of_the_tied_lm_head(data_dir, tmp_path, caplog):
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING):
+        pretrain.train(_args(data_dir, out, "--max-steps", "3", "--no-final-save"))
+    assert T.latest_checkpoint(out).name == "step_0000003"
+    assert not [r for r in caplog.records if "Removed shared tensor" in r.getMessage()]
+
+
+def test_only_the_notice_of_the_models_own_tied_weights_is_hidden(caplog):
+    from accelerate import PartialState
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+
+    PartialState()  # Accelerate's logger needs its state
+    model = T.build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense",
+                           "overrides": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32}}, 50, 16)
+    shared = torch.zeros(3)
+    untied = {"a.weight": shared, "b.weight": shared}  # a sharing the model does not declare: still reported
+    with caplog.at_level(logging.WARNING), pretrain._tied_weights_notice_hidden(model):
+        clean_state_dict_for_safetensors(model.state_dict())
+        clean_state_dict_for_safetensors(untied)
+        logging.getLogger("accelerate.utils.other").warning("another warning")
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("lm_head" in m for m in said)
+    assert any("Removed shared tensor {'b.weight'}" in m for m in said) and "another warning" in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the filter ends with the save
+        clean_state_dict_for_safetensors(model.state_dict())
+    assert any("lm_head.weight" in r.getMessage() for r in caplog.records)
 
 
 def test_paper_configs_resolve():
@@ -247,15 +278,3 @@ def test_evaluate_script_writes_table_figure_and_samples(straight, tmp_path, cap
     assert json.loads((out_a / "eval_results.json").read_text())["perplexity"] == table[0]["perplexity"]
     assert evaluate_script.main([str(tmp_path), "--out", str(out)]) == 2
     assert "no config.json" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("old, new", [("training", "load_config"), ("synthetic", "make_batch")])
-def test_moved_experiment_modules_forward_with_a_deprecation_warning(old, new):
-    import importlib
-
-    from hf_resolvent import experiments  # noqa: F401
-
-    module = importlib.import_module(f"hf_resolvent.{old}")
-    with pytest.warns(DeprecationWarning, match=f"hf_resolvent.experiments.{old}"):
-        forwarded = getattr(module, new)
-    assert forwarded is getattr(importlib.import_module(f"hf_resolvent.experiments.{old}"), new)

@@ -1,6 +1,7 @@
 """What the training, evaluation and sharing scripts share (``scripts/pretrain.py`` and friends).
 
-- run configs: YAML/JSON files with ``inherit:`` and dotted ``--set key=value`` overrides (:func:`load_config`);
+- run configs: YAML/JSON files with ``inherit:`` and dotted ``--set key=value`` overrides, every numeric setting
+  checked against what it allows (:func:`load_config`, :data:`NUMERIC_SETTINGS`);
 - the model factory for the papers' comparison: ``resolvent`` models with any mixer and the GPT-2 baseline
   (``transformers.GPT2LMHeadModel`` with SDPA) at the same shape (:func:`build_model`);
 - the learning-rate schedule (linear warmup, cosine decay; :func:`lr_at`);
@@ -146,7 +147,73 @@ def load_config(name: str, overrides: list[str] | None = None, config_dir: Path 
 
         set_dotted(cfg, key.strip(), yaml.safe_load(raw))
     cfg["name"] = cfg.get("name") or Path(name).stem
+    check_numbers(cfg)
     return cfg
+
+
+# The numeric settings of a run and the values each allows: whole number or not, and the bounds. A value outside
+# them would start a run that trains on nothing (a batch of 0), divides by zero at its first checkpoint, or fails
+# deep inside torch; load_config refuses it before anything starts.
+NUMERIC_SETTINGS: dict[str, tuple[bool, tuple[tuple[str, float], ...]]] = {
+    "model.pad_vocab_multiple": (True, ((">=", 1),)),
+    "data.seq_len": (True, ((">=", 1),)),
+    "train.max_steps": (True, ((">=", 1),)),
+    "train.batch_size": (True, ((">=", 1),)),
+    "train.micro_batch": (True, ((">=", 1),)),
+    "train.lr": (False, ((">", 0),)),
+    "train.min_lr_ratio": (False, ((">=", 0), ("<=", 1))),
+    "train.warmup_steps": (True, ((">=", 0),)),
+    "train.betas": (False, ((">=", 0), ("<", 1))),  # two of them: AdamW's (beta1, beta2)
+    "train.eps": (False, ((">", 0),)),
+    "train.weight_decay": (False, ((">=", 0),)),
+    "train.grad_clip": (False, ((">", 0),)),
+    "train.seed": (True, ((">=", 0),)),  # numpy's generators take no negative seed
+    "eval.every": (True, ((">=", 1),)),
+    "eval.max_windows": (True, ((">=", 1),)),
+    "eval.micro_batch": (True, ((">=", 1),)),
+    "checkpoint.every": (True, ((">=", 1),)),
+    "checkpoint.keep": (True, ((">=", 0),)),  # 0: keep every checkpoint
+    "log.every": (True, ((">=", 1),)),
+}
+_COMPARE = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
+
+
+def _within(value: Any, whole: bool, bounds: tuple[tuple[str, float], ...]) -> bool:
+    """Whether ``value`` is a finite number (a whole one for ``whole``) within ``bounds``. A whole number must be one
+    already, as the runners read it with ``int()``; a fraction may be a string ``float()`` reads, as YAML leaves
+    ``3e-4``."""
+    if isinstance(value, bool):
+        return False
+    if whole:
+        if not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            return False
+        number = float(value)
+    else:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            return False
+    return math.isfinite(number) and all(_COMPARE[op](number, float(bound)) for op, bound in bounds)
+
+
+def check_numbers(cfg: dict) -> None:
+    """Raise :class:`ConfigError` naming the first numeric setting of ``cfg`` outside what it allows
+    (:data:`NUMERIC_SETTINGS`), its value, and what is allowed."""
+    for key, (whole, bounds) in NUMERIC_SETTINGS.items():
+        section, field = key.split(".")
+        value = cfg[section][field]
+        if key == "model.pad_vocab_multiple" and value is None:  # build_model reads null as 1
+            continue
+        rule = " and ".join(f"{op} {bound:g}" for op, bound in bounds)
+        if key == "train.betas":
+            ok = (isinstance(value, (list, tuple)) and len(value) == 2
+                  and all(_within(v, whole, bounds) for v in value))
+            allowed = f"two numbers (AdamW's beta1, beta2), each {rule}"
+        else:
+            ok = _within(value, whole, bounds)
+            allowed = f"{'a whole number' if whole else 'a number'} {rule}"
+        if not ok:
+            raise ConfigError(f"{key}={value!r} is not allowed: it must be {allowed}")
 
 
 def _check_keys(data: dict) -> None:
@@ -246,6 +313,23 @@ def model_label(model_cfg: dict) -> str:
         return "gpt2"
     mixer = model_cfg["mixer"]
     return ",".join(mixer) if isinstance(mixer, (list, tuple)) else str(mixer)
+
+
+DEFAULT_DATA_ROOT = "data"  # where a run without data.dir prepares the offline corpus (or $HF_RESOLVENT_DATA)
+
+
+def default_data_dir() -> Path:
+    """The folder of the offline default corpus, for runs without ``data.dir``: ``$HF_RESOLVENT_DATA/stdlib``, else
+    ``data/stdlib`` below the working folder."""
+    return Path(os.environ.get("HF_RESOLVENT_DATA", DEFAULT_DATA_ROOT)) / "stdlib"
+
+
+def recorded_data_dir(run_config: dict) -> Path:
+    """The data folder a run's record (``run_config.json``, a checkpoint's ``run``) names. scripts/pretrain.py
+    records an absolute path; records of earlier versions hold the path as given, relative to the folder the run
+    was started from, or null for the offline default, and are read as from this working folder."""
+    recorded = run_config["data"]["dir"]
+    return Path(recorded) if recorded is not None else default_data_dir()
 
 
 def training_budget(run_config: dict, data_meta: dict) -> dict:
