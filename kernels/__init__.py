@@ -6,7 +6,7 @@ Entry points used by :mod:`hf_resolvent.ops` when :mod:`hf_resolvent.ops.dispatc
 - :func:`triton_mix`, :func:`triton_mix_tied`: same contract as ``ops.parallel_mix`` /
   ``ops.parallel_mix_tied``, differentiable (fused forward and backward kernels);
 - :func:`triton_decode_step`, :func:`triton_decode_step_tied`: same contract as
-  ``ops.recurrent_step`` / ``ops.recurrent_step_tied`` (one token against a layer's ``MixerState``).
+  ``ops.recurrent_step`` / ``ops.recurrent_step_tied`` (one token against a layer's ``DecodeState``).
 
 Importing this package does not import Triton; the kernels are loaded on first use.
 """

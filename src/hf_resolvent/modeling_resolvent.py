@@ -321,13 +321,13 @@ hf_resolvent is not installed. Install hf-resolvent and load without remote code
 
 IS_BUNDLE = True
 
-__all__ = ["IS_BUNDLE", "DecodeState", "MixerState", "StaticDecodeState", "decode_tokens", "decode_tokens_tied",
-           "gelu_tanh", "require", "resolvent_mix", "resolvent_mix_tied", "rotated_heads", "state_from_sequence"]
+__all__ = ["IS_BUNDLE", "DecodeState", "StaticDecodeState", "decode_tokens", "decode_tokens_tied", "gelu_tanh",
+           "require", "resolvent_mix", "resolvent_mix_tied", "rotated_heads"]
 '''
 
 _BUNDLE_IMPORTS = (
     ("mixer", "decode_tokens, decode_tokens_tied, resolvent_mix, resolvent_mix_tied"),
-    ("state", "DecodeState, MixerState, StaticDecodeState, state_from_sequence"),
+    ("state", "DecodeState, StaticDecodeState"),
     ("common", "require"),
     ("rope", "rotated_heads"),
     ("gelu", "gelu_tanh"),

@@ -9,7 +9,6 @@ relative imports into saved folders, and ``hf_resolvent.ops`` is a package, not 
 
 from hf_resolvent.ops import (
     DecodeState,
-    MixerState,
     decode_tokens,
     decode_tokens_tied,
     resolvent_mix,
@@ -18,14 +17,13 @@ from hf_resolvent.ops import (
 from hf_resolvent.ops.common import require
 from hf_resolvent.ops.gelu import gelu_tanh
 from hf_resolvent.ops.rope import rotated_heads
-from hf_resolvent.ops.state import StaticDecodeState, state_from_sequence
+from hf_resolvent.ops.state import StaticDecodeState
 
 IS_BUNDLE = False
 
 __all__ = [
     "IS_BUNDLE",
     "DecodeState",
-    "MixerState",
     "decode_tokens",
     "decode_tokens_tied",
     "gelu_tanh",
@@ -34,5 +32,4 @@ __all__ = [
     "resolvent_mix_tied",
     "rotated_heads",
     "StaticDecodeState",
-    "state_from_sequence",
 ]

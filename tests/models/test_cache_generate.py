@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import hf_resolvent as hr
-from hf_resolvent.ops import MixerState, recurrent_mix, recurrent_mix_tied
-from hf_resolvent.ops.state import state_from_sequence
+from hf_resolvent.ops import DecodeState, recurrent_mix, recurrent_mix_tied
 from hf_resolvent.patterns import get_pattern
 
 KINDS = [
@@ -53,7 +52,7 @@ STATE_SPECS = ["attention", "local_attention:3", "dense", "banded:3", "diagonal"
 
 @pytest.mark.parametrize("spec, tied", [(s, False) for s in STATE_SPECS]
                          + [(s, True) for s in STATE_SPECS if get_pattern(s).has_recurrence])
-def test_state_from_sequence_equals_replayed_steps(spec, tied):
+def test_state_from_prefill_equals_replayed_steps(spec, tied):
     pattern = get_pattern(spec)
     gen = torch.Generator().manual_seed(1)
     for n in (1, 2, 5, 9, 20):
@@ -62,7 +61,7 @@ def test_state_from_sequence_equals_replayed_steps(spec, tied):
             x = torch.randn(3, 2, n, 3, generator=gen, dtype=torch.float64)
             g = torch.rand(3, 2, n, generator=gen, dtype=torch.float64)
             d = torch.rand(3, 2, n, generator=gen, dtype=torch.float64)
-            replayed = MixerState(start=start)
+            replayed = DecodeState(start=start)
             if tied:
                 y = recurrent_mix_tied(qb, kb, x, g, d, pattern, start=start, state=replayed)
                 valid = torch.ones(3, 1, n, 1, dtype=torch.float64)
@@ -74,7 +73,7 @@ def test_state_from_sequence_equals_replayed_steps(spec, tied):
                 rows = {"keys_a": ka, "values": x}
                 if pattern.has_recurrence:
                     rows.update(keys_b=kb, outputs=y)
-            built = state_from_sequence(pattern, rows, start)
+            built = DecodeState.from_prefill(pattern, rows, start)
             assert built.seen == replayed.seen == n
             assert torch.equal(built.positions, replayed.positions)
             if replayed.slots is not None or built.slots is not None:

@@ -173,7 +173,6 @@ def test_from_prefill_refuses_bad_inputs():
         DecodeState.from_prefill("exp2:ce", {})
     with pytest.raises(ValueError, match=r"start must be"):
         DecodeState.from_prefill("dense", rows, torch.tensor([0, 5]))
-    assert ops.MixerState is DecodeState  # the earlier name keeps working
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 
 from hf_resolvent.backends import triton as kernels
 from hf_resolvent.ops import (
-    MixerState,
+    DecodeState,
     decode_step,
     recurrent_step,
     recurrent_step_tied,
@@ -200,7 +200,7 @@ def test_clear_error_when_triton_cannot_run(monkeypatch):
         resolvent_mix(qa, ka, qb, kb, x, g, "dense", impl="triton")
     assert "CUDA" in str(info.value)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        decode_step(MixerState(), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0], "dense",
+        decode_step(DecodeState(), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0], "dense",
                     impl="triton")
 
 
@@ -221,7 +221,7 @@ def test_nan_fill_catches_unwritten_outputs():
 # Decode step
 
 
-def _state_tensors(state: MixerState):
+def _state_tensors(state: DecodeState):
     out = {k: v for k, v in state.tensors().items()}
     out["positions"] = state.positions
     return out
@@ -240,7 +240,7 @@ def test_decode_step_matches_recurrent_step(pattern, padded):
     batch, heads, n = 2, 2, 13
     qa, ka, qb, kb, x, g, _ = _inputs(batch, heads, n, 16, 24, 8)
     start = torch.tensor([0, 4]) if padded else None
-    ref_state, tri_state = MixerState(start=start), MixerState(start=start)
+    ref_state, tri_state = DecodeState(start=start), DecodeState(start=start)
     for t in range(n):
         args = [None if a is None else a[:, :, t] for a in (qa, ka, qb, kb, x, g)]
         if not _uses_b(pattern):
@@ -259,14 +259,14 @@ def test_decode_step_matches_recurrent_step(pattern, padded):
 def test_decode_step_tied_and_bfloat16():
     batch, heads, n = 2, 1, 11
     qa, ka, qb, kb, x, g, tied_d = _inputs(batch, heads, n, 16, 16, 9)
-    ref_state, tri_state = MixerState(), MixerState()
+    ref_state, tri_state = DecodeState(), DecodeState()
     for t in range(n):
         args = [a[:, :, t] for a in (qb, kb, x, g, tied_d)]
         want = recurrent_step_tied(ref_state, *args, "exp2:ce")
         got = kernels.triton_decode_step_tied(tri_state, *args, "exp2:ce")
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # bfloat16 inputs, float32 accumulation: compare with the float32 recurrent form on the same values.
-    ref_state, tri_state = MixerState(), MixerState()
+    ref_state, tri_state = DecodeState(), DecodeState()
     low = [a.bfloat16() for a in (qa, ka, qb, kb, x, g)]
     for t in range(n):
         args = [a[:, :, t] for a in low]

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_resolvent.ops import (
-    MixerState,
+    DecodeState,
     graph_mix,
     graph_mix_tied,
     mixer_matrices,
@@ -384,7 +384,7 @@ def test_recurrent_state_rows_follow_cache_size(key):
     pattern = get_pattern(SPECS[key])
     n = 70
     inp = make_mixer_inputs(batch=1, heads=2, n=n, d=4, e=3, seed=12)
-    state = MixerState()
+    state = DecodeState()
     ys = []
     for t in range(n):
         step = {k: v[:, :, t] for k, v in inp.items()}
@@ -402,7 +402,7 @@ def test_cache_efficient_state_holds_exactly_s_next(key):
     n, batch, heads, d, e = 150, 2, 2, 4, 3
     start = torch.tensor([0, 11])
     inp = make_mixer_inputs(batch=batch, heads=heads, n=n, d=d, e=e, seed=13)
-    state = MixerState(start=start)
+    state = DecodeState(start=start)
     row_bytes = batch * (heads * (2 * d + 2 * e) * 4 + 8)  # keys a/b, values, outputs (fp32) + position
     sizes = {}
     for t in range(n):
@@ -421,7 +421,7 @@ def test_cache_efficient_state_holds_exactly_s_next(key):
         sizes[t + 1] = state.nbytes()
     # grows like the number of slots (logarithmic / square root), not like n
     assert sizes[150] < 2 * sizes[40]
-    plain = MixerState()
+    plain = DecodeState()
     p_plain = get_pattern(SPECS[key.replace(":ce", "")]) if key != "callable:ce" else get_pattern(cubic_plus_one)
     recurrent_mix(inp["qa"][:1], inp["ka"][:1], inp["qb"][:1], inp["kb"][:1], inp["x"][:1], inp["g"][:1], p_plain,
                   state=plain)
@@ -448,7 +448,7 @@ def test_cache_efficient_state_random_f(f, pad):
     n = 45
     inp = make_mixer_inputs(batch=2, heads=1, n=n, d=2, e=2, dtype=torch.float64, seed=pad)
     start = torch.tensor([pad, 0])
-    state = MixerState(start=start)
+    state = DecodeState(start=start)
     ys = []
     for t in range(n):
         step = {k: v[:, :, t] for k, v in inp.items()}
@@ -469,7 +469,7 @@ def test_state_select_batch_and_continue():
         inp = make_mixer_inputs(batch=3, heads=2, n=n, d=4, e=3, seed=14)
         start = torch.tensor([0, 4, 9])
         order = torch.tensor([2, 0, 1])
-        state = MixerState(start=start)
+        state = DecodeState(start=start)
         first = recurrent_mix(*(inp[k][:, :, :split] for k in ("qa", "ka", "qb", "kb", "x", "g")), pattern,
                               start=start, state=state)
         state.select_batch(order)

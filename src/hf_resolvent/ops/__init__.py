@@ -7,8 +7,7 @@ Four forms compute the same function and are tested against each other:
   ``flash``) or on a backend's kernels;
 - ``graph``: the same block forward substitution in tensor operations alone (``graph``), which ``torch.compile``
   and ``torch.export`` trace;
-- ``recurrent``: one token at a time from a :class:`DecodeState` (decode; ``MixerState`` is its earlier name), or
-  from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, compiled decoding);
+- ``recurrent``: one token at a time from a :class:`DecodeState` (decode), or from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, compiled decoding);
 - ``chunk``: several tokens at once after a :class:`DecodeState` (a chunked prefill, assisted decoding's drafts):
   the graph form's gathers and substitution over the held rows and the new ones.
 
@@ -26,12 +25,11 @@ from .mixer import decode_step, decode_step_tied, decode_tokens, decode_tokens_t
 from .parallel import parallel_mix, parallel_mix_tied
 from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
 from .reference import mixer_matrices, reference_mix, reference_mix_tied
-from .state import DecodeState, MixerState, StaticDecodeState
+from .state import DecodeState, StaticDecodeState
 
 __all__ = [
     "IMPLS",
     "DecodeState",
-    "MixerState",
     "StaticDecodeState",
     "chunk_mix",
     "chunk_mix_tied",

@@ -19,9 +19,9 @@ import torch
 from .common import check_inputs, records_grad
 from .dispatch import compiled_for, compiled_ops
 from .patterns import get_pattern
-from .state import DecodeState, MixerState  # MixerState: re-exported, code imported it from here
+from .state import DecodeState
 
-__all__ = ["MixerState", "recurrent_mix", "recurrent_mix_tied", "recurrent_step", "recurrent_step_tied"]
+__all__ = ["recurrent_mix", "recurrent_mix_tied", "recurrent_step", "recurrent_step_tied"]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float, own=None):

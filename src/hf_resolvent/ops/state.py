@@ -50,7 +50,7 @@ import torch
 from .common import records_grad, require
 from .patterns import Pattern, get_pattern
 
-__all__ = ["DecodeState", "MixerState", "StaticDecodeState", "state_from_sequence"]
+__all__ = ["DecodeState", "StaticDecodeState"]
 
 
 @dataclass
@@ -649,15 +649,6 @@ class StaticDecodeState(DecodeState):
             if t is not None:
                 setattr(self, name, t.to(device=device, non_blocking=non_blocking))
         return self
-
-
-MixerState = DecodeState  # the earlier name, kept for the public API (hf_resolvent.ops.MixerState)
-
-
-def state_from_sequence(pattern: Pattern | str, tensors: dict[str, torch.Tensor],
-                        start: torch.Tensor | None = None) -> DecodeState:
-    """:meth:`DecodeState.from_prefill` under its earlier name."""
-    return DecodeState.from_prefill(pattern, tensors, start)
 
 
 def _grown(held: torch.Tensor | None, rows: torch.Tensor, dim: int) -> torch.Tensor:
