@@ -4,11 +4,10 @@
 #   bash scripts/gpu_wheels.sh             # here, with network: download into wheels/ (git-ignored), list sizes
 #   bash scripts/gpu_wheels.sh --install   # on the GPU machine: install wheels/ and this project, offline
 #
-# The GPU machine (/work/.library/device/KINDS.md) runs CPython 3.12 with torch 2.11, triton 3.6,
-# transformers 5.17, accelerate 1.15, tokenizers 0.23, safetensors 0.8 and huggingface_hub 1.33; pyproject.toml
-# pins transformers 5.23 (whose own pins those versions meet), and datasets, evaluate (with dill, multiprocess)
-# and flash-linear-attention (fla-core) are not there. Versions are those of the development .venv (fla: the
-# newest, 0.6.0, which needs torch>=2.7, triton>=3.3 and einops, all there).
+# For a GPU machine without network that has CPython, torch, triton, transformers, accelerate, tokenizers,
+# safetensors and huggingface_hub: transformers 5.23 (whose own pins those versions meet), and datasets (with
+# dill, multiprocess) and flash-linear-attention (fla-core), which such a machine may lack. Versions are those of
+# the development .venv (fla: the newest, 0.6.0, which needs torch>=2.7, triton>=3.3 and einops).
 # --install puts the wheels and the project (editable) into the machine's python3; where that fails (a read-only
 # environment; no setuptools there for the editable build) it puts the wheels, or a copy of the package, under
 # /tmp/site instead. Either way it writes /tmp/gpu_env.sh (PYTHONPATH where needed), sourced by the caller:
@@ -21,7 +20,6 @@ WHEELS=(
     flash-linear-attention==0.6.0
     fla-core==0.6.0
     datasets==5.2.0
-    evaluate==0.4.6
     dill==0.4.1
     multiprocess==0.70.19
     regex==2026.11.15  # transformers 5.23 checks regex>=2025.10.22 when imported; the machine's version is unknown
@@ -93,7 +91,7 @@ def version(name):
         return "-"
 
 
-names = ["torch", "triton", "transformers", "accelerate", "datasets", "evaluate", "tokenizers", "safetensors",
+names = ["torch", "triton", "transformers", "accelerate", "datasets", "tokenizers", "safetensors",
          "huggingface-hub", "regex", "fla-core", "flash-linear-attention", "hf-resolvent"]
 print("  ".join(f"{n} {version(n)}" for n in names))
 print("hf_resolvent from", hf_resolvent.__file__)
