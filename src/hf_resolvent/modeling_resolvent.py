@@ -13,32 +13,25 @@ Full sequences (training, prefill) run the parallel form (``ops.resolvent_mix``:
 kernels for CUDA tensors when available); tokens after a cache run ``ops.decode_tokens`` on the per-layer states
 of a :class:`~hf_resolvent.ResolventCache`, built directly from the prefill (``ops.DecodeState.from_prefill``): one
 decode step per token (the Triton decode kernel or ``ops.recurrent_step``, chosen the same way), or several tokens
-at once (``ops.chunk_mix``: a chunked prefill, assisted decoding's drafts). ``config.mixer_impl`` forces a path.
+at once (``ops.extend_mix``: a chunked prefill, assisted decoding's drafts). ``config.mixer_impl`` forces a path.
 
 Padding: a 2-D ``attention_mask`` with left padding becomes the ops' ``start`` (padded positions are never read
 and positions count from the first real token, so a left-padded batch gives the same outputs as each sequence
 alone); right padding needs nothing in a full forward (the mixer is causal); holes are refused.
 
-This file is copied into saved model folders (remote code): it imports only ``torch``, ``transformers`` (and
-``safetensors``, which transformers requires) and flat sibling modules.
+This file is copied into saved model folders (remote code): it imports only ``torch``, ``transformers`` and flat
+sibling modules. What else a saved folder holds, and why, is :mod:`.remote_code`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
-import json
 import math
-import os
-import shutil
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -47,13 +40,12 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .cache_resolvent import ResolventCache
 from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
 from .patterns import get_pattern
+from .remote_code import AUTO_MAP, add_architecture_record, check_weight_files, check_weight_index, write_ops_bundle
 from .resolvent_ops import (
-    IS_BUNDLE,
     decode_tokens,
     decode_tokens_tied,
     gelu_tanh,
@@ -64,13 +56,6 @@ from .resolvent_ops import (
 )
 
 __all__ = ["ResolventPreTrainedModel", "ResolventModel", "ResolventForCausalLM", "ResolventMixer", "ResolventBlock"]
-
-AUTO_MAP = {
-    "AutoConfig": "configuration_resolvent.ResolventConfig",
-    "AutoModel": "modeling_resolvent.ResolventModel",
-    "AutoModelForCausalLM": "modeling_resolvent.ResolventForCausalLM",
-}
-
 
 # --------------------------------------------------------------------------------------------------
 # Positions
@@ -299,214 +284,6 @@ class ResolventBlock(GradientCheckpointingLayer):
 
 
 # --------------------------------------------------------------------------------------------------
-# Remote code: saved folders get verbatim copies of the ops modules the mixer functions need
-
-
-# The ops modules the model's mixer functions need: mixer.py (resolvent_mix, decode_step), rope.py, the dispatch, the
-# three forms and the PyTorch code of the parallel form. They import each other, and patterns.py, as flat siblings
-# (``from .x import``), so a saved folder gets verbatim copies; tests/models/test_save_load.py loads one in a
-# process without hf_resolvent. The backends (hf_resolvent.backends) are not shipped: there dispatch runs PyTorch.
-_SHIPPED_OPS = ("chunk", "common", "dense", "dispatch", "flash", "gelu", "graph", "mixer", "parallel",
-                "recurrent", "reference", "rope", "slots", "solve", "state", "threads")
-
-# The entry a saved folder gets in place of resolvent_ops.py. The relative imports are assembled in
-# write_ops_bundle: transformers scans this file for lines that start with one.
-_BUNDLE_ENTRY = '''"""The mixer functions the model code calls (PyTorch paths), written by save_pretrained.
-
-Generated file: it lets `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` run where
-hf_resolvent is not installed. Install hf-resolvent and load without remote code for the compiled kernels.
-"""
-
-{imports}
-
-IS_BUNDLE = True
-
-__all__ = ["IS_BUNDLE", "DecodeState", "StaticDecodeState", "decode_tokens", "decode_tokens_tied", "gelu_tanh",
-           "require", "resolvent_mix", "resolvent_mix_tied", "rotated_heads"]
-'''
-
-_BUNDLE_IMPORTS = (
-    ("mixer", "decode_tokens, decode_tokens_tied, resolvent_mix, resolvent_mix_tied"),
-    ("state", "DecodeState, StaticDecodeState"),
-    ("common", "require"),
-    ("rope", "rotated_heads"),
-    ("gelu", "gelu_tanh"),
-)
-
-
-def write_ops_bundle(folder: str | Path) -> list[Path]:
-    """Copy the ops modules of ``_SHIPPED_OPS`` into a saved folder as they are, and write its
-    ``resolvent_ops.py`` entry. Nothing to do when this code already runs from a saved folder: transformers
-    copied the files along."""
-    if IS_BUNDLE:
-        return []
-    folder = Path(folder)
-    ops = Path(importlib.import_module("hf_resolvent.ops").__file__).parent
-    written = []
-    for module in _SHIPPED_OPS:
-        written.append(Path(shutil.copyfile(ops / f"{module}.py", folder / f"{module}.py")))
-    entry = folder / "resolvent_ops.py"
-    imports = "\n".join(f"from .{module} import {names}" for module, names in _BUNDLE_IMPORTS)
-    entry.write_text(_BUNDLE_ENTRY.replace("{imports}", imports), encoding="utf-8")
-    written.append(entry)
-    return written
-
-
-# --------------------------------------------------------------------------------------------------
-# Checkpoints: the weights files record the mixers they were saved for
-
-# Keys in the safetensors header metadata (``__metadata__``, str -> str) of every weights file save_pretrained
-# writes: a JSON list with one mixer spec per layer (so also the number of layers), and the kind of positions.
-# config.json can be edited and from_pretrained(..., mixer=...) overrides it, while parameters of the same shapes load
-# into any pattern without complaint, and missing layers or a missing position table are initialised at random: these
-# records are what tell that the weights were trained for another model.
-MIXERS_METADATA_KEY = "hf_resolvent.mixers"
-POSITIONS_METADATA_KEY = "hf_resolvent.position_embedding"
-
-
-def _architecture_record(config: ResolventConfig) -> dict[str, str]:
-    """The metadata entries save_pretrained adds to every weights file."""
-    return {MIXERS_METADATA_KEY: json.dumps(_mixer_specs(config)), POSITIONS_METADATA_KEY: config.position_embedding}
-
-
-def _mixer_specs(config: ResolventConfig) -> list[str]:
-    """One spec string per layer, as a mixer field writes it: ``"exp2:ce"``, ``"dense+tied"``. The gate_init is left
-    out: it only sets the starting values, which the weights replace."""
-    return [spec["pattern"] + ("+tied" if spec["tied"] else "") for spec in config.layer_mixers]
-
-
-def _variant_name(name: str, variant: str | None) -> str:
-    """``model.safetensors`` -> ``model.<variant>.safetensors``, as save_pretrained names variants."""
-    if not variant:
-        return name
-    stem, ext = name.rsplit(".", 1)
-    return f"{stem}.{variant}.{ext}"
-
-
-def _read_weight_index(index: Path) -> dict[str, str]:
-    """The ``weight_map`` (tensor name -> shard file) of a safetensors index, or an OSError naming the file."""
-    problem = None
-    try:
-        content = json.loads(index.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        problem = f"is not valid JSON ({err})"
-    else:
-        weight_map = content.get("weight_map") if isinstance(content, dict) else None
-        if not isinstance(content, dict):
-            problem = f"holds a {type(content).__name__}, not a JSON object"
-        elif not isinstance(weight_map, dict) or not weight_map:
-            problem = "has no weight_map (tensor name -> shard file), or an empty one"
-        elif not all(isinstance(name, str) for name in weight_map.values()):
-            problem = "has a weight_map whose values are not all shard file names"
-    if problem:
-        raise OSError(f"the weights index {index} {problem}: the model folder is damaged (an interrupted save, copy "
-                      "or download, or a hand edit); save or download the model again")
-    return weight_map
-
-
-def _saved_weight_files(folder: Path, variant: str | None) -> list[Path]:
-    """The safetensors files of a saved folder: the single file and/or the shards its index lists."""
-    files = []
-    single = folder / _variant_name(SAFE_WEIGHTS_NAME, variant)
-    if single.is_file():
-        files.append(single)
-    index = folder / _variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
-    if index.is_file():
-        files += [folder / name for name in sorted(set(_read_weight_index(index).values()))]
-    return files
-
-
-def _add_safetensors_metadata(path: Path, metadata: dict[str, str]) -> None:
-    """Add entries to the header metadata of a safetensors file (save_pretrained takes no metadata but a
-    quantizer's): the tensors are written again, with the old metadata and the new entries."""
-    from safetensors.torch import load_file, save_file
-
-    with safe_open(path, framework="pt") as f:
-        old = f.metadata() or {}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(load_file(path), tmp, metadata={**old, **metadata})
-    os.replace(tmp, path)
-
-
-def _check_weight_files(config: ResolventConfig, files: list[str] | None) -> None:
-    """Before from_pretrained reads any weight: every safetensors file must open and hold finite floating weights
-    (else an OSError naming the file, and the tensor), and the model recorded at save time (the mixer of each layer,
-    the positions) must be the one ``config`` builds (else a warning naming the differences)."""
-    saved = None
-    for file in files or []:
-        if not str(file).endswith(".safetensors"):
-            continue
-        if not os.path.isfile(file):  # a shard listed in the index but not there
-            raise FileNotFoundError(
-                f"the weights file {file} is missing: the model folder is incomplete; copy or download it again"
-            )
-        try:
-            with safe_open(file, framework="pt") as f:
-                metadata = f.metadata() or {}
-                bad = next((name for name in f.keys() if _not_finite(f.get_tensor(name))), None)
-        except (SafetensorError, OSError) as err:
-            raise OSError(
-                f"cannot read the weights file {file}: {err}. The file is truncated or damaged (an interrupted save, "
-                "copy or download): save or download the model again"
-            ) from None
-        if bad is not None:
-            raise OSError(
-                f"the weights file {file} holds NaN or infinite values in {bad}: the file is damaged (overwritten "
-                "bytes), or the model diverged before it was saved; save or download the model again, or load an "
-                "earlier checkpoint"
-            )
-        if saved is None and MIXERS_METADATA_KEY in metadata:
-            saved = (file, metadata)
-    if saved is not None:  # else saved before these records existed, or by other code: nothing to compare
-        differences = _architecture_differences(config, saved[1])
-        if differences:
-            warnings.warn(
-                f"the weights in {saved[0]} do not match the model the config loading them builds: "
-                f"{'; '.join(differences)}. The outputs will not be those of the trained model: load with the saved "
-                "config.json (restore it, or drop the overrides given to from_pretrained), or fine-tune if the change "
-                "is intended",
-                UserWarning,
-                stacklevel=2,
-            )
-
-
-def _not_finite(tensor: torch.Tensor) -> bool:
-    return tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
-
-
-def _architecture_differences(config: ResolventConfig, metadata: dict[str, str]) -> list[str]:
-    """What the records of a weights file (:func:`_architecture_record`) say differs from ``config``, in words."""
-    try:
-        trained = json.loads(metadata[MIXERS_METADATA_KEY])
-    except ValueError:
-        trained = [metadata[MIXERS_METADATA_KEY]]
-    loading = _mixer_specs(config)
-    differences = []
-    if len(trained) != len(loading):
-        saved_layers, layers = len(trained), len(loading)
-        what = (f"layers {saved_layers} to {layers - 1} start from random weights" if layers > saved_layers else
-                f"the trained layers {layers} to {saved_layers - 1} are left out")
-        differences.append(f"they were saved for n_layer = {saved_layers}, but the config says n_layer = {layers} "
-                           f"({what})")
-    common = min(len(trained), len(loading))
-    if trained[:common] != loading[:common]:
-        differences.append(f"they were trained with mixer={_shown_specs(trained[:common])}, but the config says "
-                           f"mixer={_shown_specs(loading[:common])}")
-    positions = metadata.get(POSITIONS_METADATA_KEY)
-    if positions is not None and positions != config.position_embedding:
-        effect = (" (its learned position table starts from random weights)" if config.position_embedding == "learned"
-                  else " (the trained position table goes unused)")
-        differences.append(f"they were trained with position_embedding={positions!r}, but the config says "
-                           f"position_embedding={config.position_embedding!r}{effect}")
-    return differences
-
-
-def _shown_specs(specs: Any) -> str:
-    """A mixer record as a mixer field would say it: one spec when every layer has it, else the list."""
-    return repr(specs[0]) if isinstance(specs, list) and specs and len(set(map(str, specs))) == 1 else repr(specs)
-
-
-# --------------------------------------------------------------------------------------------------
 # Models
 
 
@@ -539,7 +316,7 @@ class ResolventPreTrainedModel(PreTrainedModel):
         an auto class (``import hf_resolvent`` does that): ``auto_map`` for AutoConfig, AutoModel and
         AutoModelForCausalLM, the modeling files, and copies of the ops modules the mixers need. Every weights file
         records the mixer of each layer in its metadata; from_pretrained warns when the config loading it says
-        otherwise."""
+        otherwise (both: :mod:`.remote_code`)."""
         remote = self.is_remote_code()
         if remote:
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
@@ -549,26 +326,20 @@ class ResolventPreTrainedModel(PreTrainedModel):
         if kwargs.get("is_main_process", True):  # the process that wrote the files
             if remote:
                 write_ops_bundle(save_directory)
-            record = _architecture_record(self.config)
-            for path in _saved_weight_files(Path(save_directory), kwargs.get("variant")):
-                _add_safetensors_metadata(path, record)
+            add_architecture_record(self.config, save_directory, kwargs.get("variant"))
         return result
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """``PreTrainedModel.from_pretrained``, after checking a local folder's safetensors index, which transformers
         reads without a check (a damaged one fails deep inside it)."""
-        folder = Path(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
-        variant = kwargs.get("variant")
-        index = folder / _variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
-        if index.is_file() and not (folder / _variant_name(SAFE_WEIGHTS_NAME, variant)).is_file():  # the one read
-            _read_weight_index(index)
+        check_weight_index(pretrained_model_name_or_path, kwargs.get("subfolder"), kwargs.get("variant"))
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
         """from_pretrained hook that receives the resolved weights files (local or downloaded): check them first."""
-        _check_weight_files(model.config, checkpoint_files)
+        check_weight_files(model.config, checkpoint_files)
         return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
                                                       **kwargs)
 

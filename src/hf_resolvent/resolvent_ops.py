@@ -1,10 +1,9 @@
-"""The mixer functions that the model code calls, gathered in one flat module.
+"""The mixer functions that the model code calls, gathered in one flat module: in the library, :mod:`hf_resolvent.ops`
+(the forms, and the backends that its dispatch chooses).
 
-In the installed library this re-exports :mod:`hf_resolvent.ops` (the forms, and the backends that its dispatch
-chooses). ``save_pretrained`` replaces this file in a saved folder by an entry that imports the PyTorch
-paths from verbatim copies of the ops modules next to it, so that ``trust_remote_code=True`` works where
-``hf_resolvent`` is not installed. The imports below are absolute on purpose: transformers copies the files of
-relative imports into saved folders, and ``hf_resolvent.ops`` is a package, not a file.
+A saved folder gets a generated file of the same name in its place (:mod:`hf_resolvent.remote_code` says why and
+how). The imports below are absolute for that reason: transformers copies into a saved folder the files of the
+relative imports it finds, and ``hf_resolvent.ops`` is a package, not a file.
 """
 
 from hf_resolvent.ops import (
@@ -19,7 +18,7 @@ from hf_resolvent.ops.gelu import gelu_tanh
 from hf_resolvent.ops.rope import rotated_heads
 from hf_resolvent.ops.state import StaticDecodeState
 
-IS_BUNDLE = False
+IS_BUNDLE = False  # this is the library's module, not a saved folder's entry
 
 __all__ = [
     "IS_BUNDLE",

@@ -84,7 +84,7 @@ def test_continue_from_returned_cache(family):
 
 
 def test_chunked_prefill_equals_the_prompt_at_once(family, monkeypatch):
-    """prefill_chunk_size runs each chunk after the first in parallel from the cache (ops.chunk_mix): the logits of
+    """prefill_chunk_size runs each chunk after the first in parallel from the cache (ops.extend_mix): the logits of
     every chunk equal the full forward's, and generation is the same, for a left-padded batch too."""
     from hf_resolvent.ops import mixer
 
@@ -93,7 +93,7 @@ def test_chunked_prefill_equals_the_prompt_at_once(family, monkeypatch):
     def counted(run):
         return lambda *args, **kwargs: calls.append(1) or run(*args, **kwargs)
 
-    for name in ("chunk_mix", "chunk_mix_tied"):
+    for name in ("extend_mix", "extend_mix_tied"):
         monkeypatch.setattr(mixer, name, counted(getattr(mixer, name)))
     model = tiny_model(family)
     ids = prompt(2, 40, seed=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -62,7 +63,8 @@ def test_saved_folder_carries_the_code(tmp_path):
     }
     names = {p.name for p in tmp_path.iterdir()}
     for needed in ("configuration_resolvent.py", "modeling_resolvent.py", "cache_resolvent.py", "patterns.py",
-                   "resolvent_ops.py", "parallel.py", "recurrent.py", "state.py", "slots.py", "solve.py"):
+                   "remote_code.py", "resolvent_ops.py", "parallel.py", "recurrent.py", "state.py", "slots.py",
+                   "solve.py", "extend.py"):
         assert needed in names
     entry = (tmp_path / "resolvent_ops.py").read_text()
     assert "IS_BUNDLE = True" in entry
@@ -73,6 +75,20 @@ def test_saved_folder_carries_the_code(tmp_path):
         for line in path.read_text().splitlines():
             assert not line.startswith("from .."), (path.name, line)
             assert not line.startswith(("from hf_resolvent", "import hf_resolvent")), (path.name, line)
+
+
+def test_shipped_ops_are_the_modules_the_entry_reaches():
+    """SHIPPED_OPS is every ops module that the saved entry's imports reach through flat imports, and no other."""
+    from hf_resolvent.remote_code import BUNDLE_IMPORTS, SHIPPED_OPS
+
+    ops = Path(hr.ops.__file__).parent
+    todo, reached = [module for module, _ in BUNDLE_IMPORTS], set()
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += re.findall(r"^\s*from\s+\.(\w+)\s+import", (ops / f"{module}.py").read_text(), flags=re.MULTILINE)
+    assert sorted(reached - {"patterns"}) == sorted(SHIPPED_OPS)  # patterns.py ships with the model files
 
 
 _LOADER = textwrap.dedent(

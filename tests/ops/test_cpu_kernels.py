@@ -330,7 +330,7 @@ def test_compiled_gelu_is_chosen_in_one_place_and_refuses_a_second_derivative():
 
 def test_slot_probs_and_combine_read_keys_and_values_past_their_rows():
     """slot_probs and slot_combine for n rows of a layout may read k and v with more rows (a chunk's held rows come
-    first, ops/chunk.py): the result is the layout's rows over the longer keys, and a source past them is refused."""
+    first, ops/extend.py): the result is the layout's rows over the longer keys, and a source past them is refused."""
     ops = cpu.operators()
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(1, 2, 4, 3, generator=gen), torch.randn(1, 2, 7, 3, generator=gen)

@@ -539,8 +539,8 @@ def test_bad_impl_and_pattern_errors():
 @pytest.mark.parametrize("key", [k for k in SPECS if not get_pattern(SPECS[k]).is_dense])
 def test_graph_form_sources_are_the_patterns_own_table(key):
     """The graph form rebuilds the sources from the slots' closed form (no numpy in a graph): the pattern's table."""
-    from hf_resolvent.ops.graph import _source_table
+    from hf_resolvent.ops.graph import source_table
 
     pattern = get_pattern(SPECS[key])
     for n in (1, 2, 5, 64, 97, 300):
-        assert torch.equal(_source_table(pattern, torch.arange(n), n), pattern.source_index(n).T), n
+        assert torch.equal(source_table(pattern, torch.arange(n), n), pattern.source_index(n).T), n

@@ -8,7 +8,7 @@ Four forms compute the same function and are tested against each other:
 - ``graph``: the same block forward substitution in tensor operations alone (``graph``), which ``torch.compile``
   and ``torch.export`` trace;
 - ``recurrent``: one token at a time from a :class:`DecodeState` (decode), or from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, compiled decoding);
-- ``chunk``: several tokens at once after a :class:`DecodeState` (a chunked prefill, assisted decoding's drafts):
+- ``extend``: several tokens at once after a :class:`DecodeState` (a chunked prefill, assisted decoding's drafts):
   the graph form's gathers and substitution over the held rows and the new ones.
 
 :func:`resolvent_mix`, :func:`decode_step` and :func:`decode_tokens` (``mixer.py``) run the form or backend that :mod:`.dispatch`
@@ -18,8 +18,8 @@ chooses from ``impl`` (argument, then ``HF_RESOLVENT_MIXER_IMPL``): the compiled
 
 from __future__ import annotations
 
-from .chunk import chunk_mix, chunk_mix_tied
 from .dispatch import IMPLS
+from .extend import extend_mix, extend_mix_tied
 from .graph import graph_mix, graph_mix_tied
 from .mixer import decode_step, decode_step_tied, decode_tokens, decode_tokens_tied, resolvent_mix, resolvent_mix_tied
 from .parallel import parallel_mix, parallel_mix_tied
@@ -31,12 +31,12 @@ __all__ = [
     "IMPLS",
     "DecodeState",
     "StaticDecodeState",
-    "chunk_mix",
-    "chunk_mix_tied",
     "decode_step",
     "decode_step_tied",
     "decode_tokens",
     "decode_tokens_tied",
+    "extend_mix",
+    "extend_mix_tied",
     "graph_mix",
     "graph_mix_tied",
     "mixer_matrices",

@@ -1,4 +1,4 @@
-"""Input checks and small helpers shared by the reference, parallel and recurrent forms."""
+"""Input checks and small helpers shared by the forms of the mixer."""
 
 from __future__ import annotations
 
@@ -48,6 +48,13 @@ def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None
             raise ValueError(f"start must be (batch,) = ({batch},), got {tuple(start.shape)}")
         require((start >= 0).all() & (start < n).all(), "start (leading padding per sequence) must lie in [0, n)",
                 lambda: f"start (leading padding per sequence) must lie in [0, n) = [0, {n})")
+
+
+def to_compute_dtype(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The tensors in the dtype the forms compute in: float32, or float64 when the first given tensor is float64
+    (None stays None)."""
+    dtype = torch.promote_types(next(t for t in ts if t is not None).dtype, torch.float32)
+    return [None if t is None else t.to(dtype) for t in ts]
 
 
 def records_grad(tensors) -> bool:

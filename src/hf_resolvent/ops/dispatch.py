@@ -29,7 +29,7 @@ whose arithmetic takes the compiled CPU kernel where the parallel form would tak
 PyTorch code alone; ``"cpu"``: an error where the kernel cannot run).
 
 Several tokens after a decode state (a chunked prefill's later chunks, assisted decoding's drafts) run in parallel
-(:mod:`.chunk`) under ``"auto"``, ``"torch"``, ``"parallel"`` and ``"graph"`` (on the compiled CPU kernels where the
+(:mod:`.extend`) under ``"auto"``, ``"torch"``, ``"parallel"`` and ``"graph"`` (on the compiled CPU kernels where the
 parallel form would take them; in PyTorch alone for ``"torch"`` and ``"graph"``); one decode step per token
 under the other choices, inside a compiled graph, and while a state records for rollbacks.
 
@@ -51,7 +51,8 @@ from .state import StaticDecodeState
 IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "graph", "reference", "recurrent")
 ENV = "HF_RESOLVENT_MIXER_IMPL"
 
-# Only the library's own copy of this module reaches the backends; a saved folder's copy has another name.
+# Only the library's own copy of this module reaches the backends; a saved folder's copy has another name and
+# runs PyTorch (hf_resolvent.remote_code).
 _IN_LIBRARY = __name__ == "hf_resolvent.ops.dispatch"
 _modules: dict[str, object] = {}
 # inside torch_only(): the compiled CPU kernels are not used (per thread and task, so that concurrent decodes with
@@ -147,8 +148,8 @@ def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
     return "recurrent"
 
 
-def choose_chunk(impl: str | None, state, pattern) -> str:
-    """How L > 1 tokens continue a decode ``state``: all at once (:func:`.chunk.chunk_mix`) as "chunk" (its arithmetic
+def choose_extend(impl: str | None, state, pattern) -> str:
+    """How L > 1 tokens continue a decode ``state``: all at once (:func:`.extend.extend_mix`) as "extend" (its arithmetic
     on the compiled CPU kernels where :func:`compiled_for` allows it) or "torch" (its PyTorch code alone), or "steps"
     (one decode step each, :func:`choose_decode` choosing their code)."""
     impl = resolve(impl)
@@ -156,7 +157,7 @@ def choose_chunk(impl: str | None, state, pattern) -> str:
         return "steps"
     if not state.takes_chunks(pattern):
         return "steps"
-    return "torch" if impl in ("torch", "graph") else "chunk"
+    return "torch" if impl in ("torch", "graph") else "extend"
 
 
 @contextmanager

@@ -23,21 +23,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check_inputs, row_valid_mask
-from .parallel import _promote
+from .common import check_inputs, row_valid_mask, to_compute_dtype
 from .patterns import Pattern, get_pattern
-from .slots import _pattern_slots
+from .slots import pattern_slots
 
 GRAPH_CHUNK = 64  # rows per block of the forward substitution
 
 
-def _source_table(pattern: Pattern, rows: torch.Tensor, n: int) -> torch.Tensor:
+def source_table(pattern: Pattern, rows: torch.Tensor, n: int) -> torch.Tensor:
     """(K, *rows.shape) long: the position that slot k of pattern row ``rows[...]`` (all below n, which sets K) reads
     (``pattern.source_index(n).T`` for rows 0..n-1), -1 where the slot is empty. From the slots' closed form
     src_k(t) = a_k (floor((t - f_k) / a_k) + 1) - 1 (:mod:`.slots`) in tensor operations, so that a graph holds no
     trace of the Python and numpy that build the pattern's own table. A cache-efficient slot whose source an earlier
     slot already reads is empty (S_i is a set)."""
-    fs, steps = _pattern_slots(pattern, n)
+    fs, steps = pattern_slots(pattern, n)
     t = rows[None]
     shape = (len(fs),) + (1,) * rows.dim()
     f = torch.tensor(fs, dtype=torch.long, device=rows.device).view(shape)
@@ -55,7 +54,7 @@ def _slot_sources(pattern: Pattern, n: int, start: torch.Tensor | None, device, 
     """(B or 1, K, n) long: the position slot k of row t reads, -1 where the slot is empty or the row is padding.
 
     Sequence b's row t is the pattern's row t - start[b] (positions count from the first real token)."""
-    table = _source_table(pattern, torch.arange(n, device=device), n)  # (K, n) pattern rows
+    table = source_table(pattern, torch.arange(n, device=device), n)  # (K, n) pattern rows
     if with_self:
         table = torch.cat([torch.arange(n, device=device)[None, :], table], dim=0)
     if start is None:
@@ -81,14 +80,14 @@ def _masked_softmax(scores: torch.Tensor, valid: torch.Tensor, dim: int) -> torc
     return torch.softmax(scores, dim) * valid
 
 
-def _slot_probs(q, k, src, scale) -> torch.Tensor:
+def gathered_slot_probs(q, k, src, scale) -> torch.Tensor:
     """(B, H, K, n) softmax over the slots of q[t] . k[src(t)], 0 where the slot is empty."""
     keys = _gather_rows(k, src.clamp(min=0))  # (B, H, K, n, d)
     scores = (q[:, :, None] * keys).sum(-1) * scale
     return _masked_softmax(scores, (src >= 0)[:, None], dim=2)
 
 
-def _slot_sum(w, v, src) -> torch.Tensor:
+def gathered_slot_sum(w, v, src) -> torch.Tensor:
     """(B, H, n, e): sum over slots k of w[k, t] v[src(k, t)] (w is 0 on empty slots)."""
     return (w[..., None] * _gather_rows(v, src.clamp(min=0))).sum(2)
 
@@ -104,7 +103,7 @@ def _direct(qa, ka, x, pattern: Pattern, start, scale) -> torch.Tensor:
         mask = ((t[None, :] <= t[:, None]) & (t[None, None, :] >= start[:, None, None])) | (t[:, None] == t[None, :])
         return F.scaled_dot_product_attention(qa, ka, x, attn_mask=mask[:, None], scale=scale)
     src = _slot_sources(pattern, n, start, x.device, with_self=True)
-    return _slot_sum(_slot_probs(qa, ka, src, scale), x, src)
+    return gathered_slot_sum(gathered_slot_probs(qa, ka, src, scale), x, src)
 
 
 def _solve(qb, kb, g, rhs, pattern: Pattern, start, scale, chunk: int) -> torch.Tensor:
@@ -141,12 +140,12 @@ def solve_after(qb, kb, g, rhs, solved, scale, chunk: int, src=None, key_valid=N
         g = g * (before > 0)[:, None]
     else:
         g = g * (src >= 0).any(1)[:, None]
-        w = _slot_probs(qb, kb, src, scale) * g[:, :, None]  # (B, H, K, R)
+        w = gathered_slot_probs(qb, kb, src, scale) * g[:, :, None]  # (B, H, K, R)
         local = src - n_solved  # row among the rows to solve; < 0: a solved row, or empty
     rhs = (1 - g)[..., None] * rhs
     if src is not None and n_solved:  # the solved rows' share, for every row at once
         held = (src >= 0) & (src < n_solved)
-        rhs = rhs + _slot_sum(w * held[:, None], solved, torch.where(held, src, 0))
+        rhs = rhs + gathered_slot_sum(w * held[:, None], solved, torch.where(held, src, 0))
     out = rhs[:, :, :0]
     for c0 in range(0, total - n_solved, chunk):
         c1 = min(total - n_solved, c0 + chunk)
@@ -167,7 +166,7 @@ def solve_after(qb, kb, g, rhs, solved, scale, chunk: int, src=None, key_valid=N
             acc = rhs[:, :, c0:c1]
             if c0:
                 earlier = (s >= 0) & (s < c0)
-                acc = acc + _slot_sum(wc * earlier[:, None], out, torch.where(earlier, s, 0))
+                acc = acc + gathered_slot_sum(wc * earlier[:, None], out, torch.where(earlier, s, 0))
             onehot = (s[..., None] == torch.arange(c0, c1, device=device)).to(wc.dtype)  # (B or 1, K, C, C)
             block = (wc[..., None] * onehot[:, None]).sum(2)  # (B, H, C, C), strictly lower
         eye = torch.eye(c1 - c0, dtype=dtype, device=device)
@@ -182,7 +181,7 @@ def graph_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk: int 
     pattern = get_pattern(pattern)
     check_inputs(qa, ka, qb, kb, x, g, pattern, start)
     out_dtype, n = x.dtype, x.shape[-2]
-    qa, ka, qb, kb, x, g = _promote(qa, ka, qb, kb, x, g)
+    qa, ka, qb, kb, x, g = to_compute_dtype(qa, ka, qb, kb, x, g)
     scale = qa.shape[-1] ** -0.5 if scale is None else scale
     start = None if start is None else start.to(x.device).long()
     y = _direct(qa, ka, x, pattern, start, scale)
@@ -198,7 +197,7 @@ def graph_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None, chunk: int 
     pattern = get_pattern(pattern)
     check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
     out_dtype, n = x.dtype, x.shape[-2]
-    qb, kb, x, g, d = _promote(qb, kb, x, g, d)
+    qb, kb, x, g, d = to_compute_dtype(qb, kb, x, g, d)
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
     start = None if start is None else start.to(x.device).long()
     y = _solve(qb, kb, g, x, pattern, start, scale, chunk) - d[..., None] * x

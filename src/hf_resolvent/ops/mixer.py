@@ -10,8 +10,8 @@ from contextlib import nullcontext
 
 import torch
 
-from .chunk import chunk_mix, chunk_mix_tied
-from .dispatch import choose, choose_chunk, choose_decode, torch_only, triton
+from .dispatch import choose, choose_decode, choose_extend, torch_only, triton
+from .extend import extend_mix, extend_mix_tied
 from .graph import graph_mix, graph_mix_tied
 from .parallel import parallel_mix, parallel_mix_tied
 from .patterns import get_pattern
@@ -103,7 +103,7 @@ def decode_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "
 
 def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None):
     """Mix L tokens per sequence against a layer's decode ``state`` and advance it (the model's forward after a
-    cache): all at once where :func:`~.dispatch.choose_chunk` allows it, else one :func:`decode_step` per token.
+    cache): all at once where :func:`~.dispatch.choose_extend` allows it, else one :func:`decode_step` per token.
 
     Args: as :func:`decode_step`, with a token axis: qa, ka, qb, kb (B, H, L, d), x (B, H, L, e), g (B, H, L).
 
@@ -111,10 +111,10 @@ def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str =
         y (B, H, L, e).
     """
     pattern = get_pattern(pattern)
-    path = choose_chunk(impl, state, pattern) if x.shape[2] > 1 else "steps"
+    path = choose_extend(impl, state, pattern) if x.shape[2] > 1 else "steps"
     if path != "steps":
         with torch_only() if path == "torch" else nullcontext():
-            return chunk_mix(state, qa, ka, qb, kb, x, g, pattern, scale)
+            return extend_mix(state, qa, ka, qb, kb, x, g, pattern, scale)
     ys = [decode_step(state, *(None if t is None else t[:, :, i] for t in (qa, ka, qb, kb, x, g)), pattern, impl, scale)
           for i in range(x.shape[2])]
     return torch.stack(ys, dim=2)
@@ -123,10 +123,10 @@ def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str =
 def decode_tokens_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
     """Tied variant of :func:`decode_tokens`: qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L) -> y (B, H, L, e)."""
     pattern = get_pattern(pattern)
-    path = choose_chunk(impl, state, pattern) if x.shape[2] > 1 else "steps"
+    path = choose_extend(impl, state, pattern) if x.shape[2] > 1 else "steps"
     if path != "steps":
         with torch_only() if path == "torch" else nullcontext():
-            return chunk_mix_tied(state, qb, kb, x, g, d, pattern, scale)
+            return extend_mix_tied(state, qb, kb, x, g, d, pattern, scale)
     ys = [decode_step_tied(state, *(t[:, :, i] for t in (qb, kb, x, g, d)), pattern, impl, scale)
           for i in range(x.shape[2])]
     return torch.stack(ys, dim=2)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_inputs, row_valid_mask
+from .common import check_inputs, row_valid_mask, to_compute_dtype
 from .dense import dense_solve
 from .flash import causal_attention
 from .patterns import Pattern, get_pattern
@@ -92,11 +92,6 @@ def _solve(qb, kb, g_eff, z, pattern: Pattern, scale: float, chunk) -> torch.Ten
         return SparseSolve.apply(w, z, layout, chunk or SPARSE_CHUNK)
 
 
-def _promote(*ts):
-    dtype = torch.promote_types(next(t for t in ts if t is not None).dtype, torch.float32)
-    return [None if t is None else t.to(dtype) for t in ts]
-
-
 def _check_chunk(chunk) -> None:
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
         raise ValueError(f"chunk must be a positive integer (rows per block of the solve) or None, got {chunk!r}")
@@ -114,7 +109,7 @@ def parallel_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk=No
     check_inputs(qa, ka, qb, kb, x, g, pattern, start)
     _check_chunk(chunk)
     out_dtype, n = x.dtype, x.shape[-2]
-    qa, ka, qb, kb, x, g = _promote(qa, ka, qb, kb, x, g)
+    qa, ka, qb, kb, x, g = to_compute_dtype(qa, ka, qb, kb, x, g)
     scale = qa.shape[-1] ** -0.5 if scale is None else scale
     roll = _Roll.make(start, n)
     if roll is not None:
@@ -134,7 +129,7 @@ def parallel_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None, chunk=No
     check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
     _check_chunk(chunk)
     out_dtype, n = x.dtype, x.shape[-2]
-    qb, kb, x, g, d = _promote(qb, kb, x, g, d)
+    qb, kb, x, g, d = to_compute_dtype(qb, kb, x, g, d)
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
     roll = _Roll.make(start, n)
     if roll is not None:

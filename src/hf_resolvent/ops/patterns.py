@@ -1,7 +1,6 @@
-""":mod:`hf_resolvent.patterns` under the name the ops modules import it by (``from .patterns import ...``).
-
-Why: a saved model folder ships the ops modules unchanged as flat files beside ``patterns.py``, where that
-import finds the real module; in the installed package it finds this alias, which is the same module object.
+""":mod:`hf_resolvent.patterns` under the name the ops modules import it by (``from .patterns import ...``): the same
+module object, so that the ops modules import it as they do in a saved folder, where they lie beside ``patterns.py``
+(:mod:`hf_resolvent.remote_code`).
 """
 
 import sys

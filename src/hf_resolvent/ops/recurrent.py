@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_inputs, records_grad
+from .common import check_inputs, records_grad, to_compute_dtype
 from .dispatch import compiled_for, compiled_ops
 from .patterns import get_pattern
 from .state import DecodeState
@@ -99,17 +99,12 @@ def recurrent_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None
     return y
 
 
-def _promote(*ts):
-    dtype = torch.promote_types(next(t for t in ts if t is not None).dtype, torch.float32)
-    return [None if t is None else t.to(dtype) for t in ts]
-
-
 def recurrent_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, state=None) -> torch.Tensor:
     """Run the recurrent form over a whole sequence (B, H, n, .) -> (B, H, n, e); tests and prefill."""
     pattern = get_pattern(pattern)
     check_inputs(qa, ka, qb, kb, x, g, pattern, start)
     out_dtype = x.dtype
-    qa, ka, qb, kb, x, g = _promote(qa, ka, qb, kb, x, g)
+    qa, ka, qb, kb, x, g = to_compute_dtype(qa, ka, qb, kb, x, g)
     state = state if state is not None else DecodeState(start=start)
     ys = []
     for t in range(x.shape[2]):
@@ -123,7 +118,7 @@ def recurrent_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None, state=N
     pattern = get_pattern(pattern)
     check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
     out_dtype = x.dtype
-    qb, kb, x, g, d = _promote(qb, kb, x, g, d)
+    qb, kb, x, g, d = to_compute_dtype(qb, kb, x, g, d)
     state = state if state is not None else DecodeState(start=start)
     ys = [recurrent_step_tied(state, qb[:, :, t], kb[:, :, t], x[:, :, t], g[:, :, t], d[:, :, t], pattern, scale)
           for t in range(x.shape[2])]

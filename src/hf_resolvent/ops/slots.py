@@ -69,7 +69,9 @@ class SlotLayout:
         return v if dtype is None else v.to(dtype)
 
 
-def _pattern_slots(pattern: Pattern, n: int) -> tuple[list[int], list[int]]:
+def pattern_slots(pattern: Pattern, n: int) -> tuple[list[int], list[int]]:
+    """The offsets f_k and periods a_k of a sparse pattern's slots for length n (as :class:`SlotLayout` holds them,
+    without the row itself)."""
     if pattern.kind == "local_attention":
         fs = list(range(1, pattern.window))
         return fs, [1] * len(fs)
@@ -88,7 +90,7 @@ def slot_layout(pattern: Pattern, n: int, with_self: bool = False) -> SlotLayout
 
     ``with_self`` prepends the slot f = 0 (the row itself), which makes P^A = {t} U P^B.
     """
-    fs, steps = _pattern_slots(pattern, n)
+    fs, steps = pattern_slots(pattern, n)
     src = pattern.source_index(n).numpy().T.copy() if fs else np.zeros((0, n), dtype=np.int64)
     # The closed form, checked against the pattern's own table so that both stay in step.
     t = np.arange(n)[None, :]

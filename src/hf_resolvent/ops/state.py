@@ -723,7 +723,7 @@ def _extend_plan(pattern: Pattern, held_positions: torch.Tensor, r: torch.Tensor
 
     if r.device.type != "cpu" or torch.compiler.is_compiling():
         return plan()
-    return _CHUNK_PLANS.get(("extend", pattern, r.shape[1], *_values(held_positions, r[:, 0])), plan)
+    return EXTEND_PLANS.get(("extend", pattern, r.shape[1], *value_key(held_positions, r[:, 0])), plan)
 
 
 def _register_step(old: torch.Tensor, r: torch.Tensor, fs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -737,9 +737,9 @@ def _register_step(old: torch.Tensor, r: torch.Tensor, fs: torch.Tensor) -> tupl
     return torch.where((fs <= rr + 1) & (rr >= 0), slots, -1), stay
 
 
-class _Memo:
+class PlanMemo:
     """Bookkeeping that every layer of a cache repeats on the same values (which rows a token reads and keeps),
-    worked out once: the last ``kept`` results by key (values, not tensors: :func:`_values`). The layers after the
+    worked out once: the last ``kept`` results by key (values, not tensors: :func:`value_key`). The layers after the
     first reuse the first one's tensors, which is safe because states never write into a tensor they hold."""
 
     def __init__(self, kept: int):
@@ -760,11 +760,11 @@ class _Memo:
         return plan
 
 
-_STEP_PLANS = _Memo(64)  # one token's plans: a few small tensors each
-_CHUNK_PLANS = _Memo(8)  # several tokens' plans, tables of (K, L): only the current forward's are reused
+_STEP_PLANS = PlanMemo(64)  # one token's plans: a few small tensors each
+EXTEND_PLANS = PlanMemo(8)  # several tokens' plans, tables of (K, L): only the current forward's are reused
 
 
-def _values(*tensors: torch.Tensor | None) -> tuple:
+def value_key(*tensors: torch.Tensor | None) -> tuple:
     """A memo key part for small tensors (host copies: CPU only): their shapes and values."""
     return tuple(None if t is None else (tuple(t.shape), tuple(t.flatten().tolist())) for t in tensors)
 
@@ -780,7 +780,7 @@ def _register_plan(pattern: Pattern, slots: torch.Tensor | None, positions: torc
     they hold, so sharing them is safe). On other devices the key would cost copies to the host: no memo there."""
     if r.device.type != "cpu":
         return _plan(pattern, slots, positions, r)
-    return _STEP_PLANS.get((pattern, *_values(slots, positions, r)), lambda: _plan(pattern, slots, positions, r))
+    return _STEP_PLANS.get((pattern, *value_key(slots, positions, r)), lambda: _plan(pattern, slots, positions, r))
 
 
 def _plan(pattern: Pattern, slots: torch.Tensor | None, positions: torch.Tensor | None,

@@ -96,7 +96,7 @@ void exp_row(T* __restrict row, T top, int64_t len) {
 
 // probs[s, t] = softmax over the row's non-empty slots of scale * q_t . k_{src_s(t)}; 0 on empty slots (and on
 // rows without any). One pass per row instead of scores, mask, softmax and mask as separate tensors. k may hold
-// more rows than q (rows that are read but ask nothing: a chunk's held rows, hf_resolvent/ops/chunk.py).
+// more rows than q (rows that are read but ask nothing: the held rows of hf_resolvent/ops/extend.py).
 at::Tensor slot_probs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& src, double scale) {
   const int64_t bh = rows_of(q, "q", "slot_probs");
   const int64_t n = q.size(2), d = q.size(3), nk = k.size(2);

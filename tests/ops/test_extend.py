@@ -1,4 +1,4 @@
-"""Tests of several tokens at once after a decode state (hf_resolvent.ops.chunk): the chunks equal the reference over
+"""Tests of several tokens at once after a decode state (hf_resolvent.ops.extend): the chunks equal the reference over
 the whole sequence and the same tokens one decode step each (on the compiled slot kernels and in PyTorch), leave the
 same state, run where the dispatch says, and refuse a state that does not hold what the pattern reads.
 
@@ -15,16 +15,16 @@ from test_mixer import RESOLVENT, SPECS, assert_close
 from hf_resolvent.ops import (
     DecodeState,
     StaticDecodeState,
-    chunk_mix,
-    chunk_mix_tied,
     decode_tokens,
     decode_tokens_tied,
+    extend_mix,
+    extend_mix_tied,
     recurrent_mix,
     recurrent_mix_tied,
     reference_mix,
     reference_mix_tied,
 )
-from hf_resolvent.ops.dispatch import choose_chunk
+from hf_resolvent.ops.dispatch import choose_extend
 from hf_resolvent.patterns import get_pattern
 
 N, FIRST, CUTS = 90, 23, (23, 24, 61, 90)  # a prefill of FIRST tokens, then chunks of 1, 37 and 29 tokens
@@ -73,7 +73,7 @@ def test_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key, c
     chunked, stepped = _states(pattern, inp, start)
     ys, steps = [], []
     for a, b in zip(CUTS, CUTS[1:]):
-        ys.append(chunk_mix(chunked, *_part(inp, a, b), pattern))
+        ys.append(extend_mix(chunked, *_part(inp, a, b), pattern))
         steps.append(recurrent_mix(*_part(inp, a, b), pattern, state=stepped))
     whole = reference_mix(*_part(inp, 0, N), pattern, start=start)
     assert_close(torch.cat(ys, 2), whole[:, :, FIRST:], f"{key}: chunks vs reference", tol=1e-12)
@@ -89,7 +89,7 @@ def test_tied_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(k
     chunked, stepped = _states(pattern, inp, start, tied=True)
     ys, steps = [], []
     for a, b in zip(CUTS, CUTS[1:]):
-        ys.append(chunk_mix_tied(chunked, *_part(inp, a, b, names), pattern))
+        ys.append(extend_mix_tied(chunked, *_part(inp, a, b, names), pattern))
         steps.append(recurrent_mix_tied(*_part(inp, a, b, names), pattern, state=stepped))
     whole = reference_mix_tied(*_part(inp, 0, N, names), pattern, start=start)
     assert_close(torch.cat(ys, 2), whole[:, :, FIRST:], f"{key}: tied chunks vs reference", tol=1e-12)
@@ -105,31 +105,31 @@ def test_chunks_continue_a_static_state_in_its_buffers(key, cpu_path):
     inp, start = _inputs(pattern, seed=10)
     state = StaticDecodeState.preallocate(pattern, _states(pattern, inp, start)[0], capacity=N + 3)
     buffers = {name: (t.shape, t.data_ptr()) for name, t in state.buffers().items()}
-    ys = [chunk_mix(state, *_part(inp, a, b), pattern) for a, b in zip(CUTS[:-1], CUTS[1:-1])]
+    ys = [extend_mix(state, *_part(inp, a, b), pattern) for a, b in zip(CUTS[:-1], CUTS[1:-1])]
     ys.append(recurrent_mix(*_part(inp, CUTS[-2], N), pattern, state=state))  # then token by token
     whole = reference_mix(*_part(inp, 0, N), pattern, start=start)
     assert_close(torch.cat(ys, 2), whole[:, :, FIRST:], f"{key}: static state, chunks then steps", tol=1e-12)
     assert {name: (t.shape, t.data_ptr()) for name, t in state.buffers().items()} == buffers
     assert int(state.seen) == N
     with pytest.raises(ValueError, match="static cache is full"):  # 3 rows left, 4 tokens
-        chunk_mix(state, *_part(inp, 0, 4), pattern)
+        extend_mix(state, *_part(inp, 0, 4), pattern)
 
 
 def test_chunks_run_where_the_dispatch_says_and_steps_elsewhere():
     pattern = get_pattern("exp2:ce")
     inp, start = _inputs(pattern, seed=5)
     state, _ = _states(pattern, inp, start)
-    assert choose_chunk("auto", state, pattern) == "chunk"
+    assert choose_extend("auto", state, pattern) == "extend"
     for impl in ("recurrent", "reference", "cpu", "triton"):  # they name another path: one step per token
-        assert choose_chunk(impl, state, pattern) == "steps", impl
+        assert choose_extend(impl, state, pattern) == "steps", impl
     state.record_history()  # a rollback needs the state before each token: steps
-    assert choose_chunk("auto", state, pattern) == "steps"
-    assert choose_chunk("auto", state, get_pattern("dense")) == "chunk"  # that one crops by slicing
+    assert choose_extend("auto", state, pattern) == "steps"
+    assert choose_extend("auto", state, get_pattern("dense")) == "extend"  # that one crops by slicing
     with pytest.raises(RuntimeError, match="token by token"):
         state.extend(pattern, {"outputs": inp["x"][:, :, :2]}, torch.tensor([[23, 24], [18, 19]]))
     state.record_history(False)
     static = StaticDecodeState.preallocate(pattern, state, capacity=N)
-    assert choose_chunk("auto", static, pattern) == "chunk" and choose_chunk("torch", static, pattern) == "torch"
+    assert choose_extend("auto", static, pattern) == "extend" and choose_extend("torch", static, pattern) == "torch"
     # both paths of decode_tokens give the same outputs
     chunked, stepped = _states(pattern, inp, start)
     y = decode_tokens(chunked, *_part(inp, FIRST, N), pattern)
@@ -146,7 +146,7 @@ def test_a_state_that_lacks_the_rows_a_pattern_reads_is_refused():
     inp, start = _inputs(get_pattern("exp2:ce"), seed=6)
     state, _ = _states(get_pattern("exp2:ce"), inp, start)
     with pytest.raises(RuntimeError, match="no longer holds"):
-        chunk_mix(state, *_part(inp, FIRST, N), "banded:8")
+        extend_mix(state, *_part(inp, FIRST, N), "banded:8")
 
 
 def test_tokens_inside_the_left_padding_are_refused():
@@ -154,28 +154,28 @@ def test_tokens_inside_the_left_padding_are_refused():
     inp, _ = _inputs(pattern, seed=7)
     state = DecodeState(start=torch.tensor([0, 40]))  # sequence 1 has 40 padding tokens still to come
     with pytest.raises(ValueError, match="left padding"):
-        chunk_mix(state, *_part(inp, FIRST, N), pattern)
+        extend_mix(state, *_part(inp, FIRST, N), pattern)
 
 
 def test_sparse_chunks_take_the_compiled_slot_kernels_where_the_parallel_form_would(monkeypatch, cpu_path):
     """On the compiled path a sparse pattern's chunk runs the C++ slot kernels; dense patterns, the PyTorch path and
     chunks that record gradients run the PyTorch code."""
-    from hf_resolvent.ops import chunk
+    from hf_resolvent.ops import extend
 
     calls = []
-    compiled = chunk._compiled_sparse
-    monkeypatch.setattr(chunk, "_compiled_sparse", lambda *a, **k: calls.append(1) or compiled(*a, **k))
+    compiled = extend._compiled_sparse
+    monkeypatch.setattr(extend, "_compiled_sparse", lambda *a, **k: calls.append(1) or compiled(*a, **k))
     for spec in ("exp2:ce", "dense"):
         pattern = get_pattern(spec)
         inp, start = _inputs(pattern, seed=8)
         state, _ = _states(pattern, inp, start)
-        chunk_mix(state, *_part(inp, FIRST, N), pattern)
+        extend_mix(state, *_part(inp, FIRST, N), pattern)
     assert len(calls) == (1 if cpu_path == "compiled" else 0)
     pattern = get_pattern("exp2:ce")
     inp, start = _inputs(pattern, seed=9)
     state, _ = _states(pattern, inp, start)
     grads = [None if t is None else t.requires_grad_() for t in _part(inp, FIRST, N)]
-    chunk_mix(state, *grads, pattern).sum().backward()
+    extend_mix(state, *grads, pattern).sum().backward()
     assert len(calls) == (1 if cpu_path == "compiled" else 0) and grads[0].grad is not None
 
 
@@ -192,12 +192,12 @@ def test_layers_taking_the_same_chunk_share_its_tables_and_each_gets_its_own_row
     recurrent_mix(*_part(other_inp, 0, FIRST), pattern, start=other.start, state=other)
     for a, b in zip(CUTS, CUTS[1:]):
         for (inp, start), state in zip(layers, states):
-            y = chunk_mix(state, *_part(inp, a, b), pattern)
+            y = extend_mix(state, *_part(inp, a, b), pattern)
             whole = reference_mix(*_part(inp, 0, b), pattern, start=start)
             assert_close(y, whole[:, :, a:b], f"{spec}: rows {a}..{b}", tol=1e-12)
         assert states[0].positions is states[1].positions
         assert states[0].keys_b is not states[1].keys_b
-        y = chunk_mix(other, *_part(other_inp, a, b), pattern)
+        y = extend_mix(other, *_part(other_inp, a, b), pattern)
         assert other.positions is not states[0].positions
         whole = reference_mix(*_part(other_inp, 0, b), pattern, start=other.start)
         assert_close(y, whole[:, :, a:b], f"{spec}: other padding, rows {a}..{b}", tol=1e-12)

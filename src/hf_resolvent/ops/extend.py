@@ -5,7 +5,7 @@ L tokens that continue a state of S held rows are rows S..S+L-1 of the parallel 
 rows; new rows], whose first S rows are already solved: their inputs, keys and outputs are the state's. Every row a
 new token reads is one of them (docs/DESIGN.md section 4: a state holds what later tokens read), so:
 
-- the sources of the new rows are the pattern's own (:func:`.graph._source_table` at their positions), found
+- the sources of the new rows are the pattern's own (:func:`.graph.source_table` at their positions), found
   among the held rows (:meth:`~.state.DecodeState.held_rows`) or the new rows;
 - Z = A~ X is a gather over those sources, or for dense patterns attention over all m rows in blocks of rows;
 - Y = (1 - g) Z + g B~ Y is the graph form's block forward substitution (:func:`.graph.solve_after`), started
@@ -15,7 +15,7 @@ On the CPU, without gradients, sparse patterns run the same rows on the compiled
 (``slot_probs``, ``slot_combine``, ``slot_solve``, which take any source table): per sequence, over [the held rows the
 new ones read; new rows], with the held rows' slots empty and their outputs as the right-hand side, so a solve
 reproduces them and goes on from there. The PyTorch code below is their reference and the path with autograd.
-Every layer of a cache takes the same chunk with the same held positions, so a register state's tables are worked
+Every layer of a cache takes the same new tokens with the same held positions, so a register state's tables are worked
 out by the first layer and reused by the others (:func:`_plan_key`).
 
 The result equals L decode steps (and a prefill of the whole sequence) to rounding; the state then takes the L
@@ -30,12 +30,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import records_grad
+from .common import records_grad, to_compute_dtype
 from .dispatch import compiled_for, compiled_ops
-from .graph import GRAPH_CHUNK, _slot_probs, _slot_sum, _source_table, solve_after
-from .parallel import _promote
+from .graph import GRAPH_CHUNK, gathered_slot_probs, gathered_slot_sum, solve_after, source_table
 from .patterns import get_pattern
-from .state import _CHUNK_PLANS, DecodeState, _values
+from .state import EXTEND_PLANS, DecodeState, value_key
 
 DIRECT_ROWS = 512  # new rows per block of a dense pattern's attention over all rows
 
@@ -45,7 +44,7 @@ def _sources(state: DecodeState, pattern, r: torch.Tensor) -> torch.Tensor:
     through B (sparse patterns), -1 where the slot is empty."""
     held = state.row_positions(r.shape[0], r.device)  # (B, S)
     size, r0 = held.shape[1], r[:, :1]
-    table = _source_table(pattern, r, int(r.max().item()) + 1).transpose(0, 1)  # (B, K, L) positions
+    table = source_table(pattern, r, int(r.max().item()) + 1).transpose(0, 1)  # (B, K, L) positions
     rows = torch.where(table >= r0[:, :, None], size + table - r0[:, :, None], state.held_rows(pattern, table))
     rows = torch.where(table >= 0, rows, -1)
     if size:
@@ -75,7 +74,7 @@ def _direct(state: DecodeState, qa, ka, x, scale, slots=None, valid=None) -> tor
     (:func:`_sources`), dense ones their ``valid`` rows (:func:`_valid_rows`)."""
     if slots is not None:
         src = _with_self(state, slots)
-        return _slot_sum(_slot_probs(qa, ka, src, scale), x, src)
+        return gathered_slot_sum(gathered_slot_probs(qa, ka, src, scale), x, src)
     size, length = state.rows(), qa.shape[2]
     out = []
     for c0 in range(0, length, DIRECT_ROWS):
@@ -151,17 +150,17 @@ def _compiled_sparse(state: DecodeState, pattern, plan, scale, qa, ka, qb, kb, x
 
 
 def _plan_key(state: DecodeState, pattern, r: torch.Tensor) -> tuple | None:
-    """The memo key of the new rows' sources (``state._CHUNK_PLANS``): a register state's held positions and the
+    """The memo key of the new rows' sources (``state.EXTEND_PLANS``): a register state's held positions and the
     new positions decide them, and every layer of a cache has the same. None (no memo) off the CPU and for states
     that hold every position or a window, whose sources cost less than a key of their positions."""
     if r.device.type != "cpu" or not state.uses_register(pattern):
         return None
-    return (pattern, r.shape[1], *_values(state.positions, r[:, 0]))
+    return (pattern, r.shape[1], *value_key(state.positions, r[:, 0]))
 
 
 def _planned(key: tuple | None, name: str, compute):
     """``compute()``, shared by the layers of a cache under ``key`` (:func:`_plan_key`; None: not shared)."""
-    return compute() if key is None else _CHUNK_PLANS.get(("chunk " + name, *key), compute)
+    return compute() if key is None else EXTEND_PLANS.get(("extend " + name, *key), compute)
 
 
 def _outputs(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
@@ -181,7 +180,7 @@ def _outputs(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: 
                        src=slots, key_valid=valid)
 
 
-def chunk_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
+def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
     """L tokens per sequence against a layer's decode ``state``, in parallel, and advance it (the state takes the
     L tokens as L :func:`~.recurrent.recurrent_step` calls would).
 
@@ -197,7 +196,7 @@ def chunk_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> 
     pattern = get_pattern(pattern)
     r = _positions(state, x)
     out_dtype = x.dtype
-    qa, ka, qb, kb, x, g = _promote(qa, ka, qb, kb, x, g)
+    qa, ka, qb, kb, x, g = to_compute_dtype(qa, ka, qb, kb, x, g)
     scale = qa.shape[-1] ** -0.5 if scale is None else scale
     y = _outputs(state, pattern, r, scale, qa, ka, qb, kb, x, g, tied=False)
     rows = {"keys_a": ka, "values": x}
@@ -207,13 +206,13 @@ def chunk_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> 
     return y.to(out_dtype)
 
 
-def chunk_mix_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
-    """Tied variant of :func:`chunk_mix`: z = (I - B)^-1 (1 - g) x over the held and new rows, y = z - d x; the state
+def extend_mix_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
+    """Tied variant of :func:`extend_mix`: z = (I - B)^-1 (1 - g) x over the held and new rows, y = z - d x; the state
     stores z. qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L) -> y (B, H, L, e)."""
     pattern = get_pattern(pattern)
     r = _positions(state, x)
     out_dtype = x.dtype
-    qb, kb, x, g, d = _promote(qb, kb, x, g, d)
+    qb, kb, x, g, d = to_compute_dtype(qb, kb, x, g, d)
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
     z = _outputs(state, pattern, r, scale, None, None, qb, kb, x, g, tied=True)
     state.extend(pattern, {"keys_b": kb.to(out_dtype), "outputs": z.to(out_dtype)}, r)

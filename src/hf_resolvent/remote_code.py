@@ -1,0 +1,291 @@
+"""What a saved model folder holds besides the weights' tensors: the code that runs it, and a record of the model
+its weights were trained for. The model class's ``save_pretrained`` and ``from_pretrained`` hooks call this module.
+
+Remote code
+-----------
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` imports the model from the folder's own
+Python files, so that a saved model runs where hf_resolvent is not installed. transformers gathers those files when
+it saves: ``modeling_resolvent.py`` and every module its lines ``from .x import ...`` name, followed recursively
+(``transformers.dynamic_module_utils``); it copies them as flat files, so only flat siblings reach the folder. Hence:
+
+- the model files (``configuration_resolvent``, ``modeling_resolvent``, ``cache_resolvent``, ``patterns``, this
+  module) import only torch, transformers, safetensors and each other as flat siblings, and are copied as they are;
+- they reach the mixer functions through one flat module, ``resolvent_ops``. In the library it re-exports
+  :mod:`hf_resolvent.ops` with absolute imports, which transformers does not follow. In a saved folder,
+  :func:`write_ops_bundle` replaces it by a generated entry (:data:`BUNDLE_IMPORTS`) that imports the same names
+  from verbatim copies of the ops modules of :data:`SHIPPED_OPS`;
+- those ops modules import each other and ``patterns`` as flat siblings (``from .patterns import ...``). Inside the
+  package, ``hf_resolvent/ops/patterns.py`` is an alias of :mod:`hf_resolvent.patterns` that makes that import
+  true, so no shipped file is ever rewritten;
+- ``IS_BUNDLE`` (False in the library's ``resolvent_ops``, True in a generated entry) tells this code where it runs:
+  a model loaded from a saved folder saves its files again as they are, without copying any ops module;
+- the backends (compiled CPU kernels, Triton) are not shipped. The ops modules reach them only through
+  ``ops.dispatch``, whose ``_IN_LIBRARY`` (its module name is ``hf_resolvent.ops.dispatch`` only in the library)
+  makes a saved folder's copy run PyTorch for ``"auto"`` and refuse ``"cpu"`` and ``"triton"`` by name.
+
+``tests/models/test_save_load.py`` loads a saved folder in a process where hf_resolvent cannot be imported.
+
+Weights records
+---------------
+Parameters of the same shapes load into any pattern without complaint, ``config.json`` can be edited, and
+``from_pretrained(..., mixer=...)`` overrides it; missing layers or a missing position table start from random
+weights. So ``save_pretrained`` writes the mixer of each layer and the kind of positions into the header metadata of
+every safetensors file (:func:`architecture_record`), and ``from_pretrained`` checks every file before reading a
+weight (:func:`check_weight_files`): a damaged file is an OSError naming it, and a model that differs from the
+recorded one is a warning naming each difference.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+from .configuration_resolvent import ResolventConfig
+from .resolvent_ops import IS_BUNDLE
+
+__all__ = [
+    "AUTO_MAP",
+    "BUNDLE_IMPORTS",
+    "MIXERS_METADATA_KEY",
+    "POSITIONS_METADATA_KEY",
+    "SHIPPED_OPS",
+    "add_architecture_record",
+    "architecture_record",
+    "check_weight_files",
+    "check_weight_index",
+    "read_weight_index",
+    "write_ops_bundle",
+]
+
+# config.json's auto_map: the classes trust_remote_code imports, by file and name
+AUTO_MAP = {
+    "AutoConfig": "configuration_resolvent.ResolventConfig",
+    "AutoModel": "modeling_resolvent.ResolventModel",
+    "AutoModelForCausalLM": "modeling_resolvent.ResolventForCausalLM",
+}
+
+# --------------------------------------------------------------------------------------------------
+# Remote code
+
+# The ops modules the mixer functions need: mixer (resolvent_mix, decode_tokens), the dispatch, the forms, the
+# PyTorch code of the parallel form, rope and gelu; patterns.py comes with the model files.
+SHIPPED_OPS = ("common", "dense", "dispatch", "extend", "flash", "gelu", "graph", "mixer", "parallel",
+               "recurrent", "reference", "rope", "slots", "solve", "state", "threads")
+
+# What a saved folder's resolvent_ops.py imports, by shipped module: the names the model files use.
+BUNDLE_IMPORTS = (
+    ("mixer", ("decode_tokens", "decode_tokens_tied", "resolvent_mix", "resolvent_mix_tied")),
+    ("state", ("DecodeState", "StaticDecodeState")),
+    ("common", ("require",)),
+    ("rope", ("rotated_heads",)),
+    ("gelu", ("gelu_tanh",)),
+)
+
+# The text of a saved folder's resolvent_ops.py; {imports} and {names} are filled in by write_ops_bundle (transformers
+# finds the relative imports by lines that start with one, so they are written out, not built at import time).
+_BUNDLE_ENTRY = '''"""The mixer functions the model code calls (PyTorch paths), written by save_pretrained.
+
+Generated file: it lets `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` run where
+hf_resolvent is not installed. Install hf-resolvent and load without remote code for the compiled kernels.
+"""
+
+{imports}
+
+IS_BUNDLE = True
+
+__all__ = [{names}]
+'''
+
+
+def write_ops_bundle(folder: str | Path) -> list[Path]:
+    """Copy the ops modules of :data:`SHIPPED_OPS` into a saved folder as they are, and write its ``resolvent_ops.py``
+    entry; returns the files written. Nothing to do when this code already runs from a saved folder: transformers
+    copied the files along."""
+    if IS_BUNDLE:
+        return []
+    folder = Path(folder)
+    ops = Path(importlib.import_module("hf_resolvent.ops").__file__).parent
+    written = [Path(shutil.copyfile(ops / f"{module}.py", folder / f"{module}.py")) for module in SHIPPED_OPS]
+    imports = "\n".join(f"from .{module} import {', '.join(names)}" for module, names in BUNDLE_IMPORTS)
+    names = ", ".join(f'"{name}"' for name in ["IS_BUNDLE", *(n for _, group in BUNDLE_IMPORTS for n in group)])
+    entry = folder / "resolvent_ops.py"
+    entry.write_text(_BUNDLE_ENTRY.replace("{imports}", imports).replace("{names}", names), encoding="utf-8")
+    written.append(entry)
+    return written
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights records
+
+# Keys in the safetensors header metadata (``__metadata__``, str -> str) of every weights file save_pretrained
+# writes: a JSON list with one mixer spec per layer (so also the number of layers), and the kind of positions.
+MIXERS_METADATA_KEY = "hf_resolvent.mixers"
+POSITIONS_METADATA_KEY = "hf_resolvent.position_embedding"
+
+
+def architecture_record(config: ResolventConfig) -> dict[str, str]:
+    """The metadata entries save_pretrained adds to every weights file."""
+    return {MIXERS_METADATA_KEY: json.dumps(_mixer_specs(config)), POSITIONS_METADATA_KEY: config.position_embedding}
+
+
+def add_architecture_record(config: ResolventConfig, folder: str | Path, variant: str | None) -> None:
+    """Write :func:`architecture_record` into every safetensors file save_pretrained wrote into ``folder``."""
+    record = architecture_record(config)
+    for path in _saved_weight_files(Path(folder), variant):
+        _add_safetensors_metadata(path, record)
+
+
+def check_weight_index(name_or_path: str | os.PathLike, subfolder: str | None, variant: str | None) -> None:
+    """Before from_pretrained reads a local folder: its safetensors index must be sound where it is the file read
+    (transformers reads it without a check, and a damaged one fails deep inside it); an OSError naming it if not.
+    A name on the Hub is no folder here: nothing to check."""
+    folder = Path(str(name_or_path), subfolder or "")
+    index = folder / _variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+    if index.is_file() and not (folder / _variant_name(SAFE_WEIGHTS_NAME, variant)).is_file():
+        read_weight_index(index)
+
+
+def read_weight_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file) of a safetensors index, or an OSError naming the file."""
+    problem = None
+    try:
+        content = json.loads(index.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        problem = f"is not valid JSON ({err})"
+    else:
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(content, dict):
+            problem = f"holds a {type(content).__name__}, not a JSON object"
+        elif not isinstance(weight_map, dict) or not weight_map:
+            problem = "has no weight_map (tensor name -> shard file), or an empty one"
+        elif not all(isinstance(name, str) for name in weight_map.values()):
+            problem = "has a weight_map whose values are not all shard file names"
+    if problem:
+        raise OSError(f"the weights index {index} {problem}: the model folder is damaged (an interrupted save, copy "
+                      "or download, or a hand edit); save or download the model again")
+    return weight_map
+
+
+def check_weight_files(config: ResolventConfig, files: list[str] | None) -> None:
+    """Before from_pretrained reads any weight: every safetensors file must open and hold finite floating weights
+    (else an OSError naming the file, and the tensor), and the model recorded at save time (the mixer of each layer,
+    the positions) must be the one ``config`` builds (else a warning naming the differences)."""
+    saved = None
+    for file in files or []:
+        if not str(file).endswith(".safetensors"):
+            continue
+        if not os.path.isfile(file):  # a shard listed in the index but not there
+            raise FileNotFoundError(
+                f"the weights file {file} is missing: the model folder is incomplete; copy or download it again"
+            )
+        try:
+            with safe_open(file, framework="pt") as f:
+                metadata = f.metadata() or {}
+                bad = next((name for name in f.keys() if _not_finite(f.get_tensor(name))), None)
+        except (SafetensorError, OSError) as err:
+            raise OSError(
+                f"cannot read the weights file {file}: {err}. The file is truncated or damaged (an interrupted save, "
+                "copy or download): save or download the model again"
+            ) from None
+        if bad is not None:
+            raise OSError(
+                f"the weights file {file} holds NaN or infinite values in {bad}: the file is damaged (overwritten "
+                "bytes), or the model diverged before it was saved; save or download the model again, or load an "
+                "earlier checkpoint"
+            )
+        if saved is None and MIXERS_METADATA_KEY in metadata:
+            saved = (file, metadata)
+    if saved is not None:  # else saved without these records (by other code): nothing to compare
+        differences = _architecture_differences(config, saved[1])
+        if differences:
+            warnings.warn(
+                f"the weights in {saved[0]} do not match the model the config loading them builds: "
+                f"{'; '.join(differences)}. The outputs will not be those of the trained model: load with the saved "
+                "config.json (restore it, or drop the overrides given to from_pretrained), or fine-tune if the change "
+                "is intended",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+def _mixer_specs(config: ResolventConfig) -> list[str]:
+    """One spec string per layer, as a mixer field writes it: ``"exp2:ce"``, ``"dense+tied"``. The gate_init is left
+    out: it only sets the starting values, which the weights replace."""
+    return [spec["pattern"] + ("+tied" if spec["tied"] else "") for spec in config.layer_mixers]
+
+
+def _variant_name(name: str, variant: str | None) -> str:
+    """``model.safetensors`` -> ``model.<variant>.safetensors``, as save_pretrained names variants."""
+    if not variant:
+        return name
+    stem, ext = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{ext}"
+
+
+def _saved_weight_files(folder: Path, variant: str | None) -> list[Path]:
+    """The safetensors files of a saved folder: the single file and/or the shards its index lists."""
+    files = []
+    single = folder / _variant_name(SAFE_WEIGHTS_NAME, variant)
+    if single.is_file():
+        files.append(single)
+    index = folder / _variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+    if index.is_file():
+        files += [folder / name for name in sorted(set(read_weight_index(index).values()))]
+    return files
+
+
+def _add_safetensors_metadata(path: Path, metadata: dict[str, str]) -> None:
+    """Add entries to the header metadata of a safetensors file (save_pretrained takes no metadata but a
+    quantizer's): the tensors are written again, with the old metadata and the new entries."""
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(path, framework="pt") as f:
+        old = f.metadata() or {}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(load_file(path), tmp, metadata={**old, **metadata})
+    os.replace(tmp, path)
+
+
+def _not_finite(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+
+
+def _architecture_differences(config: ResolventConfig, metadata: dict[str, str]) -> list[str]:
+    """What the records of a weights file (:func:`architecture_record`) say differs from ``config``, in words."""
+    try:
+        trained = json.loads(metadata[MIXERS_METADATA_KEY])
+    except ValueError:
+        trained = [metadata[MIXERS_METADATA_KEY]]
+    loading = _mixer_specs(config)
+    differences = []
+    if len(trained) != len(loading):
+        saved_layers, layers = len(trained), len(loading)
+        what = (f"layers {saved_layers} to {layers - 1} start from random weights" if layers > saved_layers else
+                f"the trained layers {layers} to {saved_layers - 1} are left out")
+        differences.append(f"they were saved for n_layer = {saved_layers}, but the config says n_layer = {layers} "
+                           f"({what})")
+    common = min(len(trained), len(loading))
+    if trained[:common] != loading[:common]:
+        differences.append(f"they were trained with mixer={_shown_specs(trained[:common])}, but the config says "
+                           f"mixer={_shown_specs(loading[:common])}")
+    positions = metadata.get(POSITIONS_METADATA_KEY)
+    if positions is not None and positions != config.position_embedding:
+        effect = (" (its learned position table starts from random weights)" if config.position_embedding == "learned"
+                  else " (the trained position table goes unused)")
+        differences.append(f"they were trained with position_embedding={positions!r}, but the config says "
+                           f"position_embedding={config.position_embedding!r}{effect}")
+    return differences
+
+
+def _shown_specs(specs: Any) -> str:
+    """A mixer record as a mixer field would say it: one spec when every layer has it, else the list."""
+    return repr(specs[0]) if isinstance(specs, list) and specs and len(set(map(str, specs))) == 1 else repr(specs)
