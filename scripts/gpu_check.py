@@ -1,4 +1,4 @@
-"""Check every Triton kernel against the PyTorch forms on a GPU, in one command (the plan: docs/GPU.md).
+"""Check every Triton kernel against the PyTorch forms on a GPU, in one command (docs/GPU.md says how to run it and read it).
 
 Each case runs one kernel family on random inputs and compares it with an oracle in float64:
 

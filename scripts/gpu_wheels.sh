@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels the GPU machine lacks, downloaded here and installed there without network (docs/GPU.md).
+# Wheels the GPU machine lacks, downloaded here and installed there without network (docs/GPU.md, "A GPU machine without network").
 #
 #   bash scripts/gpu_wheels.sh             # here, with network: download into wheels/ (git-ignored), list sizes
 #   bash scripts/gpu_wheels.sh --install   # on the GPU machine: install wheels/ and this project, offline

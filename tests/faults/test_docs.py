@@ -1,7 +1,9 @@
-"""What a new user copies runs as written: the README's Python blocks (after the install their text names: every
-package a block imports is in that extra of pyproject.toml, or a base dependency), the model card's usage block (in
-a process without hf_resolvent, at a terminal where an interactive prompt would wait), and the README's benchmark
-commands write to an untracked folder, never over the committed reference results in bench/."""
+"""What a new user copies runs as written: the Python blocks of the README and of docs/ (after the install their
+text names: every package a block imports is in that extra of pyproject.toml, or a base dependency), the model
+card's usage block (in a process without hf_resolvent, at a terminal where an interactive prompt would wait), the
+benchmark commands of the README and docs/ write to an untracked folder, never over the committed reference results
+in bench/, and every relative link of the README, docs/, kernels/README.md and bench/NOTES.md leads to a file (and
+heading) that exists."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the dev 
 
 ROOT = REPO
 README = (ROOT / "README.md").read_text()
+# What a user reads as instructions: the README, the docs, and model cards where the repository has them.
+USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("model_cards/**/*.md"))]
+# Every Markdown file whose links are checked.
+LINKED_DOCS = [*USER_DOCS, ROOT / "kernels" / "README.md", ROOT / "bench" / "NOTES.md"]
 
 
 def _blocks(text: str, language: str) -> list[str]:
@@ -46,10 +52,22 @@ def _python(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedP
         os.close(terminal)
 
 
-@pytest.mark.parametrize("index", range(len(_blocks(README, "python"))))
-def test_every_python_block_of_the_readme_runs_as_written(index, tmp_path):
-    result = _python(_blocks(README, "python")[index], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+# (file, index of the Python block in it), one test each
+PYTHON_BLOCKS = [(doc, i) for doc in USER_DOCS for i in range(len(_blocks(doc.read_text(), "python")))]
+
+
+@pytest.mark.parametrize("doc, index", PYTHON_BLOCKS, ids=[f"{_name(d)}:{i}" for d, i in PYTHON_BLOCKS])
+def test_every_python_block_of_the_docs_runs_as_written(doc, index, tmp_path):
+    result = _python(_blocks(doc.read_text(), "python")[index], tmp_path)
+    assert result.returncode == 0, f"{_name(doc)}, Python block {index}:\n{result.stderr[-3000:]}"
+
+
+def test_the_docs_have_python_blocks_beyond_the_readme():
+    assert len(PYTHON_BLOCKS) > len(_blocks(README, "python"))
 
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -104,13 +122,15 @@ def _imported_modules(code: str) -> set[str]:
 
 
 def test_the_install_lines_are_found():
-    assert len(_python_blocks_and_extras(README)) == len(_blocks(README, "python"))
+    for doc in USER_DOCS:
+        text = doc.read_text()
+        assert len(_python_blocks_and_extras(text)) == len(_blocks(text, "python")), _name(doc)
     assert any("onnxruntime" in code and extras == {"export"} for code, extras in _python_blocks_and_extras(README))
 
 
-@pytest.mark.parametrize("index", range(len(_blocks(README, "python"))))
-def test_every_python_block_imports_only_what_its_install_line_installs(index):
-    code, extras = _python_blocks_and_extras(README)[index]
+@pytest.mark.parametrize("doc, index", PYTHON_BLOCKS, ids=[f"{_name(d)}:{i}" for d, i in PYTHON_BLOCKS])
+def test_every_python_block_imports_only_what_its_install_line_installs(doc, index):
+    code, extras = _python_blocks_and_extras(doc.read_text())[index]
     assert extras <= set(PROJECT["optional-dependencies"]), f"block {index}: no such extra in pyproject.toml"
     install = f"pip install \"hf-resolvent[{','.join(sorted(extras))}]\"" if extras else "pip install hf-resolvent"
     installed = _installed_by(extras)
@@ -119,7 +139,7 @@ def test_every_python_block_imports_only_what_its_install_line_installs(index):
         providers = {canonicalize_name(d) for d in distributions.get(module, [])}
         assert providers, f"block {index} imports {module}, which is not installed here (no distribution has it)"
         assert providers & installed, (
-            f"README Python block {index} imports {module} ({', '.join(sorted(providers))}), which `{install}` "
+            f"{_name(doc)} Python block {index} imports {module} ({', '.join(sorted(providers))}), which `{install}` "
             f"does not install: add it to that extra in pyproject.toml, or name the extra that has it")
 
 
@@ -148,7 +168,7 @@ def test_the_model_cards_usage_block_runs_without_hf_resolvent_or_a_prompt(tiny_
 
 def _bench_commands() -> list[list[str]]:
     commands = []
-    for block in _blocks(README, "bash"):
+    for block in (b for doc in USER_DOCS for b in _blocks(doc.read_text(), "bash")):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if any(w.startswith("scripts/") for w in words):
@@ -156,7 +176,7 @@ def _bench_commands() -> list[list[str]]:
     return commands
 
 
-def test_readme_commands_write_to_an_untracked_folder():
+def test_doc_commands_write_to_an_untracked_folder():
     tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
                                  check=True).stdout.split())
     outs = []
@@ -168,7 +188,64 @@ def test_readme_commands_write_to_an_untracked_folder():
     for out in outs:
         assert not out.startswith("bench/") and out not in tracked, out
         ignored = subprocess.run(["git", "check-ignore", "-q", out], cwd=ROOT).returncode == 0
-        assert ignored, f"{out}: a README command writes where git would see it"
+        assert ignored, f"{out}: a command of the docs writes where git would see it"
+
+
+def test_the_readme_keeps_a_benchmark_command_per_table():
+    readme_outs = [w for b in _blocks(README, "bash") for w in shlex.split(b.replace("\\\n", " "), comments=True)
+                   if w.startswith("runs/bench/")]
+    assert len(readme_outs) >= 5, readme_outs
+
+
+# [text](target) and ![alt](target); the target ends at the first space or closing bracket
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_CODE_SPAN = re.compile(r"`[^`\n]*`")
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings of ``markdown``: lower case, punctuation dropped, spaces to hyphens,
+    a repeated one numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", _FENCE.sub("", markdown), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def _broken_links(doc: Path) -> list[str]:
+    """Each relative link of ``doc`` whose file is missing, or whose #anchor names no heading of a Markdown file."""
+    prose = _CODE_SPAN.sub(lambda m: "x" * len(m.group()), _FENCE.sub("", doc.read_text()))
+    broken = []
+    for target in _LINK.findall(prose):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+            broken.append(f"{target}: no heading with that anchor")
+    return broken
+
+
+@pytest.mark.parametrize("doc", LINKED_DOCS, ids=[_name(d) for d in LINKED_DOCS])
+def test_every_relative_link_leads_to_a_file_that_exists(doc):
+    assert doc.exists()
+    assert _broken_links(doc) == []
+
+
+def test_broken_links_are_found(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## A `code` heading (here)\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Title\n\n[ok](other.md) [ok](other.md#a-code-heading-here) ![ok](other.md) [ok](#title)\n"
+                   "[ok](https://example.com/x.md) `[not a link](missing.md)`\n"
+                   "```bash\necho [not a link](missing.md)\n```\n"
+                   "[gone](missing.md) [bad anchor](other.md#nothing) [bad](#no-such-heading)\n")
+    assert _broken_links(doc) == ["missing.md: no such file", "other.md#nothing: no heading with that anchor",
+                                  "#no-such-heading: no heading with that anchor"]
 
 
 def test_bench_kernels_default_output_is_untracked():
