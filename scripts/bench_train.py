@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hf_resolvent.configuration_resolvent import PRESETS
 from hf_resolvent.experiments import training as T
 
 
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON output (the PNG goes next to it)")
     p.add_argument("--mixers", nargs="+", default=T.PAPER_MIXERS, help="resolvent mixers to compare with GPT-2")
-    p.add_argument("--preset", default="44m", choices=sorted(T.SHAPES))
+    p.add_argument("--preset", default="44m", choices=sorted(PRESETS))
     p.add_argument("--seq-len", type=int, default=None, help="default: the preset's context (512 for 44m)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--vocab", type=int, default=50257)
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_model(name: str, preset: str, vocab: int, seq_len: int):
-    shape = {k: v for k, v in T.SHAPES[preset].items() if k != "n_positions"}  # same shape for every model
+    shape = {k: v for k, v in PRESETS[preset].items() if k != "n_positions"}  # same shape for every model
     cfg = {"type": "gpt2" if name == "gpt2" else "resolvent", "preset": preset, "mixer": name, "overrides": shape,
            "pad_vocab_multiple": 1}
     return T.build_model(cfg, vocab, seq_len)
@@ -84,7 +85,7 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     if device.type == "cpu":
         T.keep_freed_memory()  # as pretrain.py does: no fresh pages for the 100 MB blocks of every step
-    seq_len = args.seq_len or T.SHAPES[args.preset]["n_positions"]
+    seq_len = args.seq_len or PRESETS[args.preset]["n_positions"]
     names = ["gpt2", *args.mixers]
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, args.vocab, (args.batch, seq_len + 1), generator=gen).to(device)
@@ -113,7 +114,7 @@ def run(args) -> dict:
                      "ratio_to_gpt2": statistics.median(ratios), "ratio_quartiles": [q1, q3],
                      "params": params, "params_ratio_to_gpt2": params / base_params,
                      "complexity": T.complexity_of(name)})
-    return {"rows": rows, "shape": {**T.SHAPES[args.preset], "seq_len": seq_len, "vocab": args.vocab},
+    return {"rows": rows, "shape": {**PRESETS[args.preset], "seq_len": seq_len, "vocab": args.vocab},
             "batch": args.batch, "rounds": args.rounds, "device": str(device),
             "threads": torch.get_num_threads() if device.type == "cpu" else None, "bf16": args.bf16,
             "torch": torch.__version__, "step_s": times}

@@ -41,8 +41,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The papers' sizes (docs/DESIGN.md section 5).
     "44m": {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_inner": 2048, "n_positions": 512},
     "355m": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_inner": 4096, "n_positions": 2048},
-    # Small enough to fine-tune for a few hundred steps on a laptop CPU in minutes.
-    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 256},
+    # Small enough to train for a few hundred steps on a laptop CPU in minutes (the first command of the README).
+    "tiny": {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 256},
 }
 
 
@@ -323,7 +323,7 @@ class ResolventConfig(PretrainedConfig):
     @classmethod
     def from_preset(cls, name: str, mixer: Any = "exp2:ce", **overrides) -> ResolventConfig:
         """Config of a named size: ``"44m"`` (6 x 512, ff 2048, 8 heads, ctx 512), ``"355m"`` (24 x 1024, ff 4096,
-        16 heads, ctx 2048) or ``"tiny"`` (2 x 128, ff 512, 4 heads, ctx 256), with any ``mixer`` and overrides."""
+        16 heads, ctx 2048) or ``"tiny"`` (4 x 128, ff 512, 4 heads, ctx 256), with any ``mixer`` and overrides."""
         key = str(name).lower()
         if key not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..configuration_resolvent import PRESETS
 from ..files import atomic_write_json, file_problem, file_record
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data: the runs of the papers' comparison
@@ -32,18 +33,11 @@ MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_card.md"
 PAPER_MIXERS = ["attention", "local_attention:8", "dense", "banded:8", "diagonal", "exp2", "exp2:ce", "square",
                 "square:ce"]
 
-# Model shapes (GPT-2 backbone) for the GPT-2 baseline; resolvent models take theirs from ResolventConfig presets
-# and the same numbers.
-SHAPES = {
-    "tiny": {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 256},
-    "44m": {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_inner": 2048, "n_positions": 512},
-    "355m": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_inner": 4096, "n_positions": 2048},
-}
 
 DEFAULTS: dict[str, Any] = {
     "model": {
         "type": "resolvent",  # resolvent | gpt2
-        "preset": "tiny",  # ResolventConfig.from_preset name / SHAPES key
+        "preset": "tiny",  # a key of PRESETS (configuration_resolvent): the shape of both model types
         "mixer": "dense",  # pattern spec or list of specs (one per layer); ignored by gpt2
         "overrides": {},  # extra config fields (e.g. n_layer, dropout)
         "pad_vocab_multiple": 1,  # round the embedding up (64 is faster on GPUs)
@@ -273,7 +267,7 @@ def build_model(model_cfg: dict, vocab_size: int, seq_len: int, eos_token_id: in
     """A freshly initialised causal LM for a run config's ``model`` section.
 
     ``type: gpt2`` builds ``transformers.GPT2LMHeadModel`` (SDPA attention, learned positions) with the shape of
-    ``SHAPES[preset]``; ``type: resolvent`` builds ``hf_resolvent.ResolventForCausalLM`` from
+    ``PRESETS[preset]``; ``type: resolvent`` builds ``hf_resolvent.ResolventForCausalLM`` from
     ``ResolventConfig.from_preset(preset, mixer=...)``. ``overrides`` (GPT-2 field names: ``n_layer``,
     ``n_embd``, ``resid_pdrop``, ...) are passed to the config either way; dropout defaults to 0.
     """
@@ -288,9 +282,9 @@ def build_model(model_cfg: dict, vocab_size: int, seq_len: int, eos_token_id: in
         from transformers import GPT2Config, GPT2LMHeadModel
 
         preset = model_cfg.get("preset", "tiny")
-        if preset not in SHAPES:
-            raise ConfigError(f"model.preset {preset!r} unknown for gpt2; one of {sorted(SHAPES)}")
-        fields = {**SHAPES[preset], "attn_pdrop": 0.0, **overrides}
+        if preset not in PRESETS:
+            raise ConfigError(f"model.preset {preset!r} unknown for gpt2; one of {sorted(PRESETS)}")
+        fields = {**PRESETS[preset], "attn_pdrop": 0.0, **overrides}
         fields["n_positions"] = max(seq_len, fields["n_positions"])
         config = GPT2Config(vocab_size=vocab, **fields)
         config._attn_implementation = "sdpa"
