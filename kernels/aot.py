@@ -7,7 +7,7 @@ Triton's compiler for a CUDA target (``ptxas`` ships with the triton wheel; no d
 needed) and reports registers, spills and shared memory. This catches what the interpreter cannot:
 code that runs as Python but does not lower to the GPU, and tile sizes that spill registers.
 
-Used by ``scripts/bench_kernels.py --compile-check`` and by tests/test_kernels.py.
+Used by ``scripts/bench/bench_kernels.py --compile-check`` and by tests/backends/test_triton.py.
 """
 
 from __future__ import annotations

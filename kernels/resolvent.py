@@ -53,7 +53,7 @@ class BlockConfig:
         num_warps: warps of the parallel kernels; solve_warps, solve_stages: warps and software
             pipelining stages of the sequential solves. The defaults compile for sm_80 / sm_90 with
             bfloat16 inputs, head dim 64, without register spills worth mentioning (see
-            ``scripts/bench_kernels.py --compile-check``); with solve = 64 the sequential kernels spill.
+            ``scripts/bench/bench_kernels.py --compile-check``); with solve = 64 the sequential kernels spill.
     """
 
     attn_m: int = 64

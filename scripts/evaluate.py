@@ -37,9 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hf_resolvent import data as hdata
 from hf_resolvent import files
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training import data as hdata
+from hf_resolvent.training.config import RunError, recorded_data_dir, training_budget
+from hf_resolvent.training.models import COMPLEXITY_ORDER, complexity_of, count_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_REFERENCES = REPO / "bench" / "sweep" / "sweep.json"
@@ -88,7 +89,7 @@ def _data_dir_for(model_dir: Path, override: str | None) -> Path:
         return Path(override)
     run_cfg = model_dir / "run_config.json"
     if run_cfg.exists():
-        return T.recorded_data_dir(json.loads(run_cfg.read_text()))
+        return recorded_data_dir(json.loads(run_cfg.read_text()))
     raise hdata.DataError(f"{model_dir} has no run_config.json to tell which data it was trained on; pass --data")
 
 
@@ -165,7 +166,7 @@ def strided_perplexity(model, tokens: np.ndarray, max_length: int, stride: int, 
         count += int((targets[:, 1:] != -100).sum())
     mean = nll / count
     if not math.isfinite(mean):
-        raise T.RunError(f"the mean loss over {count:,} tokens is {mean}: the model's weights or outputs are not "
+        raise RunError(f"the mean loss over {count:,} tokens is {mean}: the model's weights or outputs are not "
                          f"finite; it cannot be evaluated (retrain it, or evaluate an earlier checkpoint)")
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": count, "max_length": max_length, "stride": stride}
 
@@ -198,7 +199,7 @@ def evaluate_model(model_dir: Path, args, device: torch.device, log=print) -> di
     meta = json.loads((data_dir / "meta.json").read_text())
     split = hdata.TokenShards(data_dir, args.split)
     run_cfg = json.loads((model_dir / "run_config.json").read_text()) if (model_dir / "run_config.json").exists() else {}
-    budget = T.training_budget(run_cfg, meta) if run_cfg else None
+    budget = training_budget(run_cfg, meta) if run_cfg else None
     max_length = args.max_length or run_cfg.get("data", {}).get("seq_len") or 512
     if len(split) < max_length + 1:
         raise hdata.DataError(f"the {args.split} split of {data_dir} has {len(split):,} tokens, fewer than one window "
@@ -220,13 +221,13 @@ def evaluate_model(model_dir: Path, args, device: torch.device, log=print) -> di
                                    args.seed, device)
         for s in samples:
             log(f"[sample] {s['text']!r}")
-    cx = T.complexity_of(label) or {}
+    cx = complexity_of(label) or {}
     result = {"model": str(model_dir), "name": model_dir.name, "mixer": label,
-              "params": T.count_parameters(model), "data": meta.get("data"), "split": args.split, **ppl,
+              "params": count_parameters(model), "data": meta.get("data"), "split": args.split, **ppl,
               "time_per_token": cx.get("time_per_token"), "cache": cx.get("cache"), "budget": budget,
               "samples": samples}
     with files.writing(model_dir, "or copy the model folder somewhere writable and evaluate the copy"):
-        hdata.atomic_write_json(model_dir / "eval_results.json", result)
+        files.atomic_write_json(model_dir / "eval_results.json", result)
     return result
 
 
@@ -261,7 +262,7 @@ def plot_comparison(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    order = T.COMPLEXITY_ORDER
+    order = COMPLEXITY_ORDER
     for ax, key, title in ((axes[0], "time_per_token", "per-token time"), (axes[1], "cache", "decode cache")):
         placed: dict[int, int] = {}
         for r in results:
@@ -319,10 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         table = markdown_table(results + references)
         with files.writing(out, "or pass another --out"):
             out.mkdir(parents=True, exist_ok=True)
-            hdata.atomic_write_json(out / "eval.json", {"rows": results, "references": references})
+            files.atomic_write_json(out / "eval.json", {"rows": results, "references": references})
             (out / "eval.md").write_text(table)
             plot_comparison(results + references, out / "perplexity_vs_complexity.png")
-    except (hdata.DataError, T.RunError, ValueError, OSError) as err:  # OSError: a damaged model folder, a refused write
+    except (hdata.DataError, RunError, ValueError, OSError) as err:  # OSError: a damaged model folder, a refused write
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(table)

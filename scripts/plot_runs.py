@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hf_resolvent.experiments.training import read_metrics
+from hf_resolvent.training.metrics import read_metrics
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_resolvent.data import (
+from hf_resolvent.training.data import (
     DEFAULT_MAX_ENCODE_CHARS,
     OPENWEBTEXT,
     STDLIB,

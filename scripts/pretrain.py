@@ -8,7 +8,7 @@
     accelerate launch --config_file scripts/accelerate/fsdp_8gpu.yaml scripts/pretrain.py --config 355m-dense ...
     torchrun --nproc_per_node 2 scripts/pretrain.py --fsdp --config tiny --output-dir runs/tiny-fsdp   # CPU too
 
-Configs live in hf_resolvent/experiments/configs/ (``tiny``, ``44m-<mixer>``, ``355m-<mixer>``, ``*-gpt2``); ``--set
+Configs live in hf_resolvent/training/configs/ (``tiny``, ``44m-<mixer>``, ``355m-<mixer>``, ``*-gpt2``); ``--set
 section.key=value`` overrides any field. Without ``--data`` (and ``data.dir`` in the config) the offline default
 corpus is prepared into ``data/stdlib`` first (Python's standard-library text; see scripts/prepare_data.py).
 
@@ -53,9 +53,31 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hf_resolvent import data as hdata
 from hf_resolvent import files, locks
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training import data as hdata
+from hf_resolvent.training.card import render_model_card
+from hf_resolvent.training.checkpoints import (
+    checkpoint_dir,
+    clean_temporary_checkpoints,
+    finalize_checkpoint,
+    latest_checkpoint,
+    publish_model_folder,
+    resumable_checkpoint,
+)
+from hf_resolvent.training.config import (
+    ConfigError,
+    RunError,
+    batch_layout,
+    default_data_dir,
+    load_config,
+    recorded_data_dir,
+)
+from hf_resolvent.training.fsdp import FSDP_SETTINGS, enable_fsdp_on_cpu, fit_wrap_classes, fsdp_plugin
+from hf_resolvent.training.launch import describe_distributed, relaunch_cpu_processes_if_needed
+from hf_resolvent.training.memory import keep_freed_memory, memory_use
+from hf_resolvent.training.metrics import plot_loss, truncate_metrics
+from hf_resolvent.training.models import build_model, complexity_of, count_parameters, mixer_slug, model_label
+from hf_resolvent.training.optim import FUSED_ADAMW_DEVICES, build_optimizer, lr_at
 
 # fields that may change between an interrupted run and its resumption (they do not change the weights)
 RESUMABLE_CHANGES = {("eval", "every"), ("checkpoint", "every"), ("checkpoint", "keep"), ("log", "every"),
@@ -65,7 +87,7 @@ RESUMABLE_CHANGES = {("eval", "every"), ("checkpoint", "every"), ("checkpoint", 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tiny", help="config name in hf_resolvent/experiments/configs/ or a .yaml/.json path")
+    p.add_argument("--config", default="tiny", help="config name in hf_resolvent/training/configs/ or a .yaml/.json path")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--data", default=None, help="prepared data folder (scripts/prepare_data.py)")
     p.add_argument("--mixer", default=None, help="override model.mixer (a pattern spec such as dense or exp2:ce)")
@@ -97,7 +119,7 @@ def _resolve_config(args) -> dict:
         overrides.append(f"eval.every={args.eval_every}")
     if args.data:
         overrides.append(f"data.dir={args.data}")
-    return T.load_config(args.config, overrides)  # which also checks every numeric setting
+    return load_config(args.config, overrides)  # which also checks every numeric setting
 
 
 def _mixed_precision(setting: str) -> str:
@@ -146,7 +168,7 @@ def _absolute_data_dir(record: dict) -> dict:
     data = record.get("data")
     if not isinstance(data, dict) or "dir" not in data:
         return record
-    return {**record, "data": {**data, "dir": str(T.recorded_data_dir(record).resolve())}}
+    return {**record, "data": {**data, "dir": str(recorded_data_dir(record).resolve())}}
 
 
 def _check_resumable(saved: dict, now: dict) -> None:
@@ -162,7 +184,7 @@ def _check_resumable(saved: dict, now: dict) -> None:
             if (section, key) not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
                 diffs.append(f"{section}.{key}: {old.get(key)!r} -> {new.get(key)!r}")
     if diffs:
-        raise T.ConfigError("--resume with another configuration or data than the checkpointed run: "
+        raise ConfigError("--resume with another configuration or data than the checkpointed run: "
                             + "; ".join(diffs) + ". Use the checkpointed run's options, or another --output-dir.")
 
 
@@ -185,8 +207,8 @@ def _describe_eval(ev: dict) -> str:
 
 def _finite(value: float, what: str, step: int, output_dir: Path) -> None:
     if not math.isfinite(value):
-        last = T.latest_checkpoint(output_dir)
-        raise T.RunError(f"{what} at step {step} is {value}: the run diverged or its weights hold NaN/Inf. The last "
+        last = latest_checkpoint(output_dir)
+        raise RunError(f"{what} at step {step} is {value}: the run diverged or its weights hold NaN/Inf. The last "
                          f"checkpoint written before it is {last if last else '(none)'}; start again into a new "
                          f"--output-dir with a lower --set train.lr=... or more --set train.warmup_steps=...")
 
@@ -255,7 +277,7 @@ def ensure_data(accelerator, cfg: dict) -> Path:
     is configured."""
     data_dir = cfg["data"]["dir"]
     if data_dir is None:
-        data_dir = T.default_data_dir()
+        data_dir = default_data_dir()
         if accelerator.is_main_process and not hdata.is_prepared(data_dir):
             print(f"[pretrain] no --data given: preparing the offline default corpus in {data_dir}", flush=True)
             with files.writing(data_dir, "or pass --data with a folder prepared elsewhere"):
@@ -312,9 +334,9 @@ def save_checkpoint(accelerator, model, output_dir: Path, step: int, state: dict
 
     A write the filesystem refuses (a full device, a read-only folder) removes the temporary folder and raises
     :class:`files.WriteError`: the checkpoints written before are kept, and --resume continues from the newest."""
-    final = T.checkpoint_dir(output_dir, step)
+    final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(f".tmp_{final.name}")
-    last = T.latest_checkpoint(output_dir)
+    last = latest_checkpoint(output_dir)
     then = (f"then run the same command with --resume: it continues from {last.name}, the last checkpoint written"
             if last else "then run the same command with --resume (no checkpoint was written yet: it starts again)")
     try:
@@ -327,8 +349,8 @@ def save_checkpoint(accelerator, model, output_dir: Path, step: int, state: dict
                 accelerator.save_state(str(tmp), safe_serialization=True)
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                hdata.atomic_write_json(tmp / "trainer_state.json", state)
-                T.finalize_checkpoint(tmp, final, keep)
+                files.atomic_write_json(tmp / "trainer_state.json", state)
+                finalize_checkpoint(tmp, final, keep)
     except Exception:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint only takes space: resume never reads it
@@ -341,7 +363,7 @@ def _memory(accelerator, *splits: hdata.TokenShards) -> dict:
     """Peak RSS of every process, how much of the token shards each holds in memory, and on a GPU the peak memory
     torch's allocator held there, in MiB (Linux)."""
     files = [Path(a.filename) for ts in splits for a in ts.arrays]
-    use = T.memory_use(files)
+    use = memory_use(files)
     gpu = torch.cuda.max_memory_allocated(accelerator.device) if accelerator.device.type == "cuda" else -1.0
     row = torch.tensor([use["peak_rss_bytes"], use["shards_resident_bytes"], gpu] if use else [-1.0, -1.0, gpu],
                        dtype=torch.float64, device=accelerator.device)
@@ -382,19 +404,19 @@ def write_final(accelerator, model, tokenizer, cfg: dict, output_dir: Path, data
             shutil.rmtree(staged, ignore_errors=True)
             raw.save_pretrained(staged, state_dict=state_dict, safe_serialization=True)
             tokenizer.save_pretrained(staged)
-            T.plot_loss(output_dir / "metrics.jsonl", staged / "loss.png",
-                        title=f"{T.model_label(cfg['model'])} ({cfg['name']})")
-            hdata.atomic_write_json(staged / "train_results.json", results)
-            (staged / "README.md").write_text(T.render_model_card(card_info(cfg, data_meta, results, argv, raw)))
-            T.publish_model_folder(staged, output_dir)
+            plot_loss(output_dir / "metrics.jsonl", staged / "loss.png",
+                        title=f"{model_label(cfg['model'])} ({cfg['name']})")
+            files.atomic_write_json(staged / "train_results.json", results)
+            (staged / "README.md").write_text(render_model_card(card_info(cfg, data_meta, results, argv, raw)))
+            publish_model_folder(staged, output_dir)
     except Exception:
         shutil.rmtree(staged, ignore_errors=True)  # never loaded (no config.json moved out of it): only space
         raise
 
 
 def card_info(cfg: dict, data_meta: dict, results: dict, argv: list[str], model) -> dict:
-    mixer = T.model_label(cfg["model"])
-    cx = T.complexity_of(mixer)
+    mixer = model_label(cfg["model"])
+    cx = complexity_of(mixer)
     complexity = f"{cx['time_per_token']} / {cx['cache']}" if cx else "n/a"
     source = data_meta.get("source")
     hub_dataset = source if source not in (hdata.STDLIB, "files", None) else None
@@ -425,7 +447,7 @@ def card_info(cfg: dict, data_meta: dict, results: dict, argv: list[str], model)
                         if "val_windows" in results else "n/a"),
         "train_command": "python scripts/pretrain.py " + " ".join(shlex.quote(a) for a in argv),
         "repo_id": "REPO_ID",
-        "tags": ["hf-resolvent", "resolvent", "token-mixer", f"mixer-{T.mixer_slug(mixer)}", "causal-lm"],
+        "tags": ["hf-resolvent", "resolvent", "token-mixer", f"mixer-{mixer_slug(mixer)}", "causal-lm"],
         "limitations": ("A small research model trained for a short time; it is not instruction-tuned and "
                         "produces unreliable text. "
                         + ("It was trained on the offline default corpus (Python standard-library text), "
@@ -448,7 +470,7 @@ def train(argv: list[str] | None = None) -> dict:
     launched_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
     plugin = None
     if args.fsdp or launched_fsdp:
-        plugin = T.fsdp_plugin(None if launched_fsdp else T.FSDP_SETTINGS)  # the launcher's settings win
+        plugin = fsdp_plugin(None if launched_fsdp else FSDP_SETTINGS)  # the launcher's settings win
         _one_process_group()
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     accelerator = Accelerator(
@@ -460,14 +482,14 @@ def train(argv: list[str] | None = None) -> dict:
         cpu=not torch.cuda.is_available() and (plugin is not None or launched > 1),
     )
     if "WORLD_SIZE" in os.environ and launched != accelerator.num_processes:
-        raise T.ConfigError(f"the launcher started {launched} processes but Accelerate set up "
-                            f"{T.describe_distributed(accelerator)}; launch with accelerate launch or torchrun on "
+        raise ConfigError(f"the launcher started {launched} processes but Accelerate set up "
+                            f"{describe_distributed(accelerator)}; launch with accelerate launch or torchrun on "
                             f"GPUs, or with ACCELERATE_USE_CPU=true on CPU processes")
     if plugin is not None:
-        T.enable_fsdp_on_cpu(accelerator, plugin)
+        enable_fsdp_on_cpu(accelerator, plugin)
         _require_fsdp(accelerator, "--fsdp" if args.fsdp else "the accelerate config")
     if accelerator.is_main_process:  # the run's first line: how it is distributed
-        print(f"[pretrain] {T.describe_distributed(accelerator)}", flush=True)
+        print(f"[pretrain] {describe_distributed(accelerator)}", flush=True)
     # one run per output folder: the main process holds the lock until the run ends, however it ends
     with contextlib.ExitStack() as run_lock:
         if accelerator.is_main_process:
@@ -482,8 +504,8 @@ def _require_fsdp(accelerator, asked_by: str) -> None:
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type != DistributedType.FSDP:
-        raise T.ConfigError(f"FSDP was asked for ({asked_by}) but Accelerate set up "
-                            f"{T.describe_distributed(accelerator)}: it shards on CUDA GPUs and, through this script, "
+        raise ConfigError(f"FSDP was asked for ({asked_by}) but Accelerate set up "
+                            f"{describe_distributed(accelerator)}: it shards on CUDA GPUs and, through this script, "
                             f"on CPU processes. Launch on one of those, or drop {asked_by}")
 
 
@@ -510,15 +532,15 @@ def _choose_checkpoint(accelerator, output_dir: Path, warn) -> Path | None:
     outcome = [None, None]
     if accelerator.is_main_process:
         try:
-            outcome = [T.resumable_checkpoint(output_dir, report=warn), None]
-        except T.RunError as err:
+            outcome = [resumable_checkpoint(output_dir, report=warn), None]
+        except RunError as err:
             outcome = [None, str(err)]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(outcome)
     if outcome[1] is not None:
-        raise T.RunError(outcome[1])
+        raise RunError(outcome[1])
     return outcome[0]
 
 
@@ -528,12 +550,12 @@ def _check_layout(last: Path, sharded_run: bool, how: str) -> None:
     written = state.get("distributed", "an earlier run")
     sharded = (last / SHARDED_MODEL).is_dir()
     if sharded and not sharded_run:
-        raise T.ConfigError(
+        raise ConfigError(
             f"{last} is a sharded (FSDP) checkpoint, written by {written}, and this run is {how}: resume it with "
             f"--fsdp, on any number of processes (one included: python scripts/pretrain.py --fsdp ... --resume), or "
             f"with the FSDP accelerate config")
     if not sharded and sharded_run:
-        raise T.ConfigError(
+        raise ConfigError(
             f"{last} is a whole (unsharded) checkpoint, written by {written}, and this run shards with FSDP: resume "
             f"it without --fsdp and the FSDP accelerate config (one process or DDP, any number of processes), or "
             f"start the FSDP run in another --output-dir")
@@ -544,11 +566,11 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
 
     main = accelerator.is_main_process
     fsdp = accelerator.distributed_type == DistributedType.FSDP
-    how = T.describe_distributed(accelerator)
+    how = describe_distributed(accelerator)
     log = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
     warn = (lambda m: print(f"[pretrain] {m}", file=sys.stderr, flush=True)) if main else (lambda m: None)
     if accelerator.device.type == "cpu":
-        T.keep_freed_memory()  # reuse the large blocks every step frees (see its docstring)
+        keep_freed_memory()  # reuse the large blocks every step frees (see its docstring)
     data_dir = ensure_data(accelerator, cfg)
     # recorded as an absolute path: evaluate.py (and a resume) find the data from any working folder
     cfg = {**cfg, "data": {**cfg["data"], "dir": str(data_dir)}}
@@ -560,7 +582,7 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     val_tokens = hdata.TokenShards(data_dir, "val")
     seq_len = int(cfg["data"]["seq_len"])
     hdata.eval_windows(val_tokens, seq_len, 1)  # a validation split too short for one window fails now, not later
-    micro, accum = T.batch_layout(cfg, accelerator.num_processes)
+    micro, accum = batch_layout(cfg, accelerator.num_processes)
     tcfg = cfg["train"]
     max_steps = int(tcfg["max_steps"])
     sampler = hdata.StepSampler(train_tokens, seq_len, micro, accum, accelerator.num_processes, int(tcfg["seed"]))
@@ -568,16 +590,16 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     # ---- resume bookkeeping: the checkpoint itself records what it was trained with
     record = _run_record(cfg, data_meta, train_tokens, val_tokens)
     saved_cfg_path = output_dir / "run_config.json"
-    last = T.latest_checkpoint(output_dir)
+    last = latest_checkpoint(output_dir)
     if last is not None and not args.resume:
-        raise T.ConfigError(f"{output_dir} already holds checkpoints ({last.name}); pass --resume to continue "
+        raise ConfigError(f"{output_dir} already holds checkpoints ({last.name}); pass --resume to continue "
                             f"that run, or choose another --output-dir")
     if args.resume and last is not None:
         last = _choose_checkpoint(accelerator, output_dir, warn)
         _check_layout(last, fsdp, how)
         saved = json.loads((last / "trainer_state.json").read_text()).get("run")
         if saved is None:
-            raise T.ConfigError(f"{last} does not record the configuration it was trained with (an older "
+            raise ConfigError(f"{last} does not record the configuration it was trained with (an older "
                                 f"version wrote it), so it cannot be checked against this run; train into another "
                                 f"--output-dir")
         _check_resumable(_absolute_data_dir(saved), record)
@@ -585,25 +607,25 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     if main:
         with files.writing(output_dir, "or pass another --output-dir"):
             output_dir.mkdir(parents=True, exist_ok=True)
-            T.clean_temporary_checkpoints(output_dir)
-            hdata.atomic_write_json(saved_cfg_path, cfg)
+            clean_temporary_checkpoints(output_dir)
+            files.atomic_write_json(saved_cfg_path, cfg)
 
     set_seed(int(tcfg["seed"]))
-    model = T.build_model(cfg["model"], len(tokenizer), seq_len, eos_token_id=tokenizer.eos_token_id)
+    model = build_model(cfg["model"], len(tokenizer), seq_len, eos_token_id=tokenizer.eos_token_id)
     if tcfg.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()
-    params = T.count_parameters(model)
-    optimizer = T.build_optimizer(model, tcfg["lr"], tcfg["betas"], tcfg["weight_decay"], tcfg["eps"],
-                                  fused=accelerator.device.type in T.FUSED_ADAMW_DEVICES)  # prepare() moves it
+    params = count_parameters(model)
+    optimizer = build_optimizer(model, tcfg["lr"], tcfg["betas"], tcfg["weight_decay"], tcfg["eps"],
+                                  fused=accelerator.device.type in FUSED_ADAMW_DEVICES)  # prepare() moves it
     if fsdp:
-        T.fit_wrap_classes(accelerator.state.fsdp_plugin, model)
+        fit_wrap_classes(accelerator.state.fsdp_plugin, model)
     model, optimizer = accelerator.prepare(model, optimizer)
     if fsdp:
         from torch.distributed.tensor import DTensor
 
         unsharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
         if unsharded:
-            raise T.RunError(f"FSDP was set up but prepare() left {len(unsharded)} parameter(s) unsharded "
+            raise RunError(f"FSDP was set up but prepare() left {len(unsharded)} parameter(s) unsharded "
                              f"({', '.join(unsharded[:3])}, ...): check the FSDP settings (fsdp_version: 2)")
     if tcfg.get("compile"):
         model = torch.compile(model)
@@ -623,10 +645,10 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
         log(f"[pretrain] --resume: no checkpoint in {output_dir}, starting from step 0")
     if main:
         with files.writing(output_dir):
-            T.truncate_metrics(output_dir / "metrics.jsonl", step)
+            truncate_metrics(output_dir / "metrics.jsonl", step)
 
     tokens_per_step = sampler.global_batch * seq_len
-    label = T.model_label(cfg["model"])
+    label = model_label(cfg["model"])
     log(f"[pretrain] model {_model_class(accelerator.unwrap_model(model)).__name__} mixer={label}: {params:,} "
         f"parameters")
     log(f"[pretrain] data {data_dir}: {data_meta['data']}")
@@ -636,7 +658,7 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
         f"{micro} x accumulation {accum}); device {accelerator.device}, mixed precision "
         f"{accelerator.mixed_precision}")
     if trackers:
-        accelerator.init_trackers(T.mixer_slug(cfg["name"]), config=_flat(cfg))
+        accelerator.init_trackers(mixer_slug(cfg["name"]), config=_flat(cfg))
 
     metrics_path = output_dir / "metrics.jsonl"
 
@@ -655,7 +677,7 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
     model.train()
     window_loss, window_steps, window_t0 = torch.zeros((), device=accelerator.device), 0, time.time()
     while step < max_steps:
-        lr = T.lr_at(step, tcfg)
+        lr = lr_at(step, tcfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
         t_step = time.time()
@@ -748,10 +770,10 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
-        T.relaunch_cpu_processes_if_needed(__file__, sys.argv[1:])
+        relaunch_cpu_processes_if_needed(__file__, sys.argv[1:])
     try:
         train(argv)
-    except (T.ConfigError, T.RunError, hdata.DataError, locks.LockHeld, files.WriteError) as err:
+    except (ConfigError, RunError, hdata.DataError, locks.LockHeld, files.WriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -7,7 +7,7 @@
 The upload is built in a staging folder first: the model folder's files without training state (checkpoints/,
 logs/), the model code that ``trust_remote_code=True`` loads (the ``auto_map`` modules; re-written with the
 installed hf_resolvent if the folder lacks them) and the model card ``README.md`` with the repository id filled in
-(rendered from hf_resolvent/experiments/model_card.md when the folder has none). ``--dry-run [DIR]`` stops there and leaves
+(rendered from hf_resolvent/training/model_card.md when the folder has none). ``--dry-run [DIR]`` stops there and leaves
 exactly what would be uploaded in DIR (default ``FOLDER.hub-upload``) with a manifest; without ``--dry-run`` the
 staged folder is uploaded with ``huggingface_hub`` (needs a token: ``hf auth login`` or ``HF_TOKEN``, and network).
 """
@@ -24,8 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hf_resolvent import data as hdata
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training import data as hdata
+from hf_resolvent.training.card import render_model_card
+from hf_resolvent.training.models import mixer_slug
 
 EXCLUDE_DIRS = {"checkpoints", "logs", "eval", "__pycache__", ".git"}
 EXCLUDE_FILES = re.compile(r"(^\.|\.tmp|\.lock$|^random_states_.*\.pkl$|^optimizer\.bin$)")
@@ -106,9 +107,9 @@ def stage(folder: Path, repo_id: str, dest: Path, log=print) -> list[dict]:
         text = card.read_text().replace("REPO_ID", repo_id)
     else:
         mixer = "gpt2" if config.get("model_type") == "gpt2" else str(config.get("mixer"))
-        text = T.render_model_card({"model_name": repo_id.split("/")[-1], "mixer": mixer, "repo_id": repo_id,
+        text = render_model_card({"model_name": repo_id.split("/")[-1], "mixer": mixer, "repo_id": repo_id,
                                     "model_type": (config.get("architectures") or ["?"])[0],
-                                    "tags": ["hf-resolvent", "resolvent", f"mixer-{T.mixer_slug(mixer)}"]})
+                                    "tags": ["hf-resolvent", "resolvent", f"mixer-{mixer_slug(mixer)}"]})
     if not is_resolvent:
         text = text.replace(", trust_remote_code=True", "")
     card.write_text(text)

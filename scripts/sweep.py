@@ -218,12 +218,12 @@ def cache_bytes(model, n: int, device) -> int:
 
 
 def costs(model, n: int, device) -> dict:
-    from hf_resolvent.experiments import training as T
     from hf_resolvent.patterns import get_pattern
+    from hf_resolvent.training.models import COMPLEXITY_ORDER, complexity_of
 
     patterns = layer_patterns(model)
-    classes = [T.complexity_of(p) or {} for p in patterns]
-    order = T.COMPLEXITY_ORDER
+    classes = [complexity_of(p) or {} for p in patterns]
+    order = COMPLEXITY_ORDER
 
     def widest(key):  # a hybrid costs what its most expensive layer costs
         found = [c[key] for c in classes if c.get(key) in order]
@@ -239,7 +239,7 @@ def evaluate_run(ev, folder: Path, data_dir: Path, seq_len: int, max_windows: in
     from transformers import AutoModelForCausalLM
 
     import hf_resolvent  # noqa: F401 - registers the resolvent model type
-    from hf_resolvent import data as hdata
+    from hf_resolvent.training import data as hdata
 
     dev = torch.device(device)
     model = AutoModelForCausalLM.from_pretrained(folder).to(dev).eval()
@@ -362,7 +362,8 @@ def data_dir_of(args) -> Path:
 
 
 def sweep(args, argv: list[str], log=print) -> dict:
-    from hf_resolvent.experiments import training as T
+    from hf_resolvent.training.config import training_budget
+    from hf_resolvent.training.metrics import write_result
 
     preset, runs = plan(args)
     name = "quick" if args.quick else args.preset
@@ -394,11 +395,11 @@ def sweep(args, argv: list[str], log=print) -> dict:
                 "lr": preset["lr"], "warmup": preset["warmup"], "tokens": trained[0][3]["tokens"],
                 "windows": rows[0]["windows"], "data": trained[0][3].get("data"), "runs_dir": str(root),
                 # what a run must share to be drawn beside these (scripts/evaluate.py's references)
-                "budget": T.training_budget(json.loads((trained[0][2] / "run_config.json").read_text()),
+                "budget": training_budget(json.loads((trained[0][2] / "run_config.json").read_text()),
                                             json.loads((data_dir / "meta.json").read_text()))}
     result = {"command": "python scripts/sweep.py " + " ".join(shlex.quote(a) for a in argv), "settings": settings,
               "rows": rows, "seeds": seed_summary(rows, list(args.seeds))}
-    T.write_result(out / "sweep.json", result, plot)  # atomic JSON, then sweep.png beside it
+    write_result(out / "sweep.json", result, plot)  # atomic JSON, then sweep.png beside it
     table = markdown(result)
     (out / "sweep.md").write_text(table)
     log(table)

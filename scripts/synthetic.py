@@ -9,7 +9,7 @@ recall) and report held-out accuracy, as in the papers' section 5.2 (Table 1).
     python scripts/synthetic.py --summary runs/bench/synthetic/mqar_*.json --out runs/bench/synthetic/mqar.json
 
 Tasks are generated on the fly (no overfitting), with a curriculum over equal phases whose lengths and pair
-counts are the full ones divided by 8, 4, 2 and 1 (the papers'; ``--curriculum``, see hf_resolvent.experiments.synthetic).
+counts are the full ones divided by 8, 4, 2 and 1 (the papers'; ``--curriculum``, see hf_resolvent.training.synthetic).
 ``--mixer`` takes any pattern spec of the core library (``attention``, ``local_attention:8``, ``dense``,
 ``banded:8``, ``diagonal``, ``exp2``, ``exp2:ce``, ``square``, ``square:ce``, ...) or ``gpt2`` (transformers'
 GPT2LMHeadModel). Accuracy is measured on held-out samples of the full size (the last phase): ``accuracy`` over
@@ -58,8 +58,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hf_resolvent.experiments import synthetic as S
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training import models
+from hf_resolvent.training import synthetic as S
+from hf_resolvent.training.optim import build_optimizer, lr_at
 
 PRESETS = {
     "paper": {"copy_len": 128, "recall_len": 256, "pairs": 64, "vocab": (16, 128, 128), "d": 256, "layers": 2,
@@ -134,12 +135,12 @@ def _parse_curriculum(text: str) -> tuple[int, ...]:
 
 def build_model(mixer: str, vocab_size: int, context: int, d: int, layers: int, heads: int):
     """A causal LM over the task vocabulary: resolvent (any mixer) or GPT-2 (``mixer='gpt2'``), from the
-    experiments' one model factory."""
+    training package's one model factory."""
     shape = {"n_layer": layers, "n_embd": d, "n_head": heads, "n_inner": 4 * d, "n_positions": context,
              "bos_token_id": S.BOS, "eos_token_id": S.SEP, "pad_token_id": S.PAD}
     model_cfg = {"type": "gpt2" if mixer == "gpt2" else "resolvent", "preset": "tiny", "mixer": mixer,
                  "overrides": shape}
-    return T.build_model(model_cfg, vocab_size, context)
+    return models.build_model(model_cfg, vocab_size, context)
 
 
 def _loss(model, batch: S.Batch, device) -> torch.Tensor:
@@ -210,7 +211,7 @@ def run(args) -> dict:
                         preset["heads"]).to(device)
     params = sum(p.numel() for p in model.parameters())
     # The per-tensor AdamW loop (fused=False) is the one the README's table was measured with.
-    opt = T.build_optimizer(model, preset["lr"], betas=(0.9, 0.98), weight_decay=0.1, fused=False)
+    opt = build_optimizer(model, preset["lr"], betas=(0.9, 0.98), weight_decay=0.1, fused=False)
     steps, batch_size = int(preset["steps"]), int(preset["batch"])
     schedule = {"lr": preset["lr"], "warmup_steps": preset["warmup"], "max_steps": steps, "min_lr_ratio": 0.1}
     micro = min(args.micro_batch or batch_size, batch_size)
@@ -234,7 +235,7 @@ def run(args) -> dict:
         div = S.curriculum_divisor(step, steps, phases)
         phase = spec.phase(div)
         for group in opt.param_groups:
-            group["lr"] = T.lr_at(step, schedule)
+            group["lr"] = lr_at(step, schedule)
         total_loss = 0.0
         for _ in range(accum):
             batch = S.make_batch(phase, micro, rng)

@@ -31,9 +31,10 @@ REPO = Path(__file__).resolve().parents[1]  # the repository's root
 
 
 def load_script(name: str):
-    """The module of ``scripts/<name>.py`` (the scripts are not a package), loaded afresh."""
+    """The module of ``scripts/<name>.py`` (the scripts are not a package; ``bench/bench_mixer`` names one of
+    ``scripts/bench/``), loaded afresh."""
     path = REPO / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"_script_{name.replace('/', '_')}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -111,7 +112,7 @@ one_thread_module = pytest.fixture(_one_thread, scope="module", name="one_thread
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A prepared data folder of the offline corpus, small: 12 documents, a 300-token BPE."""
-    from hf_resolvent import data
+    from hf_resolvent.training import data
 
     out = tmp_path_factory.mktemp("data")
     data.prepare_dataset(out, source=data.STDLIB, tokenizer="bpe", vocab_size=300, max_docs=12, num_proc=1,

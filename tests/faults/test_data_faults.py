@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import load_script
 
-from hf_resolvent import data as D
+from hf_resolvent.training import data as D
+from hf_resolvent.training.data import prepare
 
 prepare_data = load_script("prepare_data")
 ROWS = [f"Document {i} is about resolvent mixers, token routing and the number {i * 7}." for i in range(24)]
@@ -163,20 +164,20 @@ def test_folder_from_the_previous_version_is_not_trusted(prepared, tokenizer_dir
 def test_unfinished_preparation_is_not_prepared_and_resumes(tmp_path, tokenizer_dir, monkeypatch):
     src = _jsonl(tmp_path / "a.jsonl", ROWS)
     out = tmp_path / "data"
-    real = D._write_shard
+    real = prepare._write_shard
 
     def crash_at_shard_2(out_, shard, *a, **k):
         if shard == 2:
             raise KeyboardInterrupt
         return real(out_, shard, *a, **k)
 
-    monkeypatch.setattr(D, "_write_shard", crash_at_shard_2)
+    monkeypatch.setattr(prepare, "_write_shard", crash_at_shard_2)
     with pytest.raises(KeyboardInterrupt):
         _prepare(out, [src], tokenizer_dir)
     assert not D.is_prepared(out)
     with pytest.raises(D.DataError, match="did not finish"):
         D.TokenShards(out, "train")
-    monkeypatch.setattr(D, "_write_shard", real)
+    monkeypatch.setattr(prepare, "_write_shard", real)
     messages = []
     meta = _prepare(out, [src], tokenizer_dir, log=messages.append)
     assert meta["num_docs"] == 24 and D.verify_prepared(out, full=True) == meta

@@ -249,7 +249,7 @@ def test_broken_links_are_found(tmp_path):
 
 
 def test_bench_kernels_default_output_is_untracked():
-    out = load_script("bench_kernels").parse_args([]).out
+    out = load_script("bench/bench_kernels").parse_args([]).out
     assert subprocess.run(["git", "check-ignore", "-q", out + ".json"], cwd=ROOT).returncode == 0, out
 
 
@@ -268,7 +268,7 @@ def test_the_patterns_command_prints_no_warning(tmp_path):
 
 
 def test_demo_mixer_draws_the_patterns_of_its_table_where_git_ignores_it(tmp_path, monkeypatch):
-    demo = load_script("demo_mixer")
+    demo = load_script("bench/demo_mixer")
     default = demo.parse_args([]).plot
     assert subprocess.run(["git", "check-ignore", "-q", default], cwd=ROOT).returncode == 0, default
     drawn = []

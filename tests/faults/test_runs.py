@@ -21,9 +21,11 @@ import torch
 from conftest import load_script, tiny_run_args
 from safetensors.torch import load_file, save_file
 
-from hf_resolvent import data as D
 from hf_resolvent import files
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training import data as D
+from hf_resolvent.training.checkpoints import latest_checkpoint, write_manifest
+from hf_resolvent.training.config import NUMERIC_SETTINGS, ConfigError, load_config
+from hf_resolvent.training.optim import lr_at
 
 pretrain = load_script("pretrain")
 evaluate = load_script("evaluate")
@@ -86,7 +88,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(tiny_data, tmp_path, capsys):
     code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "3", "--no-final-save"), capsys)
     assert code == 0, err
     assert "took over the run folder" in err and f"pid {holder.pid}" in err
-    assert T.latest_checkpoint(out).name == "step_0000003"
+    assert latest_checkpoint(out).name == "step_0000003"
     assert not (out / ".run.lock.owner").exists()  # released at the end
 
 
@@ -106,7 +108,7 @@ def test_resume_refuses_another_configuration_even_without_run_config(tiny_data,
     code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "7", "--resume", *change), capsys)
     assert code == 2
     assert named in err and "another --output-dir" in err, err
-    assert T.latest_checkpoint(out).name == "step_0000003"  # nothing trained
+    assert latest_checkpoint(out).name == "step_0000003"  # nothing trained
 
 
 def test_resume_refuses_data_prepared_anew_in_the_same_folder(tiny_data, tmp_path, capsys):
@@ -163,7 +165,7 @@ def test_a_kill_while_the_final_model_is_written_leaves_no_folder_that_loads(tin
     def killed(*args, **kwargs):  # the model's weights and config are written by now, the rest is not
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(T, "plot_loss", killed)
+    monkeypatch.setattr(pretrain, "plot_loss", killed)
     with pytest.raises(KeyboardInterrupt):
         pretrain.train(tiny_run_args(tiny_data, out, "--max-steps", "3"))
     assert not (out / "config.json").exists()
@@ -186,7 +188,7 @@ def _poison(folder: Path, manifest: bool = True) -> None:
     weights[name][0] = float("nan")
     save_file(weights, str(path), metadata={"format": "pt"})
     if manifest:
-        T.write_manifest(folder)
+        write_manifest(folder)
 
 
 def test_training_stops_at_the_first_non_finite_loss(tiny_data, tmp_path, capsys):
@@ -210,7 +212,7 @@ def test_resuming_a_finished_run_with_non_finite_weights_is_refused(tiny_data, s
     for key in pretrain.EVAL_KEYS:  # no stored result: the final evaluation runs on the poisoned weights
         state.pop(key, None)
     (last / "trainer_state.json").write_text(json.dumps(state))
-    T.write_manifest(last)
+    write_manifest(last)
     code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "7", "--resume"), capsys)
     assert code == 2 and "the validation loss at step 7 is nan" in err, err
     assert not (out / "config.json").exists()
@@ -279,19 +281,19 @@ def test_a_numeric_setting_out_of_range_stops_the_run_before_it_starts(tiny_data
 
 
 def test_every_numeric_setting_is_checked_and_sound_values_pass():
-    for key in T.NUMERIC_SETTINGS:
+    for key in NUMERIC_SETTINGS:
         for bad in ("-1", "abc", "true", ".nan"):
-            with pytest.raises(T.ConfigError, match=f"^{key}=.* is not allowed: it must be "):
-                T.load_config("tiny", [f"{key}={bad}"])
+            with pytest.raises(ConfigError, match=f"^{key}=.* is not allowed: it must be "):
+                load_config("tiny", [f"{key}={bad}"])
     for whole in ("train.max_steps", "eval.every", "checkpoint.every", "log.every", "data.seq_len"):
-        with pytest.raises(T.ConfigError, match="whole number"):
-            T.load_config("tiny", [f"{whole}=2.5"])
-    with pytest.raises(T.ConfigError, match="two numbers"):
-        T.load_config("tiny", ["train.betas=[0.9]"])
+        with pytest.raises(ConfigError, match="whole number"):
+            load_config("tiny", [f"{whole}=2.5"])
+    with pytest.raises(ConfigError, match="two numbers"):
+        load_config("tiny", ["train.betas=[0.9]"])
     # edge values that are allowed, and a fraction as YAML leaves it (a string float() reads)
-    cfg = T.load_config("tiny", ["train.lr=3e-4", "train.warmup_steps=0", "checkpoint.keep=0", "train.seed=0",
+    cfg = load_config("tiny", ["train.lr=3e-4", "train.warmup_steps=0", "checkpoint.keep=0", "train.seed=0",
                                  "train.min_lr_ratio=0", "train.weight_decay=0", "train.betas=[0.0, 0.999]"])
-    assert cfg["train"]["lr"] == "3e-4" and T.lr_at(0, cfg["train"]) == pytest.approx(3e-4)
+    assert cfg["train"]["lr"] == "3e-4" and lr_at(0, cfg["train"]) == pytest.approx(3e-4)
 
 
 # ---------------------------------------------------------- round two, item 8: a full device, a read-only folder
@@ -332,7 +334,7 @@ def test_a_full_device_while_the_final_model_is_written_leaves_nothing_that_load
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(T, "plot_loss", full)  # the weights and config are staged by now
+    monkeypatch.setattr(pretrain, "plot_loss", full)  # the weights and config are staged by now
     out = tmp_path / "run"
     code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "3"), capsys)
     assert code == 2
@@ -463,7 +465,7 @@ def test_resume_accepts_the_relative_data_folder_an_earlier_version_recorded(tin
     state = json.loads((last / "trainer_state.json").read_text())
     state["run"]["data"]["dir"] = tiny_data.name  # as recorded before paths were made absolute
     (last / "trainer_state.json").write_text(json.dumps(state))
-    T.write_manifest(last)
+    write_manifest(last)
     code, err = _main(tiny_run_args(tiny_data.name, out, "--max-steps", "7", "--resume", "--no-final-save"), capsys)
     assert code == 0, err
-    assert T.latest_checkpoint(out).name == "step_0000007"
+    assert latest_checkpoint(out).name == "step_0000007"

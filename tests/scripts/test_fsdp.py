@@ -24,8 +24,15 @@ import yaml
 from conftest import REPO, load_script, tiny_run_args
 from safetensors.torch import load_file
 
-from hf_resolvent import data as D
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training import data as D
+from hf_resolvent.training import launch
+from hf_resolvent.training.checkpoints import finalize_checkpoint, latest_checkpoint, manifest_problem, sharded_problem
+from hf_resolvent.training.config import ConfigError, RunError
+from hf_resolvent.training.fsdp import FSDP_SETTINGS, fit_wrap_classes, fsdp_env, fsdp_plugin
+from hf_resolvent.training.launch import relaunch_cpu_processes_if_needed
+from hf_resolvent.training.memory import memory_use
+from hf_resolvent.training.metrics import read_metrics
+from hf_resolvent.training.models import build_model
 
 pretrain = load_script("pretrain")
 PRETRAIN = str(REPO / "scripts" / "pretrain.py")
@@ -59,7 +66,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _losses(folder: Path) -> list[tuple]:
-    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in T.read_metrics(folder / "metrics.jsonl")]
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(folder / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +117,7 @@ def test_two_nodes_shard_with_fsdp2_and_write_one_model_folder(two_nodes, straig
         assert sorted(p.name for p in (last / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     manifest = json.loads((last / "manifest.json").read_text())["files"]
     assert "pytorch_model_fsdp_0/__1_0.distcp" in manifest and "optimizer_0/__1_0.distcp" in manifest
-    assert T.manifest_problem(last) is None and T.sharded_problem(last) is None
+    assert manifest_problem(last) is None and sharded_problem(last) is None
     assert not (last / "model.safetensors").exists()
     assert json.loads((last / "trainer_state.json").read_text())["distributed"] == results["distributed"]
 
@@ -241,7 +248,7 @@ def test_a_sharded_checkpoint_resumes_in_one_process_and_only_with_fsdp(tiny_dat
 
 def test_a_whole_checkpoint_is_refused_under_fsdp(straight, tmp_path):
     out = _unfinished_copy(straight[0], tmp_path / "run")
-    with pytest.raises(T.ConfigError, match="whole .unsharded. checkpoint, written by one process, no sharding"):
+    with pytest.raises(ConfigError, match="whole .unsharded. checkpoint, written by one process, no sharding"):
         pretrain._check_layout(out / "checkpoints" / "step_0000006", True, "FSDP2, 2 processes, full shard (cpu)")
     pretrain._check_layout(out / "checkpoints" / "step_0000006", False, "one process, no sharding (cpu)")
 
@@ -252,11 +259,11 @@ def test_fsdp_asked_for_and_not_set_up_is_an_error():
     from accelerate.utils import DistributedType
 
     ddp = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, device=torch.device("cpu"))
-    with pytest.raises(T.ConfigError, match=r"FSDP was asked for \(--fsdp\) but Accelerate set up DDP, 2 processes, "
+    with pytest.raises(ConfigError, match=r"FSDP was asked for \(--fsdp\) but Accelerate set up DDP, 2 processes, "
                                             r"replicated \(cpu\).*or drop --fsdp"):
         pretrain._require_fsdp(ddp, "--fsdp")
     one = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1, device=torch.device("cpu"))
-    with pytest.raises(T.ConfigError, match="set up one process, no sharding"):
+    with pytest.raises(ConfigError, match="set up one process, no sharding"):
         pretrain._require_fsdp(one, "the accelerate config")
 
 
@@ -264,7 +271,7 @@ def test_the_fsdp_configs_are_one_setting_that_fits_both_model_types():
     configs = {p.name: yaml.safe_load(p.read_text()) for p in (REPO / "scripts" / "accelerate").glob("fsdp_*.yaml")}
     assert sorted(configs) == ["fsdp_2cpu.yaml", "fsdp_8gpu.yaml", "fsdp_multinode.yaml"]
     for name, config in configs.items():
-        assert config["distributed_type"] == "FSDP" and config["fsdp_config"] == T.FSDP_SETTINGS, name
+        assert config["distributed_type"] == "FSDP" and config["fsdp_config"] == FSDP_SETTINGS, name
     multi = configs["fsdp_multinode.yaml"]
     assert multi["num_processes"] == 8 * multi["num_machines"] and multi["num_machines"] > 1
 
@@ -275,20 +282,20 @@ def test_the_fsdp_configs_are_one_setting_that_fits_both_model_types():
     args = launch_command_parser().parse_args(["--config_file", str(REPO / "scripts/accelerate/fsdp_8gpu.yaml"),
                                                "train.py"])
     launcher = prepare_multi_gpu_env(_validate_launch_command(args)[0])
-    assert T.fsdp_env(T.FSDP_SETTINGS).items() <= launcher.items()
+    assert fsdp_env(FSDP_SETTINGS).items() <= launcher.items()
 
-    plugin = T.fsdp_plugin(T.FSDP_SETTINGS)
+    plugin = fsdp_plugin(FSDP_SETTINGS)
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     shape = {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32}
-    resolvent = T.build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense", "overrides": shape}, 50, 16)
-    gpt2 = T.build_model({"type": "gpt2", "preset": "tiny", "overrides": shape}, 50, 16)
-    assert T.fit_wrap_classes(T.fsdp_plugin(T.FSDP_SETTINGS), resolvent) == ["ResolventBlock"]
-    assert T.fit_wrap_classes(T.fsdp_plugin(T.FSDP_SETTINGS), gpt2) == ["GPT2Block"]
-    with pytest.raises(T.ConfigError, match="none of the FSDP wrap classes .'LlamaBlock'. .*ResolventBlock"):
-        T.fit_wrap_classes(T.fsdp_plugin({**T.FSDP_SETTINGS, "fsdp_transformer_layer_cls_to_wrap": "LlamaBlock"}),
+    resolvent = build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense", "overrides": shape}, 50, 16)
+    gpt2 = build_model({"type": "gpt2", "preset": "tiny", "overrides": shape}, 50, 16)
+    assert fit_wrap_classes(fsdp_plugin(FSDP_SETTINGS), resolvent) == ["ResolventBlock"]
+    assert fit_wrap_classes(fsdp_plugin(FSDP_SETTINGS), gpt2) == ["GPT2Block"]
+    with pytest.raises(ConfigError, match="none of the FSDP wrap classes .'LlamaBlock'. .*ResolventBlock"):
+        fit_wrap_classes(fsdp_plugin({**FSDP_SETTINGS, "fsdp_transformer_layer_cls_to_wrap": "LlamaBlock"}),
                            resolvent)
-    with pytest.raises(T.ConfigError, match="FSDP2 only: set fsdp_version: 2"):
-        T.fsdp_plugin({**T.FSDP_SETTINGS, "fsdp_version": 1})
+    with pytest.raises(ConfigError, match="FSDP2 only: set fsdp_version: 2"):
+        fsdp_plugin({**FSDP_SETTINGS, "fsdp_version": 1})
 
 
 def test_accelerate_launch_cpu_passes_its_fsdp_config_on(monkeypatch):
@@ -297,22 +304,22 @@ def test_accelerate_launch_cpu_passes_its_fsdp_config_on(monkeypatch):
     config = yaml.safe_load((REPO / "scripts" / "accelerate" / "fsdp_8gpu.yaml").read_text())
     args = ["python", "accelerate", "launch", "--cpu", "--config_file", "fsdp_8gpu.yaml", "--num_processes", "2",
             "--fsdp_reshard_after_forward", "false", "pretrain.py"]
-    monkeypatch.setattr(T, "_parent_launch", lambda: (args, config))
-    for var in T._RANK_VARS + ("HF_RESOLVENT_RELAUNCHED", "ACCELERATE_USE_FSDP"):
+    monkeypatch.setattr(launch, "_parent_launch", lambda: (args, config))
+    for var in launch._RANK_VARS + ("HF_RESOLVENT_RELAUNCHED", "ACCELERATE_USE_FSDP"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     started = []
     monkeypatch.setattr(os, "execve", lambda exe, cmd, env: started.append((cmd, env)))
-    T.relaunch_cpu_processes_if_needed("pretrain.py", ["--config", "tiny"])
+    relaunch_cpu_processes_if_needed("pretrain.py", ["--config", "tiny"])
     (cmd, env), = started
     assert cmd[cmd.index("--nproc_per_node") + 1] == "2" and cmd[-3:] == ["pretrain.py", "--config", "tiny"]
     assert env["FSDP_RESHARD_AFTER_FORWARD"] == "false"  # a flag of the command line over the config file
-    expected = {**T.fsdp_env(T.FSDP_SETTINGS), "FSDP_RESHARD_AFTER_FORWARD": "false"}
+    expected = {**fsdp_env(FSDP_SETTINGS), "FSDP_RESHARD_AFTER_FORWARD": "false"}
     assert expected.items() <= env.items()
     config["distributed_type"] = "MULTI_GPU"  # a DDP config passes no FSDP variables
     started.clear()
-    T.relaunch_cpu_processes_if_needed("pretrain.py", [])
+    relaunch_cpu_processes_if_needed("pretrain.py", [])
     assert "ACCELERATE_USE_FSDP" not in started[0][1]
 
 
@@ -322,10 +329,10 @@ def test_a_checkpoint_missing_a_rank_shard_is_not_published(two_nodes, tmp_path)
     shutil.copytree(ref / "checkpoints" / "step_0000007", tmp)
     (tmp / "manifest.json").unlink()
     (tmp / "optimizer_0" / "__1_0.distcp").unlink()  # rank 1 wrote on a disk rank 0 does not see
-    assert "optimizer_0/__1_0.distcp is missing" in T.sharded_problem(tmp)
-    with pytest.raises(T.RunError, match="step_0000009 is incomplete: .*filesystem shared by all"):
-        T.finalize_checkpoint(tmp, tmp_path / "checkpoints" / "step_0000009", keep=2)
-    assert tmp.exists() and not (tmp / "manifest.json").exists() and T.latest_checkpoint(tmp_path) is None
+    assert "optimizer_0/__1_0.distcp is missing" in sharded_problem(tmp)
+    with pytest.raises(RunError, match="step_0000009 is incomplete: .*filesystem shared by all"):
+        finalize_checkpoint(tmp, tmp_path / "checkpoints" / "step_0000009", keep=2)
+    assert tmp.exists() and not (tmp / "manifest.json").exists() and latest_checkpoint(tmp_path) is None
 
 
 class _CountingShards:
@@ -364,7 +371,7 @@ def test_each_rank_reads_only_its_windows_of_memory_mapped_shards(tiny_data, tmp
     np.arange(16_000_000, dtype=np.uint16).tofile(path)  # 32 MB
     mapped = np.memmap(path, dtype=np.uint16, mode="r")
     window = np.array(mapped[8_000_000:8_000_257])
-    use = T.memory_use([path])
+    use = memory_use([path])
     assert window[0] == 8_000_000 % 65536
     assert use["shards_bytes"] == 32_000_000 and 0 < use["shards_resident_bytes"] <= 4 * 2**20
     assert use["peak_rss_bytes"] > 0

@@ -12,8 +12,8 @@ import yaml
 from conftest import load_script
 
 from hf_resolvent import ResolventConfig, ResolventForCausalLM
-from hf_resolvent import data as D
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training import data as D
+from hf_resolvent.training.card import render_model_card
 
 push = load_script("push_to_hub")
 
@@ -26,7 +26,7 @@ def model_folder(tmp_path_factory):
     ResolventForCausalLM(config).save_pretrained(folder)
     tok = D.train_bpe_tokenizer([d["text"] for d in D.stdlib_corpus(max_docs=5)], vocab_size=300)
     tok.save_pretrained(folder)
-    card = T.render_model_card({"model_name": "run", "mixer": "exp2:ce", "repo_id": "REPO_ID", "val_ppl": 12.5,
+    card = render_model_card({"model_name": "run", "mixer": "exp2:ce", "repo_id": "REPO_ID", "val_ppl": 12.5,
                                 "val_loss": 2.53, "datasets": [], "tags": ["hf-resolvent"]})
     (folder / "README.md").write_text(card)
     (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')

@@ -16,8 +16,12 @@ import torch
 from conftest import REPO, load_script, tiny_run_args
 from safetensors.torch import load_file
 
-from hf_resolvent import data as D
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training import data as D
+from hf_resolvent.training.checkpoints import latest_checkpoint
+from hf_resolvent.training.config import batch_layout, load_config
+from hf_resolvent.training.metrics import read_metrics
+from hf_resolvent.training.models import PAPER_MIXERS, build_model, mixer_slug
+from hf_resolvent.training.optim import build_optimizer, lr_at
 
 pretrain = load_script("pretrain")
 
@@ -35,7 +39,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _losses(folder: Path) -> list[tuple]:
-    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in T.read_metrics(folder / "metrics.jsonl")]
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(folder / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(data_dir, straight, tm
     out_b = tmp_path / "b"
     # "killed" after step 5: the last checkpoint is step 3, steps 4-5 were logged but are lost
     assert pretrain.train(_args(data_dir, out_b, "--max-steps", "7", "--stop-after", "5")) == {"stopped_at": 5}
-    assert T.latest_checkpoint(out_b).name == "step_0000003"
+    assert latest_checkpoint(out_b).name == "step_0000003"
     assert not (out_b / "model.safetensors").exists()
     # a kill during a checkpoint write leaves a temporary folder that must be ignored and cleaned
     (out_b / "checkpoints" / ".tmp_step_0000006").mkdir()
@@ -72,7 +76,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(data_dir, straight, tm
 
 def test_training_reduces_loss_and_writes_a_model_folder(straight):
     out, results = straight
-    rows = T.read_metrics(out / "metrics.jsonl")
+    rows = read_metrics(out / "metrics.jsonl")
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 7 and losses[-1] < losses[0]
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6, 7]
@@ -119,7 +123,7 @@ def test_checkpoints_say_nothing_of_the_tied_lm_head(data_dir, tmp_path, caplog)
     out = tmp_path / "run"
     with caplog.at_level(logging.WARNING):
         pretrain.train(_args(data_dir, out, "--max-steps", "3", "--no-final-save"))
-    assert T.latest_checkpoint(out).name == "step_0000003"
+    assert latest_checkpoint(out).name == "step_0000003"
     assert not [r for r in caplog.records if "Removed shared tensor" in r.getMessage()]
 
 
@@ -128,7 +132,7 @@ def test_only_the_notice_of_the_models_own_tied_weights_is_hidden(caplog):
     from accelerate.utils.other import clean_state_dict_for_safetensors
 
     PartialState()  # Accelerate's logger needs its state
-    model = T.build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense",
+    model = build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense",
                            "overrides": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32}}, 50, 16)
     shared = torch.zeros(3)
     untied = {"a.weight": shared, "b.weight": shared}  # a sharing the model does not declare: still reported
@@ -148,8 +152,8 @@ def test_only_the_notice_of_the_models_own_tied_weights_is_hidden(caplog):
 def test_paper_configs_resolve():
     for size, steps, batch, lr, betas, ctx in (("44m", 100_000, 256, 5e-4, [0.9, 0.98], 512),
                                                ("355m", 25_000, 128, 2.5e-4, [0.9, 0.95], 2048)):
-        for mixer in T.PAPER_MIXERS + ["gpt2"]:
-            cfg = T.load_config(f"{size}-{T.mixer_slug(mixer)}")
+        for mixer in PAPER_MIXERS + ["gpt2"]:
+            cfg = load_config(f"{size}-{mixer_slug(mixer)}")
             assert cfg["train"]["max_steps"] == steps and cfg["train"]["batch_size"] == batch
             assert cfg["train"]["lr"] == lr and cfg["train"]["betas"] == betas and cfg["data"]["seq_len"] == ctx
             assert cfg["train"]["weight_decay"] == 0.1 and cfg["train"]["grad_clip"] == 1.0
@@ -157,27 +161,27 @@ def test_paper_configs_resolve():
                 assert cfg["model"]["type"] == "gpt2"
             else:
                 assert cfg["model"]["mixer"] == mixer and cfg["model"]["preset"] == size
-    assert T.batch_layout(T.load_config("44m-dense"), 8) == (32, 1)
-    assert T.batch_layout(T.load_config("44m-dense"), 1) == (32, 8)
+    assert batch_layout(load_config("44m-dense"), 8) == (32, 1)
+    assert batch_layout(load_config("44m-dense"), 1) == (32, 8)
     tcfg = {"lr": 1.0, "warmup_steps": 10, "max_steps": 110, "min_lr_ratio": 0.1}
-    assert T.lr_at(0, tcfg) == pytest.approx(0.1) and T.lr_at(9, tcfg) == pytest.approx(1.0)
-    assert T.lr_at(60, tcfg) == pytest.approx(0.55) and T.lr_at(110, tcfg) == pytest.approx(0.1)
+    assert lr_at(0, tcfg) == pytest.approx(0.1) and lr_at(9, tcfg) == pytest.approx(1.0)
+    assert lr_at(60, tcfg) == pytest.approx(0.55) and lr_at(110, tcfg) == pytest.approx(0.1)
 
 
 def test_optimizer_decays_matrices_only_and_fuses_on_cpu():
-    model = T.build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense",
+    model = build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense",
                            "overrides": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32}}, 50, 16)
-    opt = T.build_optimizer(model, 1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
+    opt = build_optimizer(model, 1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
     assert decay["fused"] and decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-6
     # The fused update is the per-tensor loop's, up to rounding.
-    twin = T.build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense",
+    twin = build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense",
                           "overrides": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32}}, 50, 16)
     twin.load_state_dict(model.state_dict())
-    twin_opt = T.build_optimizer(twin, 1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6, fused=False)
+    twin_opt = build_optimizer(twin, 1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6, fused=False)
     ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
     for m, o in ((model, opt), (twin, twin_opt)):
         for _ in range(3):
@@ -190,9 +194,9 @@ def test_optimizer_decays_matrices_only_and_fuses_on_cpu():
 
 _FAULTS_OF_LARGE_BLOCKS = """
 import resource, sys, torch
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training.memory import keep_freed_memory
 if sys.argv[1] == "keep":
-    assert T.keep_freed_memory()
+    assert keep_freed_memory()
 for _ in range(3):  # 100 MB blocks allocated and freed: the heap settles
     torch.ones(25_000_000)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

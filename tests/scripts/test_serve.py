@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_resolvent import ResolventConfig, ResolventForCausalLM, serve
-from hf_resolvent import data as D
+from hf_resolvent.training import data as D
 
 PROMPT = "def main(argv):\n    parser = argparse."
 MAX_TOKENS = 12

@@ -134,9 +134,9 @@ def test_evaluate_draws_the_sweeps_references_beside_a_run_of_the_same_budget(qu
 def test_the_hour_preset_trains_the_tiny_config(tmp_path):
     """The README's first command (``--config tiny``) trains at the hour preset's budget, so evaluate.py draws the
     committed sweep's GPT-2 and attention beside it."""
-    from hf_resolvent.experiments import training as T
+    from hf_resolvent.training.config import load_config
 
-    tiny, hour = T.load_config("tiny"), sweep.PRESETS["hour"]
+    tiny, hour = load_config("tiny"), sweep.PRESETS["hour"]
     assert tiny["model"]["overrides"] == hour["shape"] and tiny["data"]["seq_len"] == hour["seq_len"]
     assert (tiny["train"]["max_steps"], tiny["train"]["batch_size"], tiny["train"]["lr"],
             tiny["train"]["warmup_steps"], tiny["train"]["seed"]) == (hour["steps"], hour["batch"], hour["lr"],

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py: the GPU session's correctness check, run here on CPU through Triton's interpreter.
+"""scripts/bench/gpu_check.py: the GPU session's correctness check, run here on CPU through Triton's interpreter.
 
 ``--dry-run`` runs the same code as on a GPU (inputs, kernels with NaN-filled outputs, oracles, comparisons, JSON)
 at tiny shapes; an injected error in the kernel output must make it fail. The full grid is checked as a plan only.
@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import REPO, load_script
 
-gpu_check = load_script("gpu_check")
-SCRIPT = str(REPO / "scripts" / "gpu_check.py")
+gpu_check = load_script("bench/gpu_check")
+SCRIPT = str(REPO / "scripts" / "bench" / "gpu_check.py")
 
 
 def _run(out, *extra, timeout=240):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import load_script
 
-from hf_resolvent import data as D
+from hf_resolvent.training import data as D
+from hf_resolvent.training.data import prepare
 
 NO_SUCH_TOKENIZER = "hf-resolvent-tests/no-such-tokenizer"
 
@@ -128,8 +129,8 @@ def test_prepare_resumes_and_skips_finished_shards(tmp_path, monkeypatch):
     (out / "shards" / "00001.json").unlink()
     (out / "shards" / "train_00001.bin").unlink()
     calls = []
-    real = D._write_shard
-    monkeypatch.setattr(D, "_write_shard", lambda out_, shard, *a, **k: calls.append(shard) or real(out_, shard, *a, **k))
+    real = prepare._write_shard
+    monkeypatch.setattr(prepare, "_write_shard", lambda out_, shard, *a, **k: calls.append(shard) or real(out_, shard, *a, **k))
     meta2 = _prepare(out, docs_per_shard=10)
     assert calls == [1]
     assert meta2 == meta
@@ -240,7 +241,7 @@ def test_long_documents_are_tokenised_in_pieces_with_the_same_tokens(docs):
     assert len(text) > 50_000
     budget = 4_000
     rec = _RecordingTokenizer(tok)
-    out = D._tokenize_batch({"text": [short[0], text, *short[1:]]}, rec, eot_id=0, max_chars=budget)["ids"]
+    out = prepare._tokenize_batch({"text": [short[0], text, *short[1:]]}, rec, eot_id=0, max_chars=budget)["ids"]
     assert max(sum(call) for call in rec.calls) <= budget  # no call sees more text than the budget
     assert len(rec.calls) > len(text) // budget  # the long document went in pieces
     whole = [e.ids for e in tok.backend_tokenizer.encode_batch([short[0], text, *short[1:]], add_special_tokens=False)]
@@ -251,10 +252,10 @@ def test_long_documents_are_tokenised_in_pieces_with_the_same_tokens(docs):
 def test_text_without_word_starts_is_cut_at_the_budget_and_still_decodes(docs):
     tok = D.train_bpe_tokenizer([d["text"] for d in docs], vocab_size=600)
     blob = "QUJD" * 3_000 + " and then words" + "\t" * 2_000 + "end"  # base64-like: no whitespace for 12,000 chars
-    pieces = D._text_pieces(blob, 1_000)
+    pieces = prepare._text_pieces(blob, 1_000)
     assert "".join(pieces) == blob and max(map(len, pieces)) <= 1_000
     rec = _RecordingTokenizer(tok)
-    ids = D._tokenize_batch({"text": [blob]}, rec, eot_id=0, max_chars=1_000)["ids"][0]
+    ids = prepare._tokenize_batch({"text": [blob]}, rec, eot_id=0, max_chars=1_000)["ids"][0]
     assert max(sum(call) for call in rec.calls) <= 1_000
     assert tok.decode(list(ids[:-1])) == blob
 
@@ -267,8 +268,8 @@ def test_prepare_tokenises_a_long_jsonl_document_in_pieces(tmp_path, docs, monke
     tok_dir = tmp_path / "tok"
     D.train_bpe_tokenizer([d["text"] for d in docs], vocab_size=600).save_pretrained(tok_dir)
     sizes = []
-    real = D._encode_groups
-    monkeypatch.setattr(D, "_encode_groups", lambda texts, max_chars: (
+    real = prepare._encode_groups
+    monkeypatch.setattr(prepare, "_encode_groups", lambda texts, max_chars: (
         sizes.append(max_chars) or g for g in real(texts, max_chars)))
     mod = load_script("prepare_data")
     out = tmp_path / "out"

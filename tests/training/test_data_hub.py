@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import load_script
 
-from hf_resolvent import data as D
+from hf_resolvent.training import data as D
 
 prepare_data = load_script("prepare_data")
 SCRIPT_REFUSAL = "Dataset scripts are no longer supported, but found openwebtext.py"  # datasets 5's message

@@ -19,9 +19,9 @@ compile time is printed). A static cache holds its capacity, so patterns that ke
 
 Usage::
 
-    python scripts/bench_decode.py --out runs/bench/decode.json               # contexts 512 ... 16384
-    python scripts/bench_decode.py --out runs/bench/decode.json --quick       # contexts 512 ... 4096
-    python scripts/bench_decode.py --out runs/bench/decode.json --quick --compiled   # and compiled steps
+    python scripts/bench/bench_decode.py --out runs/bench/decode.json               # contexts 512 ... 16384
+    python scripts/bench/bench_decode.py --out runs/bench/decode.json --quick       # contexts 512 ... 4096
+    python scripts/bench/bench_decode.py --out runs/bench/decode.json --quick --compiled   # and compiled steps
 
 Writes ``{"rows": [{"model", "context", "ms_per_token", "cache_bytes"}, ...], "settings": {...}}``, a PNG
 plot next to the JSON (same stem) and prints a table.
@@ -40,8 +40,9 @@ import torch
 from transformers import DynamicCache
 
 import hf_resolvent as hr
-from hf_resolvent.experiments import training as T
 from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's argument name in this transformers
+from hf_resolvent.training.metrics import log_axes, write_result
+from hf_resolvent.training.models import build_model
 
 MIXERS = ("attention", "local_attention:256", "dense", "banded:64", "diagonal", "exp2", "exp2:ce", "square",
           "square:ce", "exp2:ce+tied")
@@ -80,14 +81,14 @@ def contexts(lo: int, hi: int) -> list[int]:
 
 
 def build_models(args, n_positions: int) -> dict[str, torch.nn.Module]:
-    """GPT-2 and every mixer at one shape, each from the experiments' model factory with seed 0."""
+    """GPT-2 and every mixer at one shape, each from the training package's model factory with seed 0."""
     shape = dict(n_positions=n_positions, n_embd=args.width, n_layer=args.layers, n_head=args.heads,
                  n_inner=4 * args.width)
     models = {}
     for name in (GPT2, *args.mixers):
         torch.manual_seed(0)
         cfg = {"type": "gpt2" if name == GPT2 else "resolvent", "preset": "tiny", "mixer": name, "overrides": shape}
-        models[name] = T.build_model(cfg, args.vocab, n_positions).eval()
+        models[name] = build_model(cfg, args.vocab, n_positions).eval()
     return models
 
 
@@ -221,7 +222,7 @@ def plot(result: dict, path: Path) -> None:
         ax2.plot(ctx, [r["cache_bytes"] / 2**20 for r in mine], label=name, **style)
     s = result["settings"]
     for ax, ylabel in ((ax1, "ms per token (median)"), (ax2, "cache MiB")):
-        T.log_axes(ax, "context (tokens)", ylabel)
+        log_axes(ax, "context (tokens)", ylabel)
     ax2.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"decode, batch 1, width {s['width']}, {s['layers']} layers, {s['heads']} heads, "
                  f"vocab {s['vocab']}, {s['threads']} threads, float32")
@@ -233,7 +234,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
-    png = T.write_result(args.out, result, plot)
+    png = write_result(args.out, result, plot)
     print(table(result))
     print(f"wrote {args.out} and {png}")
     return 0

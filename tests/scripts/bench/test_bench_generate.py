@@ -1,4 +1,4 @@
-"""scripts/bench_generate.py at toy sizes, run as a user runs it (a subprocess; it forks one child per measurement):
+"""scripts/bench/bench_generate.py at toy sizes, run as a user runs it (a subprocess; it forks one child per measurement):
 every row has sane figures, the cache sizes order as the mixers promise, and a child over its time budget becomes
 a skipped row instead of a hang. Timings are checked for sign and consistency only, never for speed."""
 
@@ -17,7 +17,7 @@ TINY = ["--width", "32", "--heads", "2", "--layers", "2", "--vocab", "128", "--n
 def _start(tmp_path, name: str, *extra: str):
     out = tmp_path / f"{name}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_generate.py"), "--out", str(out), *TINY, *extra]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_generate.py"), "--out", str(out), *TINY, *extra]
     return out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
 
 
@@ -83,8 +83,8 @@ def test_generate_rows_cache_sizes_and_time_budget(tmp_path):
 
 
 def test_predicted_skips_and_same_mixers_as_bench_decode():
-    mod = load_script("bench_generate")
-    assert mod.MIXERS == load_script("bench_decode").MIXERS
+    mod = load_script("bench/bench_generate")
+    assert mod.MIXERS == load_script("bench/bench_decode").MIXERS
     hist = [dict(context=1024, batch=1, ttft_s=1.0, total_s=2.0, model_rss_mib=400.0, peak_rss_mib=500.0),
             dict(context=4096, batch=1, ttft_s=16.0, total_s=20.0, model_rss_mib=400.0, peak_rss_mib=800.0)]
     assert mod.predict_skip(hist, 8192, 1, 600, 100) is None  # 64 + 8 s, 1.2 GiB
@@ -96,7 +96,7 @@ def test_predicted_skips_and_same_mixers_as_bench_decode():
 def test_the_peak_is_never_under_the_resident_size_seen_before_it(monkeypatch):
     """Linux sums its RSS counters per CPU lazily: a VmHWM read after the run came back 16 KiB under the VmRSS read
     before it (a CI run). The row's peak is at least every resident size it observed."""
-    bench = load_script("bench_generate")
+    bench = load_script("bench/bench_generate")
     real, seen = bench.proc_status_kib, []
 
     def status(field):  # VmHWM 16 KiB under the first VmRSS read (the resident size before the prompt)

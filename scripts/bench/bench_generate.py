@@ -11,7 +11,7 @@ min_new_tokens=N, do_sample=False)`` (greedy, exactly N new tokens) on a random 
   Mamba-2 papers' head width), ``state_size`` 128 (``--mamba-state``), one B/C group, conv kernel 4, chunk
   256, tied embeddings as GPT-2's. A Mamba-2 block has no MLP (that is the architecture), so it has fewer
   parameters than the others at the same width; the ``params`` column says how many.
-- one ``hf_resolvent.ResolventForCausalLM`` per mixer of ``scripts/bench_decode.py``'s ``MIXERS``,
+- one ``hf_resolvent.ResolventForCausalLM`` per mixer of ``scripts/bench/bench_decode.py``'s ``MIXERS``,
 - ``<mixer> compiled`` (``exp2:ce`` and ``dense`` by default): the same model decoding through a static cache
   (``ResolventCache(config, max_cache_len=n + N)``, what ``cache_implementation="static"`` makes) with the
   decode step that ``generate()`` compiles itself (``compile_config``: fullgraph, inductor); one graph for all
@@ -56,9 +56,9 @@ takes hours. ``--quick`` took under 2 minutes.
 
 Usage::
 
-    python scripts/bench_generate.py --out runs/bench/generate.json                  # 1k ... 64k, 128 new tokens
-    python scripts/bench_generate.py --out runs/bench/generate.json --with-128k      # and 128k
-    python scripts/bench_generate.py --out runs/bench/generate_quick.json --quick    # under 3 minutes
+    python scripts/bench/bench_generate.py --out runs/bench/generate.json                  # 1k ... 64k, 128 new tokens
+    python scripts/bench/bench_generate.py --out runs/bench/generate.json --with-128k      # and 128k
+    python scripts/bench/bench_generate.py --out runs/bench/generate_quick.json --quick    # under 3 minutes
 
 Writes ``{"rows": [{"model", "context", "batch", "new_tokens", "ttft_s", "decode_ms_per_token", ...}, ...],
 "settings": {...}}``, a PNG next to the JSON (decode ms/token and time to first token against the context)
@@ -85,10 +85,11 @@ import transformers
 from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList, Mamba2Config, Mamba2ForCausalLM
 
 import hf_resolvent as hr
-from hf_resolvent.experiments import training as T
 from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's argument name in this transformers
+from hf_resolvent.training.metrics import log_axes, write_result
+from hf_resolvent.training.models import build_model
 
-# The mixers of scripts/bench_decode.py (the test checks that the two lists agree).
+# The mixers of scripts/bench/bench_decode.py (the test checks that the two lists agree).
 MIXERS = ("attention", "local_attention:256", "dense", "banded:64", "diagonal", "exp2", "exp2:ce", "square",
           "square:ce", "exp2:ce+tied")
 GPT2, MAMBA2 = "gpt2", "mamba2"
@@ -190,7 +191,7 @@ def build(name: str, s: dict, n_positions: int) -> torch.nn.Module:
     shape = dict(n_positions=n_positions, n_embd=s["width"], n_layer=s["layers"], n_head=s["heads"],
                  n_inner=4 * s["width"])
     cfg = {"type": "gpt2" if name == GPT2 else "resolvent", "preset": "tiny", "mixer": name, "overrides": shape}
-    return T.build_model(cfg, s["vocab"], n_positions, eos_token_id=0).eval()
+    return build_model(cfg, s["vocab"], n_positions, eos_token_id=0).eval()
 
 
 def cache_bytes(cache) -> int:
@@ -488,7 +489,7 @@ def plot(result: dict, path: Path) -> None:
         ax2.plot(ctx, [r["ttft_s"] for r in mine], label=name, **style)
     s = result["settings"]
     for ax, ylabel in ((ax1, "decode ms per token"), (ax2, "time to first token (s)")):
-        T.log_axes(ax, "prompt length (tokens)", ylabel)
+        log_axes(ax, "prompt length (tokens)", ylabel)
     if rows:
         ax1.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"generate(), batch 1, {s['new_tokens']} new tokens, width {s['width']}, {s['layers']} layers, "
@@ -501,7 +502,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
-    png = T.write_result(args.out, result, plot)
+    png = write_result(args.out, result, plot)
     print(table(result))
     print(f"wrote {args.out} and {png}")
     return 1 if any("error" in r for r in result["rows"]) else 0

@@ -2,10 +2,10 @@
 """Where a prefill's time goes: one forward over n tokens (with a cache, ``logits_to_keep=1``, as ``generate()``
 runs its prefill) under ``torch.profiler``, for GPT-2 or a resolvent mixer at bench_generate's shape.
 
-    python scripts/profile_prefill.py --model exp2:ce --n 32768          # docs/benchmarks.md's profile of exp2:ce at 32k
-    python scripts/profile_prefill.py --model dense --n 16384
-    python scripts/profile_prefill.py --model gpt2 --n 16384 --threads 2
-    python scripts/profile_prefill.py --model exp2:ce --n 32768 --chunk 512   # as generate(prefill_chunk_size=512)
+    python scripts/bench/profile_prefill.py --model exp2:ce --n 32768          # docs/benchmarks.md's profile of exp2:ce at 32k
+    python scripts/bench/profile_prefill.py --model dense --n 16384
+    python scripts/bench/profile_prefill.py --model gpt2 --n 16384 --threads 2
+    python scripts/bench/profile_prefill.py --model exp2:ce --n 32768 --chunk 512   # as generate(prefill_chunk_size=512)
 
 Prints the wall time of the profiled forward (after an untimed one over 256 tokens) and the operators that took
 the most time of their own.
@@ -19,15 +19,15 @@ import time
 
 import torch
 
-from hf_resolvent.experiments import training as T
 from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's argument name in this transformers
+from hf_resolvent.training.models import build_model
 
 
 def build(model: str, width: int, layers: int, heads: int, vocab: int, n: int):
-    """GPT-2 or a resolvent model as bench_generate builds it (the experiments' model factory)."""
+    """GPT-2 or a resolvent model as bench_generate builds it (the training package's model factory)."""
     shape = dict(n_positions=n, n_embd=width, n_layer=layers, n_head=heads, n_inner=4 * width)
     cfg = {"type": "gpt2" if model == "gpt2" else "resolvent", "preset": "tiny", "mixer": model, "overrides": shape}
-    return T.build_model(cfg, vocab, n).eval()
+    return build_model(cfg, vocab, n).eval()
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Training throughput of the 44M shape: GPT-2 (transformers' GPT2LMHeadModel, SDPA) vs every resolvent mixer.
 
-    python scripts/bench_train.py --out runs/bench/train.json            # CPU defaults: batch 1 x 512, short runs
-    python scripts/bench_train.py --out runs/bench/train.json --batch 32 --rounds 10 --device cuda --bf16
+    python scripts/bench/bench_train.py --out runs/bench/train.json            # CPU defaults: batch 1 x 512, short runs
+    python scripts/bench/bench_train.py --out runs/bench/train.json --batch 32 --rounds 10 --device cuda --bf16
 
 One training step = forward, next-token cross-entropy, backward, gradient clipping and a fused AdamW update (as
 in ``pretrain.py``), on random token windows (throughput does not depend on the data). Models are measured side
@@ -28,14 +28,17 @@ import torch
 import torch.nn.functional as F
 
 from hf_resolvent.configuration_resolvent import PRESETS
-from hf_resolvent.experiments import training as T
+from hf_resolvent.training.memory import keep_freed_memory
+from hf_resolvent.training.metrics import write_result
+from hf_resolvent.training.models import PAPER_MIXERS, build_model, complexity_of, count_parameters
+from hf_resolvent.training.optim import build_optimizer
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON output (the PNG goes next to it)")
-    p.add_argument("--mixers", nargs="+", default=T.PAPER_MIXERS, help="resolvent mixers to compare with GPT-2")
+    p.add_argument("--mixers", nargs="+", default=PAPER_MIXERS, help="resolvent mixers to compare with GPT-2")
     p.add_argument("--preset", default="44m", choices=sorted(PRESETS))
     p.add_argument("--seq-len", type=int, default=None, help="default: the preset's context (512 for 44m)")
     p.add_argument("--batch", type=int, default=1)
@@ -51,7 +54,7 @@ def make_model(name: str, preset: str, vocab: int, seq_len: int):
     shape = {k: v for k, v in PRESETS[preset].items() if k != "n_positions"}  # same shape for every model
     cfg = {"type": "gpt2" if name == "gpt2" else "resolvent", "preset": preset, "mixer": name, "overrides": shape,
            "pad_vocab_multiple": 1}
-    return T.build_model(cfg, vocab, seq_len)
+    return build_model(cfg, vocab, seq_len)
 
 
 class Trainee:
@@ -59,7 +62,7 @@ class Trainee:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, bf16: bool):
         self.model, self.device = model, device
-        self.opt = T.build_optimizer(model, 1e-4)  # pretrain.py's optimizer (fused AdamW)
+        self.opt = build_optimizer(model, 1e-4)  # pretrain.py's optimizer (fused AdamW)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def step(self, batch: torch.Tensor) -> float:
@@ -84,7 +87,7 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cpu":
-        T.keep_freed_memory()  # as pretrain.py does: no fresh pages for the 100 MB blocks of every step
+        keep_freed_memory()  # as pretrain.py does: no fresh pages for the 100 MB blocks of every step
     seq_len = args.seq_len or PRESETS[args.preset]["n_positions"]
     names = ["gpt2", *args.mixers]
     gen = torch.Generator().manual_seed(0)
@@ -103,17 +106,17 @@ def run(args) -> dict:
         print(f"[bench_train] round {r + 1}/{args.rounds}: "
               + ", ".join(f"{n} {times[n][-1] * 1000:.0f}" for n in names) + " ms", flush=True)
     tokens = args.batch * seq_len
-    base, base_params = times["gpt2"], T.count_parameters(trainees[0].model)
+    base, base_params = times["gpt2"], count_parameters(trainees[0].model)
     rows = []
     for name, t in zip(names, trainees):
         step = statistics.median(times[name])
-        params = T.count_parameters(t.model)
+        params = count_parameters(t.model)
         ratios = [a / b for a, b in zip(times[name], base)]
         q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
         rows.append({"model": name, "tokens_per_s": tokens / step, "step_ms": step * 1000,
                      "ratio_to_gpt2": statistics.median(ratios), "ratio_quartiles": [q1, q3],
                      "params": params, "params_ratio_to_gpt2": params / base_params,
-                     "complexity": T.complexity_of(name)})
+                     "complexity": complexity_of(name)})
     return {"rows": rows, "shape": {**PRESETS[args.preset], "seq_len": seq_len, "vocab": args.vocab},
             "batch": args.batch, "rounds": args.rounds, "device": str(device),
             "threads": torch.get_num_threads() if device.type == "cpu" else None, "bf16": args.bf16,
@@ -154,7 +157,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = run(args)
-    png = T.write_result(args.out, result, plot)
+    png = write_result(args.out, result, plot)
     print(markdown(result))
     print(f"[bench_train] wrote {args.out} and {png}")
     return 0

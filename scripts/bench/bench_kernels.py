@@ -13,8 +13,8 @@ GPU benchmark (the default): with ``triton.testing.do_bench``, forward and forwa
 for n = 1k..16k, head dim 64, bfloat16 (``--dtype``). Writes a JSON file and a PNG plot (time vs n,
 one panel per pass). On a machine without CUDA it says so and exits with status 2.
 
-    python scripts/bench_kernels.py --out runs/bench/kernels     # GPU
-    python scripts/bench_kernels.py --compile-check              # any machine: compile for sm_80 / sm_90
+    python scripts/bench/bench_kernels.py --out runs/bench/kernels     # GPU
+    python scripts/bench/bench_kernels.py --compile-check              # any machine: compile for sm_80 / sm_90
 
 ``--compile-check`` records every kernel launch of a forward, backward and decode step (the real
 launch code, nothing runs), compiles each for the CUDA targets with Triton's bundled ptxas and

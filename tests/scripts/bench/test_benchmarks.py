@@ -12,7 +12,7 @@ from conftest import load_script
 
 def test_bench_mixer_writes_rows_for_every_impl(tmp_path):
     out = tmp_path / "mixer.json"
-    assert load_script("bench_mixer").main(["--out", str(out), "--lengths", "48", "--patterns", "dense", "exp2:ce",
+    assert load_script("bench/bench_mixer").main(["--out", str(out), "--lengths", "48", "--patterns", "dense", "exp2:ce",
                                              "--repeats", "1", "--max-reference", "48", "--heads", "2"]) == 0
     result = json.loads(out.read_text())
     keys = {(r["impl"], r["pattern"], r["n"]) for r in result["rows"]}
@@ -24,7 +24,7 @@ def test_bench_mixer_writes_rows_for_every_impl(tmp_path):
 
 def test_bench_train_writes_one_row_per_model(tmp_path):
     out = tmp_path / "train.json"
-    assert load_script("bench_train").main(["--out", str(out), "--preset", "tiny", "--mixers", "exp2:ce", "dense",
+    assert load_script("bench/bench_train").main(["--out", str(out), "--preset", "tiny", "--mixers", "exp2:ce", "dense",
                                              "--rounds", "2", "--seq-len", "32", "--vocab", "300"]) == 0
     result = json.loads(out.read_text())
     rows = {r["model"]: r for r in result["rows"]}
@@ -39,7 +39,7 @@ def test_bench_train_writes_one_row_per_model(tmp_path):
 
 def test_bench_decode_times_eager_and_compiled_steps(tmp_path):
     out = tmp_path / "decode.json"
-    assert load_script("bench_decode").main([
+    assert load_script("bench/bench_decode").main([
         "--out", str(out), "--mixers", "exp2:ce", "--min-context", "32", "--max-context", "64", "--width", "32",
         "--heads", "2", "--layers", "1", "--vocab", "97", "--steps", "2", "--warmup", "1", "--threads", "1",
         "--compiled"]) == 0
@@ -57,7 +57,7 @@ def test_bench_decode_times_eager_and_compiled_steps(tmp_path):
 def test_profile_prefill_lists_the_operators_of_a_prefill(capsys):
     """The prefill profiles of docs/benchmarks.md: the mixer's own kernels show for a resolvent model, SDPA for GPT-2."""
     tiny = ["--n", "300", "--width", "32", "--heads", "2", "--layers", "2", "--vocab", "128", "--rows", "40"]
-    profile = load_script("profile_prefill")
+    profile = load_script("bench/profile_prefill")
     assert profile.main(["--model", "exp2:ce", *tiny, "--rows", "200"]) == 0
     out = capsys.readouterr().out
     assert "exp2:ce: prefill of 300 tokens, 1 thread(s):" in out and "hf_resolvent::slot_probs" in out
@@ -73,5 +73,5 @@ def test_profile_prefill_lists_the_operators_of_a_prefill(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without a GPU")
 def test_profile_kernels_without_a_gpu_says_so(capsys):
-    assert load_script("profile_kernels").main(["--lengths", "64", "--patterns", "exp2:ce"]) == 2
+    assert load_script("bench/profile_kernels").main(["--lengths", "64", "--patterns", "exp2:ce"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err

@@ -16,9 +16,9 @@ the same rounded inputs. A check (an output, a gradient, a cache tensor) passes 
 max |kernel - oracle| / max |oracle| <= MAX (a wrong row or block shows here) and ||kernel - oracle|| /
 ||oracle|| <= NORM (a precision loss spread over every value shows here), per dtype: --tol-fp32, --tol-bf16.
 
-    python scripts/gpu_check.py --out runs/gpu_check                  # GPU: the full grid (under 8 min, H100)
-    python scripts/gpu_check.py --pytest --skip-kernels --out DIR     # GPU: the test suite only
-    python scripts/gpu_check.py --dry-run --out /tmp/gpu_check        # any machine: interpreter, tiny shapes
+    python scripts/bench/gpu_check.py --out runs/gpu_check                  # GPU: the full grid (under 8 min, H100)
+    python scripts/bench/gpu_check.py --pytest --skip-kernels --out DIR     # GPU: the test suite only
+    python scripts/bench/gpu_check.py --dry-run --out /tmp/gpu_check        # any machine: interpreter, tiny shapes
 
 ``--shapes full`` runs n = 512..16k, d = 64 and 128, H = 8-16, batch 1-8; ``quick`` one mid-size shape;
 ``--dry-run`` the same code on CPU under TRITON_INTERPRET=1 at n <= 64 with 16-row tiles. On a GPU the
@@ -43,7 +43,7 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENVIRON = dict(os.environ)  # as started: pytest runs without the settings of --dry-run
 
 PATTERNS = ["attention", "local_attention:64", "dense", "banded:64", "diagonal", "exp2", "exp2:ce", "square",
@@ -133,7 +133,7 @@ def parse_args(argv=None):
     p.add_argument("--pytest-args", default="", help="extra pytest arguments (one string)")
     p.add_argument("--pytest-timeout", type=float, default=480, help="seconds before pytest is stopped")
     p.add_argument("--skip-kernels", action="store_true", help="no kernel cases (with --pytest)")
-    # Hidden: tests/scripts/test_gpu_check.py perturbs the kernel outputs to see the check fail.
+    # Hidden: tests/scripts/bench/test_gpu_check.py perturbs the kernel outputs to see the check fail.
     p.add_argument("--inject-error", choices=["offset", "nan"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # "k/N": a compile worker
     args = p.parse_args(argv)

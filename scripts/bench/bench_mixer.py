@@ -13,8 +13,8 @@ so that load from other processes disturbs all of them alike; compare ratios, no
 
 Usage::
 
-    python scripts/bench_mixer.py --out runs/bench/mixer.json       # n = 512 ... 8192
-    python scripts/bench_mixer.py --out runs/bench/mixer.json --quick  # n <= 2048, under a minute
+    python scripts/bench/bench_mixer.py --out runs/bench/mixer.json       # n = 512 ... 8192
+    python scripts/bench/bench_mixer.py --out runs/bench/mixer.json --quick  # n <= 2048, under a minute
 
 Writes ``{"rows": [{"impl", "pattern", "n", "fwd_ms", "fwdbwd_ms", ...}], "machine": {...}}`` to the
 JSON file, a PNG plot next to it (same stem), and prints a table.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine lacks, downloaded here and installed there without network (docs/GPU.md, "A GPU machine without network").
 #
-#   bash scripts/gpu_wheels.sh             # here, with network: download into wheels/ (git-ignored), list sizes
-#   bash scripts/gpu_wheels.sh --install   # on the GPU machine: install wheels/ and this project, offline
+#   bash scripts/bench/gpu_wheels.sh             # here, with network: download into wheels/ (git-ignored), list sizes
+#   bash scripts/bench/gpu_wheels.sh --install   # on the GPU machine: install wheels/ and this project, offline
 #
 # For a GPU machine without network that has CPython, torch, triton, transformers, accelerate, tokenizers,
 # safetensors and huggingface_hub: transformers 5.23 (whose own pins those versions meet), and datasets (with
@@ -11,9 +11,9 @@
 # --install puts the wheels and the project (editable) into the machine's python3; where that fails (a read-only
 # environment; no setuptools there for the editable build) it puts the wheels, or a copy of the package, under
 # /tmp/site instead. Either way it writes /tmp/gpu_env.sh (PYTHONPATH where needed), sourced by the caller:
-#   bash scripts/gpu_wheels.sh --install && . /tmp/gpu_env.sh
+#   bash scripts/bench/gpu_wheels.sh --install && . /tmp/gpu_env.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 WHEELS=(
     transformers==5.23.0
@@ -66,7 +66,7 @@ else
         cp -r src/hf_resolvent /tmp/site/ && cp -r kernels /tmp/site/hf_resolvent/backends/triton
         site=1
     fi
-    echo "# written by scripts/gpu_wheels.sh --install" > "$ENV_FILE"
+    echo "# written by scripts/bench/gpu_wheels.sh --install" > "$ENV_FILE"
     if [[ -n "$site" ]]; then
         echo "export PYTHONPATH=/tmp/site\${PYTHONPATH:+:\$PYTHONPATH}" >> "$ENV_FILE"
     fi

@@ -1,7 +1,7 @@
 """Per-kernel GPU time of the Triton mixer's forward + backward (``torch.profiler``), to see which kernel limits
 a pattern before changing one.
 
-    python scripts/profile_kernels.py --lengths 8192,32768 --patterns dense,exp2:ce,banded:64 --out runs/bench/profile
+    python scripts/bench/profile_kernels.py --lengths 8192,32768 --patterns dense,exp2:ce,banded:64 --out runs/bench/profile
 
 Inputs as in ``bench_kernels.py`` (B4 H16 d64, bfloat16 by default). For each (n, pattern): two warm-up steps,
 then ``--steps`` profiled ones; prints torch.profiler's table (CUDA time per kernel, summed over the steps) and

@@ -1,6 +1,6 @@
 """Short tour of the mixer library: every pattern, its three forms side by side, cost and cache figures.
 
-    python scripts/demo_mixer.py [--n 300] [--plot runs/patterns.png]
+    python scripts/bench/demo_mixer.py [--n 300] [--plot runs/patterns.png]
 """
 
 import argparse
