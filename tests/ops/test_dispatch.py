@@ -1,8 +1,10 @@
 """The one switch (hf_resolvent.ops.dispatch): which code runs a mixer call, with what precedence, and the errors
 when a named backend cannot run. The backends' agreement with the forms is tested in test_mixer.py,
-test_cpu_kernels.py and test_kernels.py."""
+tests/backends/test_cpu.py and tests/backends/test_triton.py."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,11 +24,24 @@ def _inputs(n=40, seed=0, requires_grad=False):
     return qa, ka, qb, kb, x, g
 
 
-def _compiled_ops_run(fn) -> set[str]:
-    """The compiled CPU kernels' operators that ``fn`` calls."""
+def _cpu_ops_run(fn) -> set[str]:
+    """The CPU kernels' operators that ``fn`` calls."""
     with torch.profiler.profile() as prof:
         fn()
     return {e.name for e in prof.events() if e.name.startswith("hf_resolvent::")}
+
+
+def test_the_impl_table_of_the_architecture_page_is_the_modules():
+    """docs/ARCHITECTURE.md shows the table of what each impl runs as the dispatch module's docstring has it."""
+
+    def table(text: str) -> list[str]:
+        rows = text[text.index("<!-- impl table -->"):text.index("<!-- end of impl table -->")].splitlines()[1:]
+        return [row.strip() for row in rows if row.strip()]
+
+    page = table((Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md").read_text())
+    assert len(page) == len(dispatch.IMPLS) + 2  # a header, a rule, a row per choice
+    assert page == table(dispatch.__doc__)
+    assert [row.split(" | ")[0].strip("| `\"") for row in page[2:]] == list(dispatch.IMPLS)
 
 
 def test_the_config_accepts_exactly_the_choices_of_the_switch():
@@ -53,16 +68,16 @@ def test_torch_and_cpu_run_what_they_name_in_forward_and_backward(spec):
     assert cpu.available(), "the compiled CPU kernels did not build (see the warning)"
     qa, ka, qb, kb, x, g = _inputs(requires_grad=True)
     ref = reference_mix(qa, ka, qb, kb, x, g, spec)
-    for impl, expect_compiled in (("torch", False), ("cpu", True), ("auto", True), ("parallel", True)):
+    for impl, expect_cpu_kernels in (("torch", False), ("cpu", True), ("auto", True), ("parallel", True)):
         out = {}
 
         def step(out=out, impl=impl):
             out["y"] = resolvent_mix(qa, ka, qb, kb, x, g, spec, impl=impl)
             out["y"].square().sum().backward()  # the backward keeps the forward's path
 
-        ran = _compiled_ops_run(step)
-        assert bool(ran) == expect_compiled, (impl, ran)
-        if expect_compiled:  # both directions ran compiled
+        ran = _cpu_ops_run(step)
+        assert bool(ran) == expect_cpu_kernels, (impl, ran)
+        if expect_cpu_kernels:  # both directions ran compiled
             assert any("backward" in name or "transpose" in name or "scatter" in name for name in ran), ran
         torch.testing.assert_close(out["y"], ref, atol=1e-5, rtol=1e-5)
         for t in (qa, ka, qb, kb, x, g):
@@ -74,12 +89,12 @@ def test_the_environment_reaches_the_model_and_the_config_beats_it(monkeypatch):
     model = hr.ResolventForCausalLM(config).eval()
     ids = torch.randint(0, 40, (1, 24))
     monkeypatch.setenv(dispatch.ENV, "torch")
-    assert not _compiled_ops_run(lambda: model(ids))
+    assert not _cpu_ops_run(lambda: model(ids))
     model.config.mixer_impl = "cpu"
-    assert _compiled_ops_run(lambda: model(ids))
+    assert _cpu_ops_run(lambda: model(ids))
     monkeypatch.setenv(dispatch.ENV, "reference")
     model.config.mixer_impl = "auto"
-    assert not _compiled_ops_run(lambda: model(ids))
+    assert not _cpu_ops_run(lambda: model(ids))
 
 
 def test_a_named_backend_that_cannot_run_is_an_error_not_a_fallback(monkeypatch):

@@ -163,8 +163,8 @@ def test_sparse_chunks_take_the_compiled_slot_kernels_where_the_parallel_form_wo
     from hf_resolvent.ops import extend
 
     calls = []
-    compiled = extend._compiled_sparse
-    monkeypatch.setattr(extend, "_compiled_sparse", lambda *a, **k: calls.append(1) or compiled(*a, **k))
+    on_kernels = extend._sparse_on_cpu_kernels
+    monkeypatch.setattr(extend, "_sparse_on_cpu_kernels", lambda *a, **k: calls.append(1) or on_kernels(*a, **k))
     for spec in ("exp2:ce", "dense"):
         pattern = get_pattern(spec)
         inp, start = _inputs(pattern, seed=8)

@@ -7,12 +7,12 @@ Four forms compute the same function and are tested against each other:
   ``flash``) or on a backend's kernels;
 - ``graph``: the same block forward substitution in tensor operations alone (``graph``), which ``torch.compile``
   and ``torch.export`` trace;
-- ``recurrent``: one token at a time from a :class:`DecodeState` (decode), or from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, compiled decoding);
+- ``recurrent``: one token at a time from a :class:`DecodeState` (decode), or from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, decoding in a ``torch.compile`` graph);
 - ``extend``: several tokens at once after a :class:`DecodeState` (a chunked prefill, assisted decoding's drafts):
   the graph form's gathers and substitution over the held rows and the new ones.
 
 :func:`resolvent_mix`, :func:`decode_step` and :func:`decode_tokens` (``mixer.py``) run the form or backend that :mod:`.dispatch`
-chooses from ``impl`` (argument, then ``HF_RESOLVENT_MIXER_IMPL``): the compiled CPU kernels of
+chooses from ``impl`` (argument, then ``HF_RESOLVENT_MIXER_IMPL``): the CPU kernels of
 :mod:`hf_resolvent.backends.cpu` and the Triton kernels of :mod:`hf_resolvent.backends.triton`.
 """
 

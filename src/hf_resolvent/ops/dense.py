@@ -15,8 +15,8 @@ The backward mirrors the tree in reverse: transposed chunk solves give dZ = (I -
 node's flash backward, fed with the rows' *full* outputs and log-sum-exps, gives that block's share
 of dq, dk and of B^T dZ. Memory: O(n (d + e)) per head; no n x n tensor.
 
-On CPU the compiled kernel (:class:`CompiledDenseSolve`, hf_resolvent/backends/cpu/csrc/dense_cpu.cpp) replaces the tree:
-chunks of rows in order, each with one gemm of scores against all earlier keys; :func:`dense_solve` picks it.
+On CPU the tree has a twin on the CPU kernels (:class:`CpuDenseSolve`, hf_resolvent/backends/cpu/csrc/dense_cpu.cpp):
+chunks of rows in order, each with one gemm of scores against all earlier keys; :func:`dense_solve` asks its twin.
 
 Shapes: B batch, H heads, n positions, d key width, e value width, C chunk, D = max(d, e).
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import compiled_for, compiled_ops
+from .dispatch import cpu_ops, cpu_twin
 from .flash import attend_block, attend_block_backward, merge_block, walk
 from .solve import solve_unit_lower_
 from .threads import by_head_groups, head_groups
@@ -175,15 +175,15 @@ class DenseSolve(torch.autograd.Function):
         return dq[..., :n, :d], dk[..., :n, :d], dg[..., :n], dz[..., :n, :e], None, None
 
 
-class CompiledDenseSolve(torch.autograd.Function):
-    """:class:`DenseSolve` by the compiled CPU kernel (hf_resolvent/backends/cpu/csrc/dense_cpu.cpp): chunks of rows in order,
+class CpuDenseSolve(torch.autograd.Function):
+    """:class:`DenseSolve` on the CPU kernel (hf_resolvent/backends/cpu/csrc/dense_cpu.cpp): chunks of rows in order,
     each one gemm of scores against all earlier keys and one against the solved rows; no row tree. Same args.
     Saves q, k, g, y and the row log-sum-exps (the backward recomputes the probabilities from them)."""
 
     @staticmethod
     def forward(ctx, q, k, g, z, scale, chunk):
         q, k, g = q.contiguous(), k.contiguous(), g.contiguous()
-        y, lse = compiled_ops().dense_solve_forward(q, k, g, z.contiguous(), scale, chunk)
+        y, lse = cpu_ops().dense_solve_forward(q, k, g, z.contiguous(), scale, chunk)
         ctx.save_for_backward(q, k, g, y, lse)
         ctx.scale, ctx.chunk = scale, chunk
         return y
@@ -191,13 +191,16 @@ class CompiledDenseSolve(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, g, y, lse = ctx.saved_tensors
-        dq, dk, dz, dg = compiled_ops().dense_solve_backward(q, k, g, y, lse, grad.contiguous(), ctx.scale, ctx.chunk)
+        dq, dk, dz, dg = cpu_ops().dense_solve_backward(q, k, g, y, lse, grad.contiguous(), ctx.scale, ctx.chunk)
         return dq, dk, dg, dz, None, None
 
 
+DENSE_SOLVE_TWIN = cpu_twin("dense.dense_solve", ("dense_solve_forward", "dense_solve_backward"))
+
+
 def dense_solve(q, k, g, z, scale: float, chunk: int) -> torch.Tensor:
-    """Y = Z + diag(g) softmax_{j<i}(scale q_i . k_j) Y: (B, H, n, e), by the compiled CPU kernel where it runs
+    """Y = Z + diag(g) softmax_{j<i}(scale q_i . k_j) Y: (B, H, n, e), on the CPU kernel where its twin takes the call
     (:mod:`hf_resolvent.backends.cpu`), else by :class:`DenseSolve`."""
-    if compiled_for(q, k, g, z):
-        return CompiledDenseSolve.apply(q, k, g, z, scale, chunk)
+    if DENSE_SOLVE_TWIN.takes(q, k, g, z):
+        return CpuDenseSolve.apply(q, k, g, z, scale, chunk)
     return DenseSolve.apply(q, k, g, z, scale, chunk)

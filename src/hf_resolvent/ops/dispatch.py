@@ -1,37 +1,47 @@
 """Which code runs the mixer: the one switch between the forms and the backends (docs/ARCHITECTURE.md).
 
-``impl`` names a backend of the parallel form, or another form of the mixer:
+Two words name two different things here. **The CPU kernels** are the C++ operators of
+:mod:`hf_resolvent.backends.cpu` (``torch.ops.hf_resolvent.<name>``), each the twin of one PyTorch function of
+``ops/``. **In a graph** means traced by ``torch.compile`` or ``torch.export`` (``torch.compiler.is_compiling()``),
+where the graph form runs and no CPU kernel does (they have no meta kernels to trace).
 
-===============  ==========================================================================================
-``"auto"``       no choice here: the next source decides (below); when none does, the Triton kernels for CUDA
-                 tensors where Triton can run, else the parallel form on the compiled CPU kernels where they
-                 build, else in PyTorch
-``"torch"``      the parallel form in PyTorch alone (no compiled code of any kind)
-``"cpu"``        the parallel form on the compiled CPU kernels (:mod:`hf_resolvent.backends.cpu`); an error where
-                 they cannot run (tensors on another device, no C++ compiler, ``HF_RESOLVENT_CPU_KERNELS=0``)
-``"triton"``     the Triton kernels (:mod:`hf_resolvent.backends.triton`); an error where they cannot run
-``"parallel"``   the parallel form as ``"auto"`` runs it, but never on Triton
-``"graph"``      the graph form (:mod:`.graph`): the parallel form in tensor operations alone, which
-                 ``torch.compile`` and ``torch.export`` trace into one graph
-``"reference"``  materialised matrices and one triangular solve (an oracle for tests: O(n^2) memory)
-``"recurrent"``  one token at a time through the recurrent form (an oracle for tests)
-===============  ==========================================================================================
+Where each choice is made:
+
+1. :func:`choose`, :func:`choose_decode` and :func:`choose_extend` turn ``impl`` into a form and a backend for a
+   whole mixer call (the table below).
+2. Inside the parallel form, the recurrent step and the extend path, each leaf function that has a CPU twin asks
+   its :class:`CpuTwin` (:meth:`CpuTwin.takes`) whether the twin runs this call: the twin's own condition on the
+   arguments (declared with :func:`cpu_twin` beside the function: a row limit, a dtype, a layout, no gradient),
+   then :func:`cpu_kernels_for` (CPU tensors in float32 or float64, the kernels built, not inside
+   :func:`torch_only`, not in a graph). :data:`CPU_TWINS` holds every twin by name once the ops modules are
+   imported. An autograd Function's backward runs on the CPU kernels exactly when its forward did.
+
+``impl`` names a form, or a backend of the parallel form; the table gives what each value runs for the three kinds
+of call. Form: parallel, graph, recurrent, extend or reference; backend: "torch" (PyTorch alone), "cpu" (the
+CPU kernels, for the leaves whose twin takes the call, PyTorch for the rest) or "triton".
+
+<!-- impl table -->
+| `impl` | forward (`resolvent_mix`) | decode step (`decode_step`) | several tokens after a state (`decode_tokens`) |
+|---|---|---|---|
+| `"auto"` | parallel on triton for CUDA tensors where Triton runs, else parallel on cpu where the kernels build, else parallel on torch; in a graph: graph | triton for CUDA tensors where Triton runs (not in a graph, not a static state), else recurrent on cpu | extend on cpu; in a graph: decode steps |
+| `"torch"` | parallel on torch; in a graph: graph | recurrent on torch | extend on torch; in a graph: decode steps |
+| `"cpu"` | parallel on cpu, an error where the kernels cannot run (another device, no compiler, `HF_RESOLVENT_CPU_KERNELS=0`) and in a graph | recurrent on cpu, the same errors | decode steps |
+| `"triton"` | triton, an error where it cannot run | triton, an error for a static state | decode steps |
+| `"parallel"` | as `"auto"`, never triton | recurrent on cpu | extend on cpu; in a graph: decode steps |
+| `"graph"` | graph | recurrent on cpu | extend on torch; in a graph: decode steps |
+| `"reference"` | reference (materialised matrices, one triangular solve: O(n^2) memory, an oracle for tests) | recurrent on cpu | decode steps |
+| `"recurrent"` | recurrent on cpu, one token at a time (an oracle for tests) | recurrent on cpu | decode steps |
+<!-- end of impl table -->
+
+"recurrent on cpu" and "extend on cpu" run their arithmetic on the CPU kernels only where their twin takes the call
+(no gradient, and for the extend path a sparse pattern and a state that holds rows): see :data:`CPU_TWINS`. Several
+tokens after a state also go one decode step at a time while the state records itself for rollbacks and its
+pattern drops positions (:meth:`~.state.DecodeState.takes_chunks`).
 
 Precedence: the first source that names something other than ``"auto"`` wins: the ``impl=`` argument (the model
-passes ``config.mixer_impl``), then the environment variable ``HF_RESOLVENT_MIXER_IMPL``. ``HF_RESOLVENT_CPU_KERNELS=0``
-keeps the CPU kernels from being built at all.
-
-Inside ``torch.compile`` and ``torch.export``, ``"auto"``, ``"parallel"`` and ``"torch"`` run the graph form: the
-eager parallel form's slices, buffers and C++ kernels do not trace.
-
-Decoding runs the Triton decode kernel (``"triton"``, and ``"auto"`` for CUDA tensors), or else the recurrent step,
-whose arithmetic takes the compiled CPU kernel where the parallel form would take the CPU kernels (``"torch"``: its
-PyTorch code alone; ``"cpu"``: an error where the kernel cannot run).
-
-Several tokens after a decode state (a chunked prefill's later chunks, assisted decoding's drafts) run in parallel
-(:mod:`.extend`) under ``"auto"``, ``"torch"``, ``"parallel"`` and ``"graph"`` (on the compiled CPU kernels where the
-parallel form would take them; in PyTorch alone for ``"torch"`` and ``"graph"``); one decode step per token
-under the other choices, inside a compiled graph, and while a state records for rollbacks.
+passes ``config.mixer_impl``), then the environment variable ``HF_RESOLVENT_MIXER_IMPL``.
+``HF_RESOLVENT_CPU_KERNELS=0`` keeps the CPU kernels from being built at all. The model's RoPE and GELU, which run
+outside the mixer call, follow the same ``impl``: their twins run where :func:`choose` gives "cpu".
 
 The backends live in the installed library. The flat copy of the ops modules that ``save_pretrained`` ships for
 ``trust_remote_code`` has none: there ``"auto"`` runs PyTorch and ``"cpu"`` or ``"triton"`` is an error.
@@ -42,7 +52,9 @@ from __future__ import annotations
 import contextvars
 import importlib
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -55,7 +67,7 @@ ENV = "HF_RESOLVENT_MIXER_IMPL"
 # runs PyTorch (hf_resolvent.remote_code).
 _IN_LIBRARY = __name__ == "hf_resolvent.ops.dispatch"
 _modules: dict[str, object] = {}
-# inside torch_only(): the compiled CPU kernels are not used (per thread and task, so that concurrent decodes with
+# inside torch_only(): the CPU kernels are not used (per thread and task, so that concurrent decodes with
 # different choices do not see each other's)
 _torch_only = contextvars.ContextVar("hf_resolvent_torch_only", default=False)
 
@@ -131,8 +143,8 @@ def choose(impl: str | None, x: torch.Tensor) -> str:
 
 def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
     """The decode step's code for tensors like ``x`` and a layer's ``state``: "triton", or the recurrent step as
-    "recurrent" (its compiled CPU twin where :func:`compiled_for` allows it) or "torch" (its PyTorch code alone). A
-    preallocated state (static cache) and a compiled graph take the recurrent step."""
+    "recurrent" (its arithmetic on the CPU kernels where its twin takes the call) or "torch" (its PyTorch code alone).
+    A preallocated state (static cache) and a graph take the recurrent step."""
     impl = resolve(impl)
     static = isinstance(state, StaticDecodeState)
     if impl == "triton" and static:
@@ -141,17 +153,17 @@ def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
     if impl == "triton" or (impl == "auto" and x.is_cuda and not static and not torch.compiler.is_compiling()
                             and triton_ready()):
         return "triton"
-    if impl == "torch" and not torch.compiler.is_compiling():  # a graph runs no compiled kernel anyway
+    if impl == "torch" and not torch.compiler.is_compiling():  # a graph runs no CPU kernel anyway
         return "torch"
     if impl == "cpu":
-        choose(impl, x)  # raises where the compiled CPU kernels cannot run (inside a graph too, as for the forward)
+        choose(impl, x)  # raises where the CPU kernels cannot run (in a graph too, as for the forward)
     return "recurrent"
 
 
 def choose_extend(impl: str | None, state, pattern) -> str:
     """How L > 1 tokens continue a decode ``state``: all at once (:func:`.extend.extend_mix`) as "extend" (its arithmetic
-    on the compiled CPU kernels where :func:`compiled_for` allows it) or "torch" (its PyTorch code alone), or "steps"
-    (one decode step each, :func:`choose_decode` choosing their code)."""
+    on the CPU kernels where its twin takes the call) or "torch" (its PyTorch code alone), or "steps" (one decode step
+    each, :func:`choose_decode` choosing their code)."""
     impl = resolve(impl)
     if impl not in ("auto", "torch", "parallel", "graph") or torch.compiler.is_compiling():
         return "steps"
@@ -162,7 +174,7 @@ def choose_extend(impl: str | None, state, pattern) -> str:
 
 @contextmanager
 def torch_only():
-    """Run the enclosed code without the compiled CPU kernels (``impl="torch"``; tests compare the two paths)."""
+    """Run the enclosed code without the CPU kernels (``impl="torch"``; tests compare the two paths)."""
     token = _torch_only.set(True)
     try:
         yield
@@ -170,15 +182,58 @@ def torch_only():
         _torch_only.reset(token)
 
 
-def compiled_for(*tensors: torch.Tensor) -> bool:
-    """True when the parallel form's functions take the compiled CPU kernels for these tensors (float32 or float64
-    on the CPU, kernels built, not inside :func:`torch_only`); they take their PyTorch code otherwise."""
+def cpu_kernels_for(*tensors: torch.Tensor) -> bool:
+    """True when the CPU kernels can take these tensors: float32 or float64 on the CPU, the kernels built, not
+    inside :func:`torch_only`, not in a graph. The common part of every :class:`CpuTwin`'s condition."""
     if torch.compiler.is_compiling() or _torch_only.get():  # the C++ operators have no meta kernels for a graph
         return False
     cpu = backend("cpu")
     return cpu is not None and cpu.supports(*tensors) and cpu.available()
 
 
-def compiled_ops():
-    """The compiled CPU kernels' operators (``torch.ops.hf_resolvent``); call after :func:`compiled_for` said yes."""
+def cpu_ops():
+    """The CPU kernels' operators (``torch.ops.hf_resolvent``); call after a twin or :func:`cpu_kernels_for` said yes."""
     return _required("cpu").operators()
+
+
+@dataclass(frozen=True, eq=False)
+class CpuTwin:
+    """A PyTorch function of ``ops/`` and the operators of the CPU kernels that compute the same thing.
+
+    Attributes:
+        name: the function, as ``module.function``.
+        operators: the names under ``torch.ops.hf_resolvent`` that it calls in its place (forward and backward).
+        applies: the twin's own condition on the function's arguments (beyond :func:`cpu_kernels_for`), called with
+            what :meth:`takes` gets; None: none.
+        follows_impl: the function runs outside a mixer call (RoPE, GELU) and so asks :func:`choose` itself with
+            the model's ``impl``; the twin runs only where that gives "cpu".
+    """
+
+    name: str
+    operators: tuple[str, ...]
+    applies: Callable[..., bool] | None = None
+    follows_impl: bool = False
+
+    def takes(self, *tensors: torch.Tensor, impl: str | None = None, **arguments) -> bool:
+        """True when this call runs the twin: ``applies(*tensors, **arguments)``, then for a function that follows
+        ``impl`` ``choose(impl, tensors[0]) == "cpu"`` (which raises where a named "cpu" cannot run), then
+        :func:`cpu_kernels_for` ``(*tensors)``, in that order."""
+        if self.applies is not None and not self.applies(*tensors, **arguments):
+            return False
+        if self.follows_impl and choose(impl, tensors[0]) != "cpu":
+            return False
+        return cpu_kernels_for(*tensors)
+
+
+# Every CPU twin by name, filled by the cpu_twin() calls beside the functions they replace.
+CPU_TWINS: dict[str, CpuTwin] = {}
+
+
+def cpu_twin(name: str, operators: tuple[str, ...], applies: Callable[..., bool] | None = None,
+             follows_impl: bool = False) -> CpuTwin:
+    """Declare that the PyTorch function ``name`` has a twin on the CPU kernels (see :class:`CpuTwin`), and return it
+    for the function to ask (:meth:`CpuTwin.takes`). A name is declared once."""
+    if name in CPU_TWINS:
+        raise ValueError(f"the CPU twin of {name} is already declared")
+    CPU_TWINS[name] = twin = CpuTwin(name, tuple(operators), applies, follows_impl)
+    return twin

@@ -11,8 +11,8 @@ new token reads is one of them (docs/DESIGN.md section 4: a state holds what lat
 - Y = (1 - g) Z + g B~ Y is the graph form's block forward substitution (:func:`.graph.solve_after`), started
   after the held rows.
 
-On the CPU, without gradients, sparse patterns run the same rows on the compiled slot kernels of the parallel form
-(``slot_probs``, ``slot_combine``, ``slot_solve``, which take any source table): per sequence, over [the held rows the
+On the CPU, without gradients, sparse patterns run the same rows on the slot operators of the CPU kernels
+(``slot_probs``, ``slot_combine``, ``slot_solve``, which take any source table; :data:`OUTPUTS_TWIN`): per sequence, over [the held rows the
 new ones read; new rows], with the held rows' slots empty and their outputs as the right-hand side, so a solve
 reproduces them and goes on from there. The PyTorch code below is their reference and the path with autograd.
 Every layer of a cache takes the same new tokens with the same held positions, so a register state's tables are worked
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import records_grad, to_compute_dtype
-from .dispatch import compiled_for, compiled_ops
+from .dispatch import cpu_ops, cpu_twin
 from .graph import GRAPH_CHUNK, gathered_slot_probs, gathered_slot_sum, solve_after, source_table
 from .patterns import get_pattern
 from .state import EXTEND_PLANS, DecodeState, value_key
@@ -102,7 +102,7 @@ def _positions(state: DecodeState, x: torch.Tensor) -> torch.Tensor:
 
 
 def _read_rows(state: DecodeState, slots: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """For each sequence b, the tables of the compiled path over [the u held rows its new rows read; new rows]:
+    """For each sequence b, the tables of the CPU kernels' path over [the u held rows its new rows read; new rows]:
     (used, src_a, src_b, src_solve, reads) with ``used`` (u,) those held rows, sorted; src_a (1 + K, L) and src_b
     (K, L) the sources of A (the token itself, then B's) and of B for the new rows; src_solve (K, u + L) B's
     sources for all rows, the held ones' slots empty (slot_solve's layout); reads (L,) the new rows that read
@@ -121,12 +121,12 @@ def _read_rows(state: DecodeState, slots: torch.Tensor) -> list[tuple[torch.Tens
     return out
 
 
-def _compiled_sparse(state: DecodeState, pattern, plan, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
-    """:func:`_outputs` of a sparse pattern on the compiled slot kernels, one sequence at a time (each has its own
+def _sparse_on_cpu_kernels(state: DecodeState, pattern, plan, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
+    """:func:`_outputs` of a sparse pattern on the slot operators of the CPU kernels, one sequence at a time (each has its own
     tables, :func:`_read_rows`): (B, H, L, e). The kernels score the new rows against [held rows read; new rows]; the
     solve runs over those rows too, with the held rows' slots empty and their outputs as its right-hand side, so that
     it gives them back and continues from them."""
-    ops = compiled_ops()
+    ops = cpu_ops()
     out = []
     for b, (used, src_a, src_b, src_solve, reads) in enumerate(plan):
         def rows(name: str, new: torch.Tensor | None, b=b, used=used) -> torch.Tensor:  # (1, H, u + L, .)
@@ -163,15 +163,24 @@ def _planned(key: tuple | None, name: str, compute):
     return compute() if key is None else EXTEND_PLANS.get(("extend " + name, *key), compute)
 
 
+def _twin_applies(x: torch.Tensor, *, slots, state: DecodeState, given) -> bool:
+    """The slot operators serve sparse patterns (``slots``, the new rows' sources) after a state that holds rows,
+    without gradients (they run here without their backwards). ``x`` is in the compute dtype."""
+    return slots is not None and bool(state.rows()) and not records_grad(given)
+
+
+OUTPUTS_TWIN = cpu_twin("extend._outputs", ("slot_probs", "slot_combine", "slot_solve"), applies=_twin_applies)
+
+
 def _outputs(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
     """The new rows' outputs as the state stores them (B, H, L, e): y, or the tied variant's z."""
     key = _plan_key(state, pattern, r)
     slots = None if pattern.is_dense else _planned(key, "sources", lambda: _sources(state, pattern, r))
     valid = _valid_rows(state, r) if pattern.is_dense else None
     given = [t for t in (qa, ka, qb, kb, x, g) if t is not None] + list(state.tensors().values())
-    if slots is not None and state.rows() and compiled_for(x) and not records_grad(given):
+    if OUTPUTS_TWIN.takes(x, slots=slots, state=state, given=given):
         plan = _planned(key, "read rows", lambda: _read_rows(state, slots))
-        return _compiled_sparse(state, pattern, plan, scale, qa, ka, qb, kb, x, g, tied)
+        return _sparse_on_cpu_kernels(state, pattern, plan, scale, qa, ka, qb, kb, x, g, tied)
     direct = x if tied else _direct(state, qa, _with_held(state, "keys_a", ka), _with_held(state, "values", x), scale,
                                     slots, valid)
     if not pattern.has_recurrence:

@@ -2,7 +2,7 @@
 
 Two users: the dense solve (:mod:`.dense`), whose rows attend to blocks of already solved outputs, and
 causal attention itself (:func:`causal_attention`, the direct term Z of dense and attention patterns). On CPU
-both are replaced by compiled kernels where those build (:mod:`hf_resolvent.backends.cpu`); this is their fallback.
+both have twins on the CPU kernels (:mod:`hf_resolvent.backends.cpu`); this is their PyTorch code.
 
 Why causal attention is split here: PyTorch's CPU flash kernel walks keys in blocks of 512 and skips
 only whole blocks above the diagonal, so up to n = 512 a causal call costs as much as a full one. Split
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dispatch import compiled_for, compiled_ops
+from .dispatch import cpu_ops, cpu_twin
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -142,20 +142,20 @@ class _SplitCausalAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-# Rows per gemm block of the compiled causal attention: of 32, 64 and 128, 64 did best at n = 2048 and nearly
+# Rows per gemm block of the CPU kernel's causal attention: of 32, 64 and 128, 64 did best at n = 2048 and nearly
 # as well as 32 at n = 512, and every size tried beat PyTorch's flash kernel and its row tree above
 # (figures: bench/NOTES.md).
 COMPILED_CHUNK = 64
 
 
-class _CompiledCausalAttention(torch.autograd.Function):
-    """Causal attention by the compiled CPU kernel (hf_resolvent/backends/cpu/csrc/dense_cpu.cpp): per head, chunks of rows
+class _CpuCausalAttention(torch.autograd.Function):
+    """Causal attention on the CPU kernel (hf_resolvent/backends/cpu/csrc/dense_cpu.cpp): per head, chunks of rows
     against exactly the keys they see, two gemms each. Saves q, k, v, o and the row log-sum-exps."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = compiled_ops().causal_attention_forward(q, k, v, scale, COMPILED_CHUNK)
+        o, lse = cpu_ops().causal_attention_forward(q, k, v, scale, COMPILED_CHUNK)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale = scale
         return o
@@ -163,24 +163,27 @@ class _CompiledCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = compiled_ops().causal_attention_backward(q, k, v, o, lse, grad.contiguous(), ctx.scale,
-                                                              COMPILED_CHUNK)
+        dq, dk, dv = cpu_ops().causal_attention_backward(q, k, v, o, lse, grad.contiguous(), ctx.scale,
+                                                         COMPILED_CHUNK)
         return dq, dk, dv, None
 
 
-# The compiled causal kernel serves up to COMPILED_MAX_ROWS rows; past that PyTorch's flash kernel, whose key blocks
-# skip the masked half once n is large, is the faster one, forward and backward (the two tie at 4096: the timings
-# are in the message of the commit that set this limit, a68c3f7).
+# The CPU kernel's causal attention serves up to COMPILED_MAX_ROWS rows; past that PyTorch's flash kernel, whose key
+# blocks skip the masked half once n is large, is the faster one, forward and backward (the two tie at 4096: the
+# timings are in the message of the commit that set this limit, a68c3f7).
 COMPILED_MAX_ROWS = 4096
+
+CAUSAL_ATTENTION_TWIN = cpu_twin("flash.causal_attention", ("causal_attention_forward", "causal_attention_backward"),
+                                 applies=lambda q, k, v: q.shape[-2] <= COMPILED_MAX_ROWS)
 
 
 def causal_attention(q, k, v, scale: float) -> torch.Tensor:
-    """softmax_{j <= i}(scale q_i . k_j) v: (B, H, n, e). The compiled CPU kernel where it runs (:mod:`hf_resolvent.backends.cpu`)
-    up to COMPILED_MAX_ROWS rows; else a row tree of flash calls on CPU where that is faster (SPLIT_MIN_ROWS <= n <=
+    """softmax_{j <= i}(scale q_i . k_j) v: (B, H, n, e). The CPU kernel where its twin takes the call (up to
+    COMPILED_MAX_ROWS rows); else a row tree of flash calls on CPU where that is faster (SPLIT_MIN_ROWS <= n <=
     SPLIT_MAX_ROWS; the kernel needs e = d), else one causal ``scaled_dot_product_attention`` call."""
     n = q.shape[-2]
-    if compiled_for(q, k, v) and n <= COMPILED_MAX_ROWS:
-        return _CompiledCausalAttention.apply(q, k, v, scale)
+    if CAUSAL_ATTENTION_TWIN.takes(q, k, v):
+        return _CpuCausalAttention.apply(q, k, v, scale)
     if q.device.type == "cpu" and SPLIT_MIN_ROWS <= n <= SPLIT_MAX_ROWS and v.shape[-1] == q.shape[-1]:
         return _SplitCausalAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -1,7 +1,7 @@
 """Graph form of the resolvent mixer: the parallel form written for ``torch.compile`` and ``torch.export``.
 
 The eager parallel form (:mod:`.parallel`) walks the slots with Python-side slices, writes into preallocated
-buffers and hands long loops to compiled C++ kernels; none of that traces into one graph. This form computes the
+buffers and hands long loops to the C++ kernels of the CPU; none of that traces into one graph. This form computes the
 same Y = (I - B)^-1 A X with tensor operations only:
 
 - the sources of every row are an index tensor (K, n) from the pattern's own table (``Pattern.source_index``), so

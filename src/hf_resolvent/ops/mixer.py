@@ -77,8 +77,8 @@ def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "
         x: (B, H, e) its value; g: (B, H) its gate (None for attention patterns).
         pattern: spec or Pattern.
         impl: as for :func:`resolvent_mix`; the Triton decode kernel runs for ``"triton"`` (and ``"auto"`` on CUDA
-            tensors, outside compiled graphs), ``recurrent_step`` for every other choice and for a
-            :class:`~.state.StaticDecodeState` (on its compiled CPU kernel where it can, in PyTorch alone for
+            tensors, outside a graph), ``recurrent_step`` for every other choice and for a
+            :class:`~.state.StaticDecodeState` (on its CPU twin where that takes the call, in PyTorch alone for
             ``"torch"``).
         scale: score scale, default d ** -0.5.
 

@@ -9,9 +9,9 @@ forward substitution (docs/DESIGN.md section 3.2), both with explicit backwards 
   weighted sums by shifted / strided slices per slot, no gather and no n x n tensor (:mod:`.slots`);
   the solve goes chunk by chunk (:mod:`.solve`). O(n (C + K) d) work, O(n (d + K)) memory.
 
-On CPU, for float32 and float64, both solves and the slot operations run as compiled C++ kernels
-(:mod:`hf_resolvent.backends.cpu`, chosen by :mod:`.dispatch`) once they build; the PyTorch code is their fallback
-and the reference the tests hold them to.
+On CPU, for float32 and float64, both solves and the slot operations run on their twins in the CPU kernels
+(:mod:`hf_resolvent.backends.cpu`; each function asks its twin, :func:`.dispatch.cpu_twin`) once they build; the
+PyTorch code is their fallback and the reference the tests hold them to.
 
 Left padding (``start``) is turned into right padding by rotating each sequence, so every kernel
 runs unmasked on the same pattern rows; causality keeps real rows away from the rotated padding.
@@ -72,7 +72,7 @@ class _Roll:
 def _direct(qa, ka, x, pattern: Pattern, scale: float) -> torch.Tensor:
     if pattern.is_dense:
         return causal_attention(qa, ka, x, scale)
-    with serial_for(x):  # many small ops: one intra-op thread (see .threads) unless compiled
+    with serial_for(x):  # many small ops: one intra-op thread (see .threads) unless on the CPU kernels
         return slot_attention(qa, ka, x, slot_layout(pattern, x.shape[-2], with_self=True), scale)
 
 

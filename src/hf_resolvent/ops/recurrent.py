@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .common import check_inputs, records_grad, to_compute_dtype
-from .dispatch import compiled_for, compiled_ops
+from .dispatch import cpu_ops, cpu_twin
 from .patterns import get_pattern
 from .state import DecodeState
 
@@ -53,16 +53,20 @@ def _step_start(state: DecodeState, pattern, q, x, scale):
     return pattern, r, read, q.shape[-1] ** -0.5 if scale is None else scale
 
 
+# The C++ step has no backward: it runs only where no gradient is recorded.
+MIX_TWIN = cpu_twin("recurrent._mix", ("decode_step",), applies=lambda *given: not records_grad(given))
+
+
 def _mix(state: DecodeState, read, r, scale, qa, ka, qb, kb, x, g, d):
     """The token's output y (B, H, e) and the row the state stores as ``outputs`` (y before the padding mask;
-    the tied variant's z, masked), from the held rows that ``read`` (B, S) lets through. The compiled CPU kernel
-    (``backends/cpu/csrc/decode_cpu.cpp``) does this arithmetic in one call where :func:`~.dispatch.compiled_for`
-    allows it and no gradient is asked for (the kernel has no backward); the PyTorch code below is its reference."""
+    the tied variant's z, masked), from the held rows that ``read`` (B, S) lets through. Its twin on the CPU kernels
+    (``backends/cpu/csrc/decode_cpu.cpp``, :data:`MIX_TWIN`) does this arithmetic in one call where it takes the
+    call; the PyTorch code below is its reference."""
     held = [getattr(state, name) if q is not None else None  # the rows of the channels this step uses
             for name, q in (("keys_a", qa), ("values", qa), ("keys_b", qb), ("outputs", qb))]
     given = [t for t in (qa, ka, qb, kb, x, g, d, *held) if t is not None]
-    if not records_grad(given) and compiled_for(*given):
-        return compiled_ops().decode_step(qa, ka, qb, kb, x, g, d, *held, read, r, scale)
+    if MIX_TWIN.takes(*given):
+        return cpu_ops().decode_step(qa, ka, qb, kb, x, g, d, *held, read, r, scale)
     keys_a, values, keys_b, outputs = held
     valid = (r >= 0).to(x.dtype)[:, None, None]
     if d is not None:  # tied: z = g B~ z[P^B] + (1 - g) x, y = z - d x

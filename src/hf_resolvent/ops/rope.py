@@ -1,9 +1,9 @@
 """RoPE for the mixers' queries and keys: rotate a run of projected parts, return each part heads-major.
 
-The PyTorch code (:func:`apply_rope` and the views in :func:`rotated_heads`) is the reference. On the CPU in float32,
-with the compiled kernels built, one C++ call (``backends/cpu/csrc/rope_cpu.cpp``) rotates the run and writes the
-parts in the layout the mixer kernels read, with its backward; :func:`~hf_resolvent.ops.dispatch.compiled_for`
-decides, with the mixer's own ``impl``, as for the other kernels.
+The PyTorch code (:func:`apply_rope` and the views in :func:`rotated_heads`) is the reference. Its twin on the CPU
+kernels (``backends/cpu/csrc/rope_cpu.cpp``), one C++ call, rotates the run and writes the parts in the layout the
+mixer kernels read, with its backward; it takes float32 runs whose last dimension is contiguous and tables without
+gradients, and follows the mixer's own ``impl`` (:data:`ROTATED_HEADS_TWIN`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .common import records_grad
-from .dispatch import choose, compiled_for, compiled_ops
+from .dispatch import cpu_ops, cpu_twin
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -33,12 +33,22 @@ class _RopeHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return compiled_ops().rope_heads(run, cos, sin)
+        return cpu_ops().rope_heads(run, cos, sin)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return compiled_ops().rope_heads_backward(grad, cos, sin), None, None
+        return cpu_ops().rope_heads_backward(grad, cos, sin), None, None
+
+
+def _twin_applies(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The C++ rotation computes in float32 on runs whose last dimension is contiguous, and has no gradient for the
+    tables."""
+    return run.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad) and run.stride(-1) == 1
+
+
+ROTATED_HEADS_TWIN = cpu_twin("rope.rotated_heads", ("rope_heads", "rope_heads_backward"), applies=_twin_applies,
+                              follows_impl=True)
 
 
 def rotated_heads(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, ...]:
@@ -47,15 +57,14 @@ def rotated_heads(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl:
     Args:
         run: (B, n, P, H, hd), P query/key parts of H heads (a slice of the mixer's input projection).
         cos, sin: (B or 1, n, hd) tables of :class:`~hf_resolvent.modeling_resolvent.ResolventRotaryEmbedding`.
-        impl: the mixer's ``impl`` (:mod:`.dispatch`): the compiled call runs where it chooses the CPU kernels.
+        impl: the mixer's ``impl`` (:mod:`.dispatch`): the C++ call runs where its twin takes the call.
 
     Returns:
-        P tensors (B, H, n, hd): contiguous from the compiled call, views of the rotated run otherwise.
+        P tensors (B, H, n, hd): contiguous from the C++ call, views of the rotated run otherwise.
     """
-    if (run.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad) and run.stride(-1) == 1
-            and choose(impl, run) == "cpu" and compiled_for(run, cos, sin)):
+    if ROTATED_HEADS_TWIN.takes(run, cos, sin, impl=impl):
         cos, sin = (table.expand(run.shape[0], -1, -1) for table in (cos, signed_sin(sin)))
-        rotated = _RopeHeads.apply(run, cos, sin) if records_grad([run]) else compiled_ops().rope_heads(run, cos, sin)
+        rotated = _RopeHeads.apply(run, cos, sin) if records_grad([run]) else cpu_ops().rope_heads(run, cos, sin)
         return rotated.unbind(0)
     tables = (table[:, :, None, None] for table in (cos, sin))  # (B, n, 1, 1, hd), as the run's parts
     return tuple(part.transpose(1, 2) for part in apply_rope(run, *tables).unbind(2))

@@ -25,7 +25,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 import torch
 
-from .dispatch import compiled_for, compiled_ops
+from .dispatch import cpu_ops, cpu_twin
 from .patterns import Pattern
 from .threads import serial, serial_for
 
@@ -44,7 +44,7 @@ class SlotLayout:
         src: (K, n) numpy int64 array of 0-indexed sources, -1 where the slot is empty.
         valid: (K, n) bool tensor (CPU), ``src >= 0``.
 
-    The compiled CPU kernels (:mod:`hf_resolvent.backends.cpu`) read ``src`` directly (``src_tensor``); the PyTorch code
+    The CPU kernels (:mod:`hf_resolvent.backends.cpu`) read ``src`` directly (``src_tensor``); the PyTorch code
     below covers the same rows with slices (:class:`Piece`).
     """
 
@@ -224,11 +224,16 @@ def piece_scatter(w: torch.Tensor, u: torch.Tensor, out: torch.Tensor, p: Piece,
         dst.add_(run_sums(wt.view(b, h, p.runs, p.length), rows.view(b, h, p.runs, p.length, -1)))
 
 
-def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout, compiled: bool | None = None) -> torch.Tensor:
-    """Scores S (B, H, K, n): S[k, t] = q_t . k_{src_k(t)}; 0 where t < f_k. ``compiled``: the choice of the forward
-    this call belongs to (a backward keeps its forward's path); None asks :func:`~.dispatch.compiled_for`."""
-    if compiled_for(q, k) if compiled is None else compiled:
-        return compiled_ops().slot_dot(q.contiguous(), k.contiguous(), layout.src_tensor)
+SLOT_DOT_TWIN = cpu_twin("slots.slot_dot", ("slot_dot",))
+SLOT_COMBINE_TWIN = cpu_twin("slots.slot_combine", ("slot_combine",))
+SLOT_SCATTER_TWIN = cpu_twin("slots.slot_scatter", ("slot_scatter",))
+
+
+def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout, cpu_kernels: bool | None = None) -> torch.Tensor:
+    """Scores S (B, H, K, n): S[k, t] = q_t . k_{src_k(t)}; 0 where t < f_k. ``cpu_kernels``: the choice of the
+    forward this call belongs to (a backward keeps its forward's path); None asks the twin."""
+    if SLOT_DOT_TWIN.takes(q, k) if cpu_kernels is None else cpu_kernels:
+        return cpu_ops().slot_dot(q.contiguous(), k.contiguous(), layout.src_tensor)
     b, h, n, d = q.shape
     out = q.new_zeros(b, h, layout.num_slots, n)
     pieces = block_pieces(layout)
@@ -238,22 +243,22 @@ def slot_dot(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout, compiled: boo
     return out
 
 
-def slot_combine(w: torch.Tensor, v: torch.Tensor, layout: SlotLayout, compiled: bool | None = None) -> torch.Tensor:
-    """Weighted sum (B, H, n, e): out_t = sum_k w[k, t] v_{src_k(t)} (w is (B, H, K, n)); ``compiled`` as in
+def slot_combine(w: torch.Tensor, v: torch.Tensor, layout: SlotLayout, cpu_kernels: bool | None = None) -> torch.Tensor:
+    """Weighted sum (B, H, n, e): out_t = sum_k w[k, t] v_{src_k(t)} (w is (B, H, K, n)); ``cpu_kernels`` as in
     :func:`slot_dot`."""
-    if compiled_for(w, v) if compiled is None else compiled:
-        return compiled_ops().slot_combine(w.contiguous(), v.contiguous(), layout.src_tensor)
+    if SLOT_COMBINE_TWIN.takes(w, v) if cpu_kernels is None else cpu_kernels:
+        return cpu_ops().slot_combine(w.contiguous(), v.contiguous(), layout.src_tensor)
     out = v.new_zeros(v.shape)
     for p in block_pieces(layout):
         piece_combine(w, v, out, p)
     return out
 
 
-def slot_scatter(w: torch.Tensor, u: torch.Tensor, layout: SlotLayout, compiled: bool | None = None) -> torch.Tensor:
+def slot_scatter(w: torch.Tensor, u: torch.Tensor, layout: SlotLayout, cpu_kernels: bool | None = None) -> torch.Tensor:
     """Transpose of :func:`slot_combine` (B, H, n, e): out_s = sum over (k, t) with src_k(t) = s of w[k, t] u_t;
-    ``compiled`` as in :func:`slot_dot`."""
-    if compiled_for(w, u) if compiled is None else compiled:
-        return compiled_ops().slot_scatter(w.contiguous(), u.contiguous(), layout.src_tensor)
+    ``cpu_kernels`` as in :func:`slot_dot`."""
+    if SLOT_SCATTER_TWIN.takes(w, u) if cpu_kernels is None else cpu_kernels:
+        return cpu_ops().slot_scatter(w.contiguous(), u.contiguous(), layout.src_tensor)
     out = u.new_zeros(u.shape)
     for p in block_pieces(layout):
         piece_scatter(w, u, out, p)
@@ -266,17 +271,17 @@ class SlotDot(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, layout):
         ctx.save_for_backward(q, k)
-        ctx.layout, ctx.compiled = layout, compiled_for(q, k)
+        ctx.layout, ctx.cpu_kernels = layout, SLOT_DOT_TWIN.takes(q, k)
         with serial_for(q):
-            return slot_dot(q, k, layout, ctx.compiled)
+            return slot_dot(q, k, layout, ctx.cpu_kernels)
 
     @staticmethod
     def backward(ctx, grad):
         q, k = ctx.saved_tensors
         grad = grad.contiguous()
-        with nullcontext() if ctx.compiled else serial():
-            dq = slot_combine(grad, k, ctx.layout, ctx.compiled) if ctx.needs_input_grad[0] else None
-            dk = slot_scatter(grad, q, ctx.layout, ctx.compiled) if ctx.needs_input_grad[1] else None
+        with nullcontext() if ctx.cpu_kernels else serial():
+            dq = slot_combine(grad, k, ctx.layout, ctx.cpu_kernels) if ctx.needs_input_grad[0] else None
+            dk = slot_scatter(grad, q, ctx.layout, ctx.cpu_kernels) if ctx.needs_input_grad[1] else None
         return dq, dk, None
 
 
@@ -286,17 +291,17 @@ class SlotCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, v, layout):
         ctx.save_for_backward(w, v)
-        ctx.layout, ctx.compiled = layout, compiled_for(w, v)
+        ctx.layout, ctx.cpu_kernels = layout, SLOT_COMBINE_TWIN.takes(w, v)
         with serial_for(v):
-            return slot_combine(w, v, layout, ctx.compiled)
+            return slot_combine(w, v, layout, ctx.cpu_kernels)
 
     @staticmethod
     def backward(ctx, grad):
         w, v = ctx.saved_tensors
         grad = grad.contiguous()
-        with nullcontext() if ctx.compiled else serial():
-            dw = slot_dot(grad, v, ctx.layout, ctx.compiled) if ctx.needs_input_grad[0] else None
-            dv = slot_scatter(w, grad, ctx.layout, ctx.compiled) if ctx.needs_input_grad[1] else None
+        with nullcontext() if ctx.cpu_kernels else serial():
+            dw = slot_dot(grad, v, ctx.layout, ctx.cpu_kernels) if ctx.needs_input_grad[0] else None
+            dv = slot_scatter(w, grad, ctx.layout, ctx.cpu_kernels) if ctx.needs_input_grad[1] else None
         return dw, dv, None
 
 
@@ -307,13 +312,14 @@ def slot_softmax(scores: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     return probs * valid.to(probs.dtype)
 
 
-class _CompiledSlotProbs(torch.autograd.Function):
-    """:func:`slot_probs` in one compiled pass per direction (:mod:`hf_resolvent.backends.cpu`). Saves q, k and the probs."""
+class _CpuSlotProbs(torch.autograd.Function):
+    """:func:`slot_probs` in one pass of the CPU kernels per direction (:mod:`hf_resolvent.backends.cpu`). Saves q, k
+    and the probs."""
 
     @staticmethod
     def forward(ctx, q, k, layout, scale):
         q, k = q.contiguous(), k.contiguous()
-        probs = compiled_ops().slot_probs(q, k, layout.src_tensor, scale)
+        probs = cpu_ops().slot_probs(q, k, layout.src_tensor, scale)
         ctx.save_for_backward(q, k, probs)
         ctx.layout, ctx.scale = layout, scale
         return probs
@@ -321,15 +327,18 @@ class _CompiledSlotProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, probs = ctx.saved_tensors
-        dq, dk = compiled_ops().slot_probs_backward(grad.contiguous(), probs, q, k, ctx.layout.src_tensor, ctx.scale)
+        dq, dk = cpu_ops().slot_probs_backward(grad.contiguous(), probs, q, k, ctx.layout.src_tensor, ctx.scale)
         return dq, dk, None, None
+
+
+SLOT_PROBS_TWIN = cpu_twin("slots.slot_probs", ("slot_probs", "slot_probs_backward"))
 
 
 def slot_probs(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout, scale: float) -> torch.Tensor:
     """Softmax weights (B, H, K, n) of each row over its valid slots, scores scale * q_t . k_{src_k(t)}; 0 on
     invalid slots. Differentiable in q and k."""
-    if compiled_for(q, k):
-        return _CompiledSlotProbs.apply(q, k, layout, scale)
+    if SLOT_PROBS_TWIN.takes(q, k):
+        return _CpuSlotProbs.apply(q, k, layout, scale)
     return slot_softmax(SlotDot.apply(q, k, layout) * scale, layout)
 
 

@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .dispatch import compiled_for, compiled_ops
+from .dispatch import cpu_ops, cpu_twin
 from .slots import Piece, SlotLayout, run_sums, slot_dot, slot_pieces
 from .threads import serial
 
@@ -162,22 +162,25 @@ def sparse_plan(layout: SlotLayout, chunk: int) -> _SparsePlan:
     return _SparsePlan(layout, chunk, min(bands, key=cost))
 
 
+SPARSE_SOLVE_TWIN = cpu_twin("solve.SparseSolve", ("slot_solve", "slot_solve_transpose", "slot_dot"))
+
+
 class SparseSolve(torch.autograd.Function):
     """Y = Z + B Y with B[t, src_k(t)] = w[k, t] for a sparse slot layout.
 
     Args (forward): w (B, H, K, n) weights (zero where the layout is not valid), z (B, H, n, e),
     layout, chunk. Returns y (B, H, n, e). Backward: dz = (I - B)^-T dy, dw[k, t] = dz_t . y_src.
-    The compiled CPU kernels (:mod:`hf_resolvent.backends.cpu`) solve row by row; the PyTorch path goes chunk by chunk on one
-    intra-op thread (see :mod:`.threads`).
+    Its twin on the CPU kernels (:mod:`hf_resolvent.backends.cpu`) solves row by row; the PyTorch path goes chunk by
+    chunk on one intra-op thread (see :mod:`.threads`).
     """
 
     @staticmethod
     def forward(ctx, w, z, layout, chunk):
         ctx.layout, ctx.chunk = layout, chunk
-        ctx.compiled = compiled_for(w, z)
-        if ctx.compiled:  # row by row in C++, skipping invalid slots: no chunks, no plan, no mask
+        ctx.cpu_kernels = SPARSE_SOLVE_TWIN.takes(w, z)
+        if ctx.cpu_kernels:  # row by row in C++, skipping invalid slots: no chunks, no plan, no mask
             w = w.contiguous()
-            y = compiled_ops().slot_solve(w, z.contiguous(), layout.src_tensor)
+            y = cpu_ops().slot_solve(w, z.contiguous(), layout.src_tensor)
         else:
             w = w * layout.valid_on(w.device, w.dtype)
             with serial():
@@ -189,19 +192,19 @@ class SparseSolve(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         w, y = ctx.saved_tensors
-        if ctx.compiled:
-            dz = compiled_ops().slot_solve_transpose(w, grad.contiguous(), ctx.layout.src_tensor)
+        if ctx.cpu_kernels:
+            dz = cpu_ops().slot_solve_transpose(w, grad.contiguous(), ctx.layout.src_tensor)
         else:
             with serial():
                 dz = grad.contiguous().clone()
                 _backward_substitution(sparse_plan(ctx.layout, ctx.chunk), w, dz)
         dw = None
         if ctx.needs_input_grad[0]:
-            if ctx.compiled:  # the compiled slot_dot leaves invalid slots at 0
-                dw = slot_dot(dz, y, ctx.layout, compiled=True)
+            if ctx.cpu_kernels:  # the C++ slot_dot leaves invalid slots at 0
+                dw = slot_dot(dz, y, ctx.layout, cpu_kernels=True)
             else:
                 with serial():
-                    dw = slot_dot(dz, y, ctx.layout, compiled=False) * ctx.layout.valid_on(dz.device, dz.dtype)
+                    dw = slot_dot(dz, y, ctx.layout, cpu_kernels=False) * ctx.layout.valid_on(dz.device, dz.dtype)
         return dw, dz, None, None
 
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .dispatch import compiled_for
+from .dispatch import cpu_kernels_for
 
 
 @contextmanager
@@ -47,9 +47,10 @@ def serial():
 
 
 def serial_for(*tensors: torch.Tensor):
-    """:func:`serial` for sections of small PyTorch ops on ``tensors``; a no-op where the compiled CPU kernels
-    (:mod:`hf_resolvent.backends.cpu`) take them, which spread the (batch x head) rows over the intra-op threads themselves."""
-    return nullcontext() if compiled_for(*tensors) else serial()
+    """:func:`serial` for sections of small PyTorch ops on ``tensors``; a no-op where the CPU kernels
+    (:mod:`hf_resolvent.backends.cpu`) take them, which spread the (batch x head) rows over the intra-op threads
+    themselves."""
+    return nullcontext() if cpu_kernels_for(*tensors) else serial()
 
 
 _POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, workers, pool)

@@ -7,8 +7,9 @@ tree of kernel calls. Each kernel replaces one PyTorch function of the parallel 
 ``ops/solve.py``, ``ops/dense.py``, ``ops/flash.py``), the rotation of RoPE (``ops/rope.py``), the MLP's GELU
 (``ops/gelu.py``) or the arithmetic of the decode step (``ops/recurrent.py``), which stays beside it as the
 reference it is tested against and the path taken wherever the kernels are not: other devices, other dtypes, no
-C++ compiler, or a choice of ``impl="torch"`` (:mod:`hf_resolvent.ops.dispatch` decides, the one switch;
-docs/ARCHITECTURE.md).
+C++ compiler, or a choice of ``impl="torch"``. Each of those functions declares its twin and the condition under
+which it applies beside its definition (:func:`hf_resolvent.ops.dispatch.cpu_twin`; all of them in
+:data:`hf_resolvent.ops.dispatch.CPU_TWINS`).
 
 The first use compiles the kernels (a C++ compiler is needed, ninja is a dependency; from about 20 s on idle
 cores to a few minutes on a busy 2-core machine) and says so on stderr; the build is cached in :func:`build_dir`

@@ -1,5 +1,6 @@
-"""The compiled CPU kernels (hf_resolvent.backends.cpu and its csrc): their checks, their
-gradients, and the fallback to the PyTorch path when they cannot be built.
+"""The CPU kernels (hf_resolvent.backends.cpu and its csrc): their checks, their gradients, and the fallback to
+the PyTorch path when they cannot be built. Which PyTorch function each replaces, and when, is tested in
+tests/ops/test_cpu_twins.py.
 
 Their agreement with the PyTorch path and the reference runs in test_mixer.py and test_parallel_internals.py
 (the ``cpu_path`` fixture runs those tests on both paths).
@@ -14,7 +15,7 @@ import torch
 
 from hf_resolvent.backends import cpu
 from hf_resolvent.ops import dispatch, flash, parallel_mix, reference_mix
-from hf_resolvent.ops.dense import CompiledDenseSolve, DenseSolve
+from hf_resolvent.ops.dense import CpuDenseSolve, DenseSolve
 from hf_resolvent.ops.slots import SlotCombine, slot_layout, slot_probs
 from hf_resolvent.ops.solve import SparseSolve
 from hf_resolvent.patterns import get_pattern
@@ -23,18 +24,18 @@ F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def compiled():
-    assert cpu.available(), "the compiled CPU kernels did not build (see the warning)"
+def kernels_built():
+    assert cpu.available(), "the CPU kernels did not build (see the warning)"
 
 
 @pytest.mark.parametrize("spec", ["square:ce", "exp2", "banded:3"])
-def test_compiled_functions_gradcheck(spec):
+def test_cpu_functions_gradcheck(spec):
     n = 29
     layout = slot_layout(get_pattern(spec), n)
     gen = torch.Generator().manual_seed(3)
     w = (torch.rand(1, 2, layout.num_slots, n, generator=gen, dtype=F64) / layout.num_slots).requires_grad_()
     z, q, k = (torch.randn(1, 2, n, 3, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))
-    assert dispatch.compiled_for(w, z)
+    assert dispatch.cpu_kernels_for(w, z)
     assert torch.autograd.gradcheck(lambda w_, z_: SparseSolve.apply(w_, z_, layout, 8), (w, z))
     assert torch.autograd.gradcheck(lambda a, b: slot_probs(a, b, layout, 0.8), (q, k))
     assert torch.autograd.gradcheck(lambda a, b: SlotCombine.apply(a, b, layout), (w, z))
@@ -51,12 +52,12 @@ def _dense_inputs(n, d, e, dtype=torch.float32, seed=0):
 
 @pytest.mark.parametrize("n", [1, 5, 64, 100, 700])
 @pytest.mark.parametrize("d,e,chunk", [(16, 24, 64), (64, 64, 32), (8, 8, 7)])
-def test_compiled_dense_solve_matches_the_pytorch_one(n, d, e, chunk):
+def test_cpu_dense_solve_matches_the_pytorch_one(n, d, e, chunk):
     """Outputs and all four gradients, n below, at and past the chunk, chunks that do not divide n."""
     inputs = _dense_inputs(n, d, e, seed=n)
     dy = torch.randn(2, 3, n, e, generator=torch.Generator().manual_seed(1))
     results = []
-    for solve in (CompiledDenseSolve, DenseSolve):
+    for solve in (CpuDenseSolve, DenseSolve):
         y = solve.apply(*inputs, 0.3, chunk)
         results.append((y, *torch.autograd.grad(y, inputs, dy)))
     for name, got, want in zip(["y", "dq", "dk", "dg", "dz"], *results):
@@ -64,7 +65,7 @@ def test_compiled_dense_solve_matches_the_pytorch_one(n, d, e, chunk):
 
 
 @pytest.mark.parametrize("n,d,e", [(1, 8, 8), (100, 16, 24), (512, 64, 64), (97, 8, 5)])
-def test_compiled_causal_attention_matches_sdpa(n, d, e, monkeypatch):
+def test_cpu_causal_attention_matches_sdpa(n, d, e, monkeypatch):
     monkeypatch.setattr(flash, "COMPILED_CHUNK", 7 if n == 97 else 64)  # chunks that do not divide n
     gen = torch.Generator().manual_seed(n)
     q, k = (torch.randn(2, 3, n, d, generator=gen, requires_grad=True) for _ in range(2))
@@ -94,21 +95,21 @@ def test_causal_attention_past_the_compiled_kernels_length_takes_sdpa(monkeypatc
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_compiled_causal_attention_gradcheck(monkeypatch):
+def test_cpu_causal_attention_gradcheck(monkeypatch):
     monkeypatch.setattr(flash, "COMPILED_CHUNK", 8)
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 29, 4, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))
     assert torch.autograd.gradcheck(lambda *t: flash.causal_attention(*t, 0.6), (q, k, v))
 
 
-def test_compiled_dense_solve_gradcheck():
+def test_cpu_dense_solve_gradcheck():
     inputs = _dense_inputs(37, 5, 3, dtype=F64, seed=2)
-    assert torch.autograd.gradcheck(lambda *t: CompiledDenseSolve.apply(*t, 0.7, 8), inputs)
+    assert torch.autograd.gradcheck(lambda *t: CpuDenseSolve.apply(*t, 0.7, 8), inputs)
 
 
 @pytest.mark.parametrize("spec,kernels", [("square:ce", {"slot_probs", "slot_combine", "slot_solve"}),
                                           ("dense", {"dense_solve_forward", "causal_attention_forward"})])
-def test_compiled_path_is_taken_and_matches_the_reference(spec, kernels):
+def test_cpu_path_is_taken_and_matches_the_reference(spec, kernels):
     """A float32 mixer on CPU runs the kernels (the profiler sees them) and agrees with the reference."""
     gen = torch.Generator().manual_seed(0)
     qa, ka, qb, kb, x = (torch.randn(2, 2, 70, 8, generator=gen) for _ in range(5))
@@ -124,7 +125,7 @@ DECODE_CASES = [(spec, False) for spec in ("attention", "local_attention:4")] + 
 
 
 @pytest.mark.parametrize("spec,tied", DECODE_CASES)
-def test_compiled_decode_step_matches_the_pytorch_step(spec, tied):
+def test_cpu_decode_step_matches_the_pytorch_step(spec, tied):
     """Token by token from an empty state, a batch with left padding: the compiled step gives the PyTorch step's
     outputs and leaves the same state (rows, positions) after every token, in float32 and float64."""
     from hf_resolvent.ops.recurrent import recurrent_step, recurrent_step_tied
@@ -154,7 +155,7 @@ def test_compiled_decode_step_matches_the_pytorch_step(spec, tied):
                 torch.testing.assert_close(states["cpu"].tensors()[name], held, atol=tol, rtol=tol)
 
 
-def test_compiled_decode_step_checks_its_inputs():
+def test_cpu_decode_step_checks_its_inputs():
     ops = cpu.operators()
     q, x = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
     held_k, held_x = torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 5)
@@ -216,10 +217,10 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu, "_compile", no_compiler)
     x = torch.randn(1, 2, 40, 4)
     with pytest.warns(RuntimeWarning, match="could not be built .*c\\+\\+: command not found.*PyTorch path"):
-        assert not dispatch.compiled_for(x)
+        assert not dispatch.cpu_kernels_for(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second build, no second warning
-        assert not dispatch.compiled_for(x)
+        assert not dispatch.cpu_kernels_for(x)
     gen = torch.Generator().manual_seed(1)
     qa, ka, qb, kb = (torch.randn(1, 2, 40, 4, generator=gen) for _ in range(4))
     g = torch.rand(1, 2, 40, generator=gen)
@@ -238,13 +239,13 @@ def test_environment_switch_skips_the_build(monkeypatch):
 
 
 def test_other_dtypes_and_devices_take_the_pytorch_path():
-    assert not dispatch.compiled_for(torch.zeros(2, dtype=torch.bfloat16))
-    assert not dispatch.compiled_for(torch.zeros(2, device="meta"))
-    assert dispatch.compiled_for(torch.zeros(2), torch.zeros(2, dtype=F64))
+    assert not dispatch.cpu_kernels_for(torch.zeros(2, dtype=torch.bfloat16))
+    assert not dispatch.cpu_kernels_for(torch.zeros(2, device="meta"))
+    assert dispatch.cpu_kernels_for(torch.zeros(2), torch.zeros(2, dtype=F64))
 
 
 @pytest.mark.parametrize("table_batch", [1, 2])
-def test_compiled_rope_equals_the_pytorch_rotation_and_its_gradient(table_batch):
+def test_cpu_rope_equals_the_pytorch_rotation_and_its_gradient(table_batch):
     """rotated_heads on a strided run of the projection (as the mixer slices it): the compiled call gives the
     PyTorch rotation's parts and gradients, with tables for the whole batch or one row broadcast to it."""
     from hf_resolvent.ops.rope import rotated_heads
@@ -269,7 +270,7 @@ def test_compiled_rope_equals_the_pytorch_rotation_and_its_gradient(table_batch)
     assert results["cpu"][1][:, :, [0, 3, 4]].abs().max() == 0  # parts outside the run get no gradient
 
 
-def test_compiled_rope_checks_its_inputs():
+def test_cpu_rope_checks_its_inputs():
     ops = cpu.operators()
     src, table = torch.randn(1, 4, 1, 2, 6), torch.randn(1, 4, 6)
     with pytest.raises(RuntimeError, match=r"cos and sin must be float32 \(B, n, hd\) = \(1, 4, 6\)"):
@@ -279,7 +280,7 @@ def test_compiled_rope_checks_its_inputs():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (F64, 1e-13)])
-def test_compiled_gelu_equals_pytorchs_tanh_gelu_and_its_gradient(dtype, tol):
+def test_cpu_gelu_equals_pytorchs_tanh_gelu_and_its_gradient(dtype, tol):
     """ops.gelu_tanh (the MLP's activation) on the compiled pass and on F.gelu(approximate="tanh"): values and
     gradients over the range activations take, past the exponential's clamps, and at the special values."""
     from hf_resolvent.ops.gelu import _GeluTanh, gelu_tanh
@@ -307,7 +308,7 @@ def test_compiled_gelu_equals_pytorchs_tanh_gelu_and_its_gradient(dtype, tol):
         assert torch.autograd.gradcheck(_GeluTanh.apply, (torch.randn(40, dtype=F64, requires_grad=True),))
 
 
-def test_compiled_gelu_is_chosen_in_one_place_and_refuses_a_second_derivative():
+def test_cpu_gelu_is_chosen_in_one_place_and_refuses_a_second_derivative():
     from hf_resolvent.ops.gelu import gelu_tanh
 
     x = torch.randn(4, 6, requires_grad=True)
