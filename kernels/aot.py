@@ -111,14 +111,14 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
     if not plan.has_b:
         qb = kb = None
     start = torch.zeros(batch, dtype=torch.int32)
-    sh = _resolvent._Shapes(BH=BH, H=heads, n=n, da=d, db=d, e=e, scale=d**-0.5,
+    sh = _resolvent.LaunchShapes(BH=BH, H=heads, n=n, da=d, db=d, e=e, scale=d**-0.5,
                             prec=_resolvent.FP32_PREC if dtype == torch.float32 else "tf32")
     cfg = _resolvent.fitted_block_config(dtype, max(d, e))
     with _recording() as rec:
         if tied:
             qa = ka = None
-        y, saved = _resolvent._forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, tied)
-        _resolvent._backward(torch.zeros(BH, n, e), qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
+        y, saved = _resolvent.launch_forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, tied)
+        _resolvent.launch_backward(torch.zeros(BH, n, e), qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
         state = DecodeState()
         one = lambda w: torch.zeros(batch, heads, w, dtype=dtype)
         gg = torch.zeros(batch, heads, dtype=dtype) if plan.has_b else None

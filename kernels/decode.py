@@ -16,7 +16,7 @@ from hf_resolvent.ops.state import DecodeState
 from hf_resolvent.patterns import get_pattern
 
 from ._loader import check_ready, jit_module
-from .resolvent import LOG2E, SUPPORTED_DTYPES, _new, _width, get_block_config
+from .resolvent import LOG2E, SUPPORTED_DTYPES, get_block_config, new_buffer, tile_width
 
 
 def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool):
@@ -48,15 +48,15 @@ def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: boo
         t = getattr(state, name)
         return x if t is None or S == 0 else t.contiguous()
 
-    y = _new((batch, heads, e), dev)
-    z = _new((batch, heads, e), dev) if has_b else y
+    y = new_buffer((batch, heads, e), dev)
+    z = new_buffer((batch, heads, e), dev) if has_b else y
     offs = torch.tensor(offsets or [1], dtype=torch.int32, device=dev)
     jit_module().decode_step_kernel[(batch * heads,)](
         flat(qa), flat(ka), x.contiguous(), flat(qb), flat(g), flat(d),
         held("keys_a"), held("keys_b"), held("values"), held("outputs"),
         positions.to(torch.int32).contiguous(), r.to(torch.int32).contiguous(), offs, y, z,
         S, heads, da, db, e, scale * LOG2E, w_lo, len(offsets),
-        BS=cfg.decode, BDA=_width(da), BDB=_width(db), BE=_width(e), MODE=mode, HAS_A=has_a, HAS_B=has_b,
+        BS=cfg.decode, BDA=tile_width(da), BDB=tile_width(db), BE=tile_width(e), MODE=mode, HAS_A=has_a, HAS_B=has_b,
         TIED=tied, num_warps=cfg.num_warps)
     y = y.to(x.dtype)
     if tied:

@@ -88,7 +88,7 @@ def fitted_block_config(dtype: torch.dtype, width: int, cfg: BlockConfig | None 
     value tiles would pass 16 KiB each (float32 at head width > 64): compiled for sm_90, the float32 attention
     kernels at width 128 ask for 256 KiB of shared memory with 64-key steps, over the 227 KiB a block may have."""
     cfg = _CONFIG if cfg is None else cfg
-    elem, BW = torch.empty((), dtype=dtype).element_size(), _width(width)
+    elem, BW = torch.empty((), dtype=dtype).element_size(), tile_width(width)
 
     def fitted(step: int) -> int:
         while step > 16 and step * BW * elem > 16384:
@@ -121,13 +121,15 @@ def set_nan_fill(enabled: bool) -> bool:
     return old
 
 
-def _new(shape, device, dtype=torch.float32) -> torch.Tensor:
+def new_buffer(shape, device, dtype=torch.float32) -> torch.Tensor:
+    """An output buffer the kernels write whole: uninitialised, or NaN under :func:`set_nan_fill` (tests)."""
     if _NAN_FILL:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _width(v: int) -> int:
+def tile_width(v: int) -> int:
+    """The tile width of a head dimension v: a power of two, at least 16 (what tl.dot takes)."""
     return max(16, triton_next_pow2(v))
 
 
@@ -194,7 +196,9 @@ def valid_rows(start: torch.Tensor, heads: int, n: int) -> torch.Tensor:
 
 
 @dataclass
-class _Shapes:
+class LaunchShapes:
+    """The sizes a launch needs: B * H rows of n positions, key widths da / db, value width e, scale, precision."""
+
     BH: int
     H: int
     n: int
@@ -205,28 +209,28 @@ class _Shapes:
     prec: str
 
 
-def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockConfig, tied: bool):
+def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cfg: BlockConfig, tied: bool):
     """Run the forward kernels. Returns (y, saved) with y (BH, n, e) float32."""
     jit = jit_module()
     dev = x.device
     BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
     qk2 = sh.scale * LOG2E
-    BE = _width(e)
+    BE = tile_width(e)
     oa = lsea = lseb = r = None
     if plan.dense:
         if not tied:
-            oa, lsea = _new((BH, n, e), dev), _new((BH, n), dev)
+            oa, lsea = new_buffer((BH, n, e), dev), new_buffer((BH, n), dev)
             grid = (triton_cdiv(n, cfg.attn_m), BH)
             jit.attn_fwd_kernel[grid](qa, ka, x, oa, lsea, start, n, H, sh.da, e, qk2,
-                                      BM=cfg.attn_m, BN=cfg.attn_n, BD=_width(sh.da), BE=BE, PREC=sh.prec,
+                                      BM=cfg.attn_m, BN=cfg.attn_n, BD=tile_width(sh.da), BE=BE, PREC=sh.prec,
                                       num_warps=cfg.num_warps)
         else:
             oa = x
         if plan.has_b:
-            y, r, lseb = _new((BH, n, e), dev), _new((BH, n, e), dev), _new((BH, n), dev)
+            y, r, lseb = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev), new_buffer((BH, n), dev)
             jit.dense_solve_fwd_kernel[_solve_grid(n, BH, cfg)](
                 qb, kb, oa, g, y, r, lseb, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=_width(sh.db), BE=BE, PREC=sh.prec,
+                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
@@ -234,36 +238,36 @@ def _forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: _Shapes, cfg: BlockCon
         offs, steps = _table(plan.offsets, dev), _table(plan.steps, dev)
         K = len(plan.offsets)
         if not tied:
-            oa, lsea = _new((BH, n, e), dev), _new((BH, n), dev)
+            oa, lsea = new_buffer((BH, n, e), dev), new_buffer((BH, n), dev)
         else:
             oa = x
         if plan.has_b:
-            lseb = _new((BH, n), dev)
+            lseb = new_buffer((BH, n), dev)
         grid = (triton_cdiv(n, cfg.sparse_m), BH)
         jit.sparse_direct_kernel[grid](
             qa if not tied else x, ka if not tied else x, x, qb if plan.has_b else x, kb if plan.has_b else x,
             oa, lsea if lsea is not None else lseb, lseb if lseb is not None else lsea, start, offs, steps, K,
             n, H, sh.da, sh.db, e, qk2,
-            BM=cfg.sparse_m, BDA=_width(sh.da), BDB=_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
+            BM=cfg.sparse_m, BDA=tile_width(sh.da), BDB=tile_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
             HAS_B=plan.has_b, num_warps=cfg.num_warps)
         if plan.has_b:
-            y, r = _new((BH, n, e), dev), _new((BH, n, e), dev)
+            y, r = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev)
             jit.sparse_solve_fwd_kernel[(BH,)](
                 qb, kb, oa, g, lseb, y, r, start, offs, steps, K, plan.f0, n, H, sh.db, e, qk2,
-                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=_width(sh.db), BE=BE, CE=plan.ce,
+                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=tile_width(sh.db), BE=BE, CE=plan.ce,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
     return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r)
 
 
-def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, cfg: BlockConfig, tied: bool):
+def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: LaunchShapes, cfg: BlockConfig, tied: bool):
     """Gradients (dqa, dka, dqb, dkb, dx, dg) as float32 flat tensors (None where not applicable)."""
     jit = jit_module()
     dev = dy.device
     BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
     qk2 = sh.scale * LOG2E
-    BE = _width(e)
+    BE = tile_width(e)
     B = start.shape[0]
     heads = BH // B
     oa, lsea, lseb, y, r = (saved[k] for k in ("oa", "lsea", "lseb", "y", "r"))
@@ -273,19 +277,19 @@ def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, c
     offs, steps = _table(plan.offsets, dev), _table(plan.steps, dev)
     K = len(plan.offsets)
     if plan.has_b:
-        w = _new((BH, n, e), dev)
-        da, db, dg = _new((BH, n), dev), _new((BH, n), dev), _new((BH, n), dev)
+        w = new_buffer((BH, n, e), dev)
+        da, db, dg = new_buffer((BH, n), dev), new_buffer((BH, n), dev), new_buffer((BH, n), dev)
         if plan.dense:
             jit.dense_solve_bwd_kernel[_solve_grid(n, BH, cfg)](
                 qb, kb, oa, r, g, lseb, dy, w, da, db, dg, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=_width(sh.db), BE=BE, PREC=sh.prec,
+                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             gacc = torch.zeros(BH, n, e, device=dev)
             jit.sparse_solve_bwd_kernel[_solve_grid(n, BH, cfg)](
                 qb, kb, oa, r, g, lseb, dy, gacc, w, da, db, dg, start, _progress(BH, dev), offs, steps, K, plan.f0,
                 n, H, sh.db, e, qk2,
-                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=_width(sh.db), BE=BE, CE=plan.ce,
+                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=tile_width(sh.db), BE=BE, CE=plan.ce,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
     else:
         w = dy.float() * valid_rows(start, heads, n)[..., None]
@@ -296,17 +300,17 @@ def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, c
     if plan.dense:
         if not tied:
             coef = 1.0 - geff
-            dqa, dka, dx = _new((BH, n, sh.da), dev), _new((BH, n, sh.da), dev), _new((BH, n, e), dev)
+            dqa, dka, dx = new_buffer((BH, n, sh.da), dev), new_buffer((BH, n, sh.da), dev), new_buffer((BH, n, e), dev)
             _attn_bwd(jit, qa, ka, x, w, coef, da, lsea, dqa, dka, dx, start, sh, sh.da, cfg, strict=False)
         if plan.has_b:
-            dqb, dkb = _new((BH, n, sh.db), dev), _new((BH, n, sh.db), dev)
+            dqb, dkb = new_buffer((BH, n, sh.db), dev), new_buffer((BH, n, sh.db), dev)
             _attn_bwd(jit, qb, kb, y, w, geff, db, lseb, dqb, dkb, None, start, sh, sh.db, cfg, strict=True)
     else:
         if not tied:
-            dqa, dka, dx = _new((BH, n, sh.da), dev), torch.zeros(BH, n, sh.da, device=dev), torch.zeros(BH, n, e,
+            dqa, dka, dx = new_buffer((BH, n, sh.da), dev), torch.zeros(BH, n, sh.da, device=dev), torch.zeros(BH, n, e,
                                                                                                        device=dev)
         if plan.has_b:
-            dqb, dkb = _new((BH, n, sh.db), dev), torch.zeros(BH, n, sh.db, device=dev)
+            dqb, dkb = new_buffer((BH, n, sh.db), dev), torch.zeros(BH, n, sh.db, device=dev)
         dummy = w
         grid = (triton_cdiv(n, cfg.sparse_grads_m), BH)
         jit.sparse_grads_kernel[grid](
@@ -316,15 +320,15 @@ def _backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: _Shapes, c
             dqa if dqa is not None else dummy, dka if dka is not None else dummy, dx if not tied else dummy,
             dqb if dqb is not None else dummy, dkb if dkb is not None else dummy,
             start, offs, steps, K, plan.f0, n, H, sh.da, sh.db, e, qk2, sh.scale,
-            BM=cfg.sparse_grads_m, BDA=_width(sh.da), BDB=_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
+            BM=cfg.sparse_grads_m, BDA=tile_width(sh.da), BDB=tile_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
             HAS_B=plan.has_b, num_warps=cfg.num_warps)
     return dqa, dka, dqb, dkb, dx, dg
 
 
-def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: _Shapes, d, cfg, strict: bool):
+def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: LaunchShapes, d, cfg, strict: bool):
     BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
     qk2 = sh.scale * LOG2E
-    common = dict(BD=_width(d), BE=_width(e), STRICT=strict, PREC=sh.prec, num_warps=cfg.num_warps)
+    common = dict(BD=tile_width(d), BE=tile_width(e), STRICT=strict, PREC=sh.prec, num_warps=cfg.num_warps)
     jit.attn_bwd_dkdv_kernel[(triton_cdiv(n, cfg.bwd_n), BH)](
         q, k, v, w, coef, delta, lse, dk, dv if dv is not None else dk, start, n, H, d, e, qk2, sh.scale,
         BM=cfg.bwd_m, BN=cfg.bwd_n, HAS_DV=dv is not None, **common)
@@ -367,13 +371,13 @@ class _MixFunction(torch.autograd.Function):
     def forward(ctx, qa, ka, qb, kb, x, g, start, plan: Plan, scale: float, tied: bool):
         batch, heads, n, e = x.shape
         dtype = x.dtype
-        sh = _Shapes(BH=batch * heads, H=heads, n=n, da=0 if qa is None else qa.shape[-1],
+        sh = LaunchShapes(BH=batch * heads, H=heads, n=n, da=0 if qa is None else qa.shape[-1],
                      db=0 if qb is None else qb.shape[-1], e=e, scale=scale,
                      prec=FP32_PREC if dtype == torch.float32 else "tf32")
         cfg = fitted_block_config(dtype, max(sh.da, sh.db, e))
         flat = [_flat(t, dtype) for t in (qa, ka, qb, kb, x)] + [_flat(g)]
         start = start.to(device=x.device, dtype=torch.int32).contiguous()
-        y, saved = _forward(*flat, start, plan, sh, cfg, tied)
+        y, saved = launch_forward(*flat, start, plan, sh, cfg, tied)
         keys = ("oa", "lsea", "lseb", "y", "r")
         ctx.save_for_backward(*flat, start, *(saved[k] for k in keys))
         ctx.meta = (plan, sh, cfg, tied, keys, [None if t is None else t.dtype for t in (qa, ka, qb, kb, x, g)])
@@ -387,7 +391,7 @@ class _MixFunction(torch.autograd.Function):
         qa, ka, qb, kb, x, g, start, *rest = ctx.saved_tensors
         saved = dict(zip(keys, rest))
         batch, heads, n, e = dy.shape
-        grads = _backward(_flat(dy), qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
+        grads = launch_backward(_flat(dy), qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
         out = []
         for grad, dt, like in zip(grads, dtypes, (qa, ka, qb, kb, x, g)):
             if grad is None or dt is None:

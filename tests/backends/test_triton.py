@@ -212,9 +212,9 @@ def test_unsupported_dtype_is_refused():
 
 def test_nan_fill_catches_unwritten_outputs():
     # The NaN switch itself: fresh buffers are NaN, so a kernel that skipped rows would fail above.
-    from hf_resolvent.backends.triton.resolvent import _new
+    from hf_resolvent.backends.triton.resolvent import new_buffer
 
-    assert torch.isnan(_new((3, 4), torch.device("cpu"))).all()
+    assert torch.isnan(new_buffer((3, 4), torch.device("cpu"))).all()
 
 
 # --------------------------------------------------------------------------------------------------
