@@ -286,7 +286,7 @@ def test_kernels_compile_for_a_gpu(pattern, dtype):
 
     The interpreter runs kernels as Python and would accept code that Triton cannot lower to a GPU;
     this builds the recorded launches (at the test tile size, to keep it quick) with Triton's compiler
-    and ptxas. ``scripts/bench_kernels.py --compile-check`` does the same at the default tile sizes.
+    and ptxas. ``scripts/bench/bench_kernels.py --compile-check`` does the same at the default tile sizes.
     """
     from hf_resolvent.backends.triton import aot
 
