@@ -36,7 +36,7 @@ CPU kernels, for the leaves whose twin takes the call, PyTorch for the rest) or 
 "recurrent on cpu" and "extend on cpu" run their arithmetic on the CPU kernels only where their twin takes the call
 (no gradient, and for the extend path a sparse pattern and a state that holds rows): see :data:`CPU_TWINS`. Several
 tokens after a state also go one decode step at a time while the state records itself for rollbacks and its
-pattern drops positions (:meth:`~.state.DecodeState.takes_chunks`).
+pattern drops positions (:meth:`~.state.DecodeState.can_extend`).
 
 Precedence: the first source that names something other than ``"auto"`` wins: the ``impl=`` argument (the model
 passes ``config.mixer_impl``), then the environment variable ``HF_RESOLVENT_MIXER_IMPL``.
@@ -167,7 +167,7 @@ def choose_extend(impl: str | None, state, pattern) -> str:
     impl = resolve(impl)
     if impl not in ("auto", "torch", "parallel", "graph") or torch.compiler.is_compiling():
         return "steps"
-    if not state.takes_chunks(pattern):
+    if not state.can_extend(pattern):
         return "steps"
     return "torch" if impl in ("torch", "graph") else "extend"
 

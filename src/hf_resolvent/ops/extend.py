@@ -194,7 +194,7 @@ def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) ->
     L tokens as L :func:`~.recurrent.recurrent_step` calls would).
 
     Args:
-        state: the layer's :class:`DecodeState`, with :meth:`~.state.DecodeState.takes_chunks` true.
+        state: the layer's :class:`DecodeState`, with :meth:`~.state.DecodeState.can_extend` true.
         qa, ka, qb, kb: (B, H, L, d) the tokens' queries and keys (qb, kb None for attention patterns).
         x: (B, H, L, e) their values; g: (B, H, L) their gate (None for attention patterns).
         pattern: spec or Pattern; scale: score scale, default d ** -0.5.

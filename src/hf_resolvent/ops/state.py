@@ -240,7 +240,7 @@ class DecodeState:
         self.slots = slots
         self.positions = positions
 
-    def takes_chunks(self, pattern: Pattern | str) -> bool:
+    def can_extend(self, pattern: Pattern | str) -> bool:
         """True when :meth:`extend` can take several tokens at once: always, except while recording for a pattern
         that drops positions (a crop then needs the state before each token)."""
         return self.history is None or self.keeps_every_position(pattern)
@@ -255,7 +255,7 @@ class DecodeState:
                 takes no padding).
         """
         pattern = get_pattern(pattern)
-        if not self.takes_chunks(pattern):
+        if not self.can_extend(pattern):
             raise RuntimeError("this state records the state before each token: advance it token by token")
         if self.uses_register(pattern):
             slots, positions, plan = _extend_plan(pattern, self.row_positions(r.shape[0], r.device), r)
@@ -595,7 +595,7 @@ class StaticDecodeState(DecodeState):
                 "drops past positions and a static cache records no earlier states; use the dynamic cache (leave "
                 "cache_implementation unset) for assisted and prompt-lookup decoding")
 
-    def takes_chunks(self, pattern: Pattern | str) -> bool:
+    def can_extend(self, pattern: Pattern | str) -> bool:
         """True: it records nothing, and :meth:`extend` writes its buffers in place."""
         return True
 
