@@ -1,0 +1,546 @@
+"""Roofline model of the Triton mixer's kernels: what each kernel moves and computes, and the time that implies.
+
+    python scripts/bench/roofline.py --out runs/bench/roofline.json
+    python scripts/bench/roofline.py --patterns dense,exp2:ce --lengths 8192 --step-latency-us 1
+
+For each pattern and length (B4 H16 d64 bfloat16 by default, the shapes of ``bench/gpu/kernels_h100.json``) the
+forward and backward launches are recorded from the real launch code (``kernels/aot.py``'s recorder, on meta
+tensors: nothing runs and nothing is allocated), so grids, tile sizes and dtypes follow the code. Per launch:
+
+- programs: the size of its grid;
+- chain steps: the blocks a solve walks one after another, each waiting on the one before it (the dense solves
+  and the sparse backward solve across programs, the sparse forward solve inside one program per head). The
+  parallel kernels have none: their programs do not wait on each other, and their loops are counted in the
+  FLOP and byte bounds;
+- bytes: the memory floor, every distinct tensor the launch is passed moved once (inputs read, outputs written,
+  accumulators once), at its real size and dtype: a tile that several programs, or several steps of a loop, read
+  again is taken to come from L2. Beside it, tile bytes: what the programs load and store tile by tile (masked
+  lanes move nothing, so sparse patterns count the (row, slot) pairs the pattern really reads; an atomic add
+  counts as one store), the traffic L2 serves;
+- FLOPs: 2 m n k per tensor-core product (``tl.dot``) at its tile sizes, split by the precision it runs at
+  (16-bit operands; float32 operands as tf32, or tf32x3 = three tf32 products), and 2 per multiply-add of the
+  row-by-row dot products of the sparse kernels, which run on the CUDA cores in float32;
+- roofline time: max(compute time, bytes / bandwidth) + chain steps x the per-step latency, with the compute
+  time the sum over precisions of FLOPs / peak, scaled up when the grid has fewer programs than the GPU has SMs.
+
+A pass is its kernels one after another (the small PyTorch operations between them are left out). SDPA is the
+reference: FlashAttention-2's count, 4 n^2/2 d FLOPs per head forward and 2.5 times that backward. Beside each
+pass: the measured time from ``--measured`` (a bench_kernels.py JSON) and measured / roofline, and per kernel the
+time per step from ``--profile`` (a profile_kernels.py log) where it has the case. Prints a table and writes the
+JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (dense, no sparsity): BF16 tensor core 989 TFLOP/s,
+# TF32 tensor core 494.5 TFLOP/s, FP32 66.9 TFLOP/s, HBM3 3.35 TB/s, 132 SMs.
+H100_BF16_TFLOPS = 989.0
+H100_TF32_TFLOPS = 494.5
+H100_FP32_TFLOPS = 66.9
+H100_HBM_TBPS = 3.35
+H100_SMS = 132
+# Assumed, not measured: the time one step of a solve's chain takes on its own (a wait on the previous block's
+# publication, the L2 round trip of its rows, the dependent products of the in-block solve).
+DEFAULT_STEP_LATENCY_US = 2.0
+
+DEFAULT_PATTERNS = "attention,dense,exp2:ce,square:ce"
+DEFAULT_LENGTHS = "4096,8192,32768"
+DEFAULT_MEASURED = "bench/gpu/kernels_h100.json"
+DEFAULT_PROFILE = "bench/gpu/profile_h100_lookback.log"
+SDPA = "sdpa"
+# How many tf32 products a tl.dot does per precision of its float32 operands.
+TF32_PASSES = {"tf32": 1, "tf32x3": 3}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/bench/roofline.json")
+    p.add_argument("--patterns", default=DEFAULT_PATTERNS, help=f"comma-separated; '{SDPA}' is always added")
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--bf16-tflops", type=float, default=H100_BF16_TFLOPS, help="16-bit tensor-core peak")
+    p.add_argument("--tf32-tflops", type=float, default=H100_TF32_TFLOPS, help="tf32 tensor-core peak")
+    p.add_argument("--fp32-tflops", type=float, default=H100_FP32_TFLOPS, help="float32 CUDA-core peak")
+    p.add_argument("--hbm-tbps", type=float, default=H100_HBM_TBPS, help="memory bandwidth, TB/s")
+    p.add_argument("--sms", type=int, default=H100_SMS, help="streaming multiprocessors")
+    p.add_argument("--step-latency-us", type=float, default=DEFAULT_STEP_LATENCY_US,
+                   help="assumed time of one chain step of a solve (microseconds)")
+    p.add_argument("--measured", default=DEFAULT_MEASURED, help="bench_kernels.py JSON ('' for none)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help="profile_kernels.py log ('' for none)")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------------
+# Recording the launches
+
+
+def record_passes(pattern: str, n: int, batch: int, heads: int, d: int, dtype) -> dict:
+    """The launches of a forward and of a backward of ``pattern``, recorded on meta tensors: {"forward": [...],
+    "backward": [...]} of ``aot.Launch``."""
+    import torch
+    from hf_resolvent.backends.triton import aot, resolvent
+
+    from hf_resolvent.patterns import get_pattern
+
+    plan = resolvent.make_plan(get_pattern(pattern), n)
+    BH = batch * heads
+    with torch.device("meta"):
+        qa, ka, qb, kb, x = (torch.empty(BH, n, d, dtype=dtype) for _ in range(5))
+        g = torch.empty(BH, n, dtype=dtype) if plan.has_b else None
+        if not plan.has_b:
+            qb = kb = None
+        start = torch.zeros(batch, dtype=torch.int32)
+        sh = resolvent.LaunchShapes(BH=BH, H=heads, n=n, da=d, db=d, e=d, scale=d**-0.5,
+                                    prec=resolvent.FP32_PREC if dtype == torch.float32 else "tf32")
+        cfg = resolvent.fitted_block_config(dtype, d)
+        with aot._recording() as rec:
+            _, saved = resolvent.launch_forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, False)
+            n_forward = len(rec.launches)
+            resolvent.launch_backward(torch.empty(BH, n, d, dtype=dtype), qa, ka, qb, kb, x, g, start, saved, plan,
+                                      sh, cfg, False)
+    return {"forward": rec.launches[:n_forward], "backward": rec.launches[n_forward:]}
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost of one launch
+
+
+class Cost:
+    """Totals of one launch: bytes, FLOPs (2 m n k per product) and the work per unit that does it ("16bit" and
+    "tf32" tensor-core FLOPs, tf32x3 counted as its three tf32 products; "fp32" CUDA-core FLOPs)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.flops = 0
+        self.work = {"16bit": 0, "tf32": 0, "fp32": 0}
+
+    def move(self, count: int, tensor=None, width: int = 1, elem: int | None = None):
+        """``count`` rows of ``width`` elements of ``tensor`` (or of ``elem`` bytes) loaded or stored."""
+        size = tensor.element_size() if tensor is not None else elem
+        self.bytes += int(count) * width * size
+
+    def dot(self, count: int, m: int, n: int, k: int, a_dtype, prec: str):
+        """``count`` tensor-core products (m, k) x (k, n); ``a_dtype`` the operands' dtype, ``prec`` the launch's
+        input precision of float32 operands."""
+        import torch
+
+        flops = int(count) * 2 * m * n * k
+        self.flops += flops
+        if a_dtype == torch.float32:
+            self.work["tf32"] += flops * TF32_PASSES[prec]
+        else:
+            self.work["16bit"] += flops
+
+    def vector(self, count: int, flops_each: int):
+        """``count`` row-by-row float32 operations of ``flops_each`` FLOPs on the CUDA cores."""
+        self.flops += int(count) * flops_each
+        self.work["fp32"] += int(count) * flops_each
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _key_steps_causal(n: int, rows: int, keys: int) -> int:
+    """Key steps of keys per step summed over the query blocks of rows (keys 0 .. the block's last row)."""
+    return sum(_cdiv(min((i + 1) * rows, n), keys) for i in range(_cdiv(n, rows)))
+
+
+def _query_steps_from_key_block(n: int, rows: int, keys: int) -> int:
+    """Query steps of rows per step summed over the key blocks of keys (query blocks from the key block's)."""
+    return sum(_cdiv(n - ((j * keys) // rows) * rows, rows) for j in range(_cdiv(n, keys)))
+
+
+def _solve_block(cost: Cost, count: int, B: int, log2: int, BE: int, solve_prec: str):
+    """The in-block solve (I - L)^-1 rhs by repeated squaring: log2(B) products onto the rhs, log2(B) - 1
+    squarings, all with float32 operands."""
+    import torch
+
+    cost.dot(count * log2, B, BE, B, torch.float32, solve_prec)
+    cost.dot(count * (log2 - 1), B, B, B, torch.float32, solve_prec)
+
+
+def _sparse_pairs(pattern: str, n: int, block: int) -> dict:
+    """(row, slot) pairs the pattern reads at length n (no left padding): all of them, and for blocks of
+    ``block`` rows, those whose source lies in an earlier block or inside the row's own block."""
+    import torch
+
+    from hf_resolvent.patterns import get_pattern
+
+    src = get_pattern(pattern).source_index(n)
+    ok = src >= 0
+    first_row = (torch.arange(n) // block * block)[:, None]
+    early = ok & (src < first_row)
+    return {"all": int(ok.sum()), "early": int(early.sum()), "inside": int((ok & ~early).sum())}
+
+
+def launch_cost(launch, pattern: str) -> dict:
+    """Programs, chain steps, bytes and FLOPs of one recorded launch (see the module docstring for what counts)."""
+    import torch
+
+    a, c = launch.args, launch.constexprs
+    name = launch.name.removesuffix("_kernel")
+    n = a["n"]
+    programs = math.prod(launch.grid)
+    cost = Cost()
+    chain = 0
+    f32 = 4
+    if name == "attn_fwd":
+        BM, BN, BD, BE = c["BM"], c["BN"], c["BD"], c["BE"]
+        Q, K, V, BH, d, e = a["Q"], a["K"], a["V"], a["Q"].shape[0], a["d"], a["e"]
+        steps = _key_steps_causal(n, BM, BN) * BH
+        cost.move(programs * BM, Q, d)
+        cost.move(steps * BN, K, d)
+        cost.move(steps * BN, V, e)
+        cost.move(programs * BM, width=e + 1, elem=f32)  # OUT and LSE
+        cost.dot(steps, BM, BN, BD, Q.dtype, c["PREC"])
+        cost.dot(steps, BM, BE, BN, V.dtype, c["PREC"])
+    elif name in ("attn_bwd_dkdv", "attn_bwd_dq"):
+        BM, BN, BD, BE = c["BM"], c["BN"], c["BD"], c["BE"]
+        Q, K, V, W, BH, d, e = a["Q"], a["K"], a["V"], a["W"], a["Q"].shape[0], a["d"], a["e"]
+        if name == "attn_bwd_dkdv":
+            has_dv = c["HAS_DV"]
+            steps = _query_steps_from_key_block(n, BM, BN) * BH
+            cost.move(programs * BN, K, d)
+            cost.move(programs * BN, V, e)
+            cost.move(steps * BM, Q, d)
+            cost.move(steps * BM, W, e)
+            cost.move(steps * BM, width=3, elem=f32)  # COEF, DELTA, LSE
+            cost.move(programs * BN, width=d + (e if has_dv else 0), elem=f32)  # DK, DV
+            n_value_dots = 2 if has_dv else 1  # dO V^T, and P^T dO for dV
+        else:
+            steps = _key_steps_causal(n, BM, BN) * BH
+            cost.move(programs * BM, Q, d)
+            cost.move(programs * BM, W, e)
+            cost.move(programs * BM, width=3, elem=f32)
+            cost.move(steps * BN, K, d)
+            cost.move(steps * BN, V, e)
+            cost.move(programs * BM, width=d, elem=f32)  # DQ
+            n_value_dots = 1
+        cost.dot(2 * steps, BM, BN, BD, Q.dtype, c["PREC"])  # Q K^T, and dS with Q or K
+        cost.dot(n_value_dots * steps, BM, BN, BE, V.dtype, c["PREC"])
+    elif name in ("dense_solve_fwd", "dense_solve_bwd"):
+        B, log2, BD, BE = c["BLOCK"], c["LOG2_BLOCK"], c["BD"], c["BE"]
+        QB, KB, G, BH, d, e = a["QB"], a["KB"], a["G"], a["QB"].shape[0], a["d"], a["e"]
+        nblk = _cdiv(n, B)
+        chain = nblk
+        pairs = nblk * (nblk - 1) // 2 * BH  # (block, earlier or later block) pairs
+        if name == "dense_solve_fwd":
+            cost.move(programs * B, QB, d)
+            cost.move(programs * B, G)
+            cost.move(programs * B, KB, d)  # in-block keys
+            cost.move(programs * B, a["OA"], e)
+            cost.move(pairs * B, KB, d)
+            cost.move(pairs * B, width=e, elem=f32)  # solved Y of earlier blocks
+            cost.move(programs * B, width=2 * e + 1, elem=f32)  # Y, R, LSEB
+            cost.dot(pairs + programs, B, B, BD, QB.dtype, c["PREC"])
+            cost.dot(pairs, B, BE, B, torch.float32, c["PREC"])  # P Y, float32 operands
+            _solve_block(cost, programs, B, log2, BE, c["SOLVE_PREC"])
+            cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # R's in-block part
+        else:
+            cost.move(programs * B, KB, d)
+            cost.move(programs * B, a["DY"], e)
+            cost.move(pairs * B, QB, d)
+            cost.move(pairs * B, G)
+            cost.move(pairs * B, width=e + 1, elem=f32)  # W and LSEB of later blocks
+            cost.move(programs * B, QB, d)
+            cost.move(programs * B, G)
+            cost.move(programs * B, width=1 + 2 * e, elem=f32)  # LSEB, OA, R
+            cost.move(programs * B, width=e + 3, elem=f32)  # W, DA, DB, DG
+            cost.dot(pairs + programs, B, B, BD, QB.dtype, c["PREC"])
+            cost.dot(pairs, B, BE, B, torch.float32, c["PREC"])  # B^T W, float32 operands
+            _solve_block(cost, programs, B, log2, BE, c["SOLVE_PREC"])
+    elif name in ("sparse_direct", "sparse_grads", "sparse_solve_fwd", "sparse_solve_bwd"):
+        e = a["e"]
+        if name in ("sparse_direct", "sparse_grads"):
+            rows_per_program = c["BM"]
+            block = rows_per_program
+        else:
+            block = c["BLOCK"]
+        pairs = _sparse_pairs(pattern, n, block)
+        rows = n * (a["QB"].shape[0] if "QB" in a else a["X"].shape[0])
+        BH = rows // n
+        p_all, p_early, p_inside = (pairs[k] * BH for k in ("all", "early", "inside"))
+        if name == "sparse_direct":
+            da, db = a["da"], a["db"]
+            if c["HAS_A"]:
+                cost.move(rows, a["QA"], da)
+                cost.move(rows + p_all, a["KA"], da)
+                cost.move(rows + p_all, a["X"], e)
+                cost.move(rows, width=e + 1, elem=f32)  # OA, LSEA
+                cost.vector(rows + p_all, 2 * da + 2 * e)  # q.k, p x
+            if c["HAS_B"]:
+                cost.move(rows, a["QB"], db)
+                cost.move(p_all, a["KB"], db)
+                cost.move(rows, width=1, elem=f32)  # LSEB
+                cost.vector(p_all, 2 * db)
+        elif name == "sparse_grads":
+            da, db = a["da"], a["db"]
+            cost.move(rows, a["W"], e)
+            if c["HAS_B"]:
+                cost.move(rows, a["QB"], db)
+                cost.move(rows, a["G"])
+                cost.move(rows, width=2, elem=f32)  # LSEB, DB
+                cost.move(p_all, a["KB"], db)
+                cost.move(p_all, a["Y"], e)
+                cost.move(p_all, width=db, elem=f32)  # DKB atomics
+                cost.move(rows, width=db, elem=f32)  # DQB
+                cost.vector(p_all, 3 * 2 * db + 2 * e)  # q.k, dq, dk; w.y
+            if c["HAS_A"]:
+                cost.move(rows, a["QA"], da)
+                cost.move(rows, width=2, elem=f32)  # LSEA, DA
+                cost.move(rows + p_all, a["KA"], da)
+                cost.move(rows + p_all, a["X"], e)
+                cost.move(rows + p_all, width=da + e, elem=f32)  # DKA, DX atomics
+                cost.move(rows, width=da, elem=f32)  # DQA
+                cost.vector(rows + p_all, 3 * 2 * da + 2 * 2 * e)  # q.k, dq, dk; do.x, dx
+        else:
+            B, log2, BE, d = c["BLOCK"], c["LOG2_BLOCK"], c["BE"], a["d"]
+            nblk = _cdiv(n, B)
+            chain = nblk
+            cost.move(rows, a["QB"], d)
+            cost.move(rows, a["G"])
+            cost.move(rows, width=1, elem=f32)  # LSEB
+            cost.vector(p_all, 2 * d)  # q.k of every pair
+            blocks = nblk * BH
+            if name == "sparse_solve_fwd":
+                cost.move(p_all, a["KB"], d)
+                cost.move(p_early, width=e, elem=f32)  # solved Y of earlier blocks
+                cost.vector(p_early, 2 * e)
+                cost.move(rows, a["OA"], e)
+                cost.move(rows, width=2 * e, elem=f32)  # Y, R
+                _solve_block(cost, blocks, B, log2, BE, c["SOLVE_PREC"])
+                cost.dot(blocks, B, BE, B, a["R"].dtype, c["SOLVE_PREC"])  # R's in-block part
+            else:
+                cost.move(p_inside, a["KB"], d)
+                cost.move(p_early, a["KB"], d)  # recomputed for the scatter
+                cost.move(rows, a["DY"], e)
+                cost.move(rows, width=3 * e, elem=f32)  # GACC, OA, R
+                cost.move(rows, width=e + 3, elem=f32)  # W, DA, DB, DG
+                cost.move(p_early, width=e, elem=f32)  # GACC atomics
+                cost.vector(p_early, 2 * d + 2 * e)  # q.k again, p w
+                _solve_block(cost, blocks, B, log2, BE, c["SOLVE_PREC"])
+    else:
+        raise ValueError(f"no cost model for kernel {launch.name!r}: add one to scripts/bench/roofline.py")
+    return {"kernel": name, "grid": list(launch.grid), "programs": programs, "chain_steps": chain,
+            "bytes": hbm_bytes(launch), "tile_bytes": cost.bytes, "flops": cost.flops, "work_flops": dict(cost.work)}
+
+
+def hbm_bytes(launch) -> int:
+    """The launch's memory floor: every distinct tensor it is passed, moved once (inputs read, outputs written,
+    accumulators counted once); tiles read again by other programs or later loop steps are taken to hit L2."""
+    import torch
+
+    seen = {id(v): v for v in launch.args.values() if isinstance(v, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def roofline_seconds(row: dict, hw: dict) -> dict:
+    """Compute, memory and chain times of a launch (or of SDPA) and the roofline time they imply."""
+    f = row["work_flops"]
+    fill = min(1.0, row["programs"] / hw["sms"]) if row.get("programs") else 1.0
+    compute = (f["16bit"] / hw["bf16_flops"] + f["tf32"] / hw["tf32_flops"] + f["fp32"] / hw["fp32_flops"]) / fill
+    memory = row["bytes"] / hw["hbm_bytes"]
+    chain = row["chain_steps"] * hw["step_latency_s"]
+    return {"compute_s": compute, "memory_s": memory, "chain_s": chain, "roofline_s": max(compute, memory) + chain}
+
+
+def sdpa_cost(n: int, batch: int, heads: int, d: int, elem: int) -> dict:
+    """FlashAttention-2's count for causal attention: forward 4 n^2/2 d FLOPs per head, backward 2.5 times that.
+    Bytes: q, k, v read and o written forward; q, k, v, o, dO read and dq, dk, dv written backward (16-bit),
+    and the float32 log-sum-exp. Programs are not modelled (the whole GPU is taken as busy)."""
+    BH = batch * heads
+    forward = 4 * n * n // 2 * d * BH
+    rows = BH * n
+    fwd_bytes, bwd_bytes = rows * (4 * d * elem + 4), rows * (8 * d * elem + 4)
+    return {"forward": {"kernel": f"{SDPA}_fwd", "programs": None, "chain_steps": 0, "bytes": fwd_bytes,
+                        "tile_bytes": fwd_bytes,
+                        "flops": forward, "work_flops": {"16bit": forward, "tf32": 0, "fp32": 0}},
+            "backward": {"kernel": f"{SDPA}_bwd", "programs": None, "chain_steps": 0, "bytes": bwd_bytes,
+                         "tile_bytes": bwd_bytes,
+                         "flops": int(2.5 * forward),
+                         "work_flops": {"16bit": int(2.5 * forward), "tf32": 0, "fp32": 0}}}
+
+
+# --------------------------------------------------------------------------------------------------
+# Measured times
+
+
+def load_measured(path: str, args) -> dict:
+    """{(name, n): {"forward_ms", "forward_backward_ms"}} from a bench_kernels.py JSON whose shapes are the
+    modelled ones (empty otherwise, or without a path), and the file's device."""
+    if not path:
+        return {"rows": {}, "source": None, "device": None}
+    with open(REPO / path if not os.path.isabs(path) else path) as f:
+        data = json.load(f)
+    same = (data.get("batch"), data.get("heads"), data.get("head_dim"), data.get("dtype")) == (
+        args.batch, args.heads, args.head_dim, args.dtype)
+    rows = {}
+    if same:
+        for r in data["rows"]:
+            if r.get("forward_ms") is not None:
+                rows[(r["name"], r["n"])] = {"forward_ms": r["forward_ms"],
+                                             "forward_backward_ms": r.get("forward_backward_ms")}
+    return {"rows": rows, "source": path, "device": data.get("device"), "shapes_match": same}
+
+
+_CASE = re.compile(r"^=== n=(\d+) (\S+) \((\d+) steps\)")
+_TIME = re.compile(r"^([\d.]+)(ms|us|s)$")
+
+
+def parse_profile(text: str) -> dict:
+    """{(pattern, n): {kernel: ms per forward + backward step}} from a profile_kernels.py log: the Self CUDA
+    column of each ``*_kernel`` row of torch.profiler's table, divided by the case's steps."""
+    cases, current, steps = {}, None, 1
+    for line in text.splitlines():
+        head = _CASE.match(line)
+        if head:
+            current, steps = (head.group(2), int(head.group(1))), int(head.group(3))
+            cases[current] = {}
+            continue
+        cols = re.split(r"\s{2,}", line.strip())
+        if current is None or len(cols) < 11 or not cols[0].endswith("_kernel"):
+            continue
+        t = _TIME.match(cols[6])
+        if t:
+            scale = {"s": 1e3, "ms": 1.0, "us": 1e-3}[t.group(2)]
+            name = cols[0].removesuffix("_kernel")
+            cases[current][name] = cases[current].get(name, 0.0) + float(t.group(1)) * scale / steps
+    return cases
+
+
+# --------------------------------------------------------------------------------------------------
+# The model, the table, the JSON
+
+
+def hardware(args) -> dict:
+    return {"bf16_flops": args.bf16_tflops * 1e12, "tf32_flops": args.tf32_tflops * 1e12,
+            "fp32_flops": args.fp32_tflops * 1e12, "hbm_bytes": args.hbm_tbps * 1e12, "sms": args.sms,
+            "step_latency_s": args.step_latency_us * 1e-6}
+
+
+def _pass_total(rows: list[dict]) -> dict:
+    keys = ("bytes", "tile_bytes", "flops", "chain_steps", "compute_s", "memory_s", "chain_s", "roofline_s")
+    return {k: sum(r[k] for r in rows) for k in keys}
+
+
+def _ratio(measured_ms, roofline_s):
+    return None if measured_ms is None else measured_ms / (roofline_s * 1e3)
+
+
+def model_case(pattern: str, n: int, args, hw: dict, measured: dict, profile: dict) -> dict:
+    """Every launch of a forward and a backward of ``pattern`` at length n, with their roofline times, the
+    kernels' summary (launches of one kernel added up) and the passes' totals beside the measured times."""
+    import torch
+
+    dtype = getattr(torch, args.dtype)
+    if pattern == SDPA:
+        passes = sdpa_cost(n, args.batch, args.heads, args.head_dim, torch.empty((), dtype=dtype).element_size())
+        launches = {k: [dict(v, **roofline_seconds(v, hw))] for k, v in passes.items()}
+        name = SDPA
+    else:
+        recorded = record_passes(pattern, n, args.batch, args.heads, args.head_dim, dtype)
+        launches = {k: [dict(c := launch_cost(launch, pattern), **roofline_seconds(c, hw)) for launch in v]
+                    for k, v in recorded.items()}
+        name = f"triton:{pattern}"
+    forward = _pass_total(launches["forward"])
+    forward_backward = _pass_total(launches["forward"] + launches["backward"])
+    times = measured["rows"].get((name, n), {})
+    forward["measured_ms"] = times.get("forward_ms")
+    forward_backward["measured_ms"] = times.get("forward_backward_ms")
+    for total in (forward, forward_backward):
+        total["measured_over_roofline"] = _ratio(total["measured_ms"], total["roofline_s"])
+    profiled = profile.get((pattern, n), {})
+    kernels = {}
+    for phase in ("forward", "backward"):
+        for row in launches[phase]:
+            k = kernels.setdefault(row["kernel"], {"kernel": row["kernel"], "pass": phase, "launches": 0,
+                                                   "programs": 0, "chain_steps": 0, "bytes": 0, "tile_bytes": 0,
+                                                   "flops": 0,
+                                                   "compute_s": 0.0, "memory_s": 0.0, "chain_s": 0.0,
+                                                   "roofline_s": 0.0})
+            k["launches"] += 1
+            for key in ("programs", "chain_steps", "bytes", "tile_bytes", "flops", "compute_s", "memory_s", "chain_s",
+                        "roofline_s"):
+                k[key] += row[key] or 0
+    for k in kernels.values():
+        k["profiled_ms"] = profiled.get(k["kernel"])
+        k["profiled_over_roofline"] = _ratio(k["profiled_ms"], k["roofline_s"])
+    return {"pattern": pattern, "n": n, "launches": launches, "kernels": list(kernels.values()),
+            "forward": forward, "forward_backward": forward_backward}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"
+
+
+def _measured(ms, ratio) -> str:
+    return "not measured" if ms is None else f"{ms:.3g} ms ({ratio:.2g}x)"
+
+
+def print_case(case: dict):
+    f, fb = case["forward"], case["forward_backward"]
+    print(f"\n== {case['pattern']} n={case['n']}: roofline forward {_ms(f['roofline_s'])} ms, measured "
+          f"{_measured(f['measured_ms'], f['measured_over_roofline'])}; forward+backward {_ms(fb['roofline_s'])} ms, "
+          f"measured {_measured(fb['measured_ms'], fb['measured_over_roofline'])}")
+    print(f"   {'kernel':<16} {'pass':<8} {'launches':>8} {'programs':>9} {'chain':>6} {'HBM GB':>8} {'tile GB':>8} {'GFLOP':>9} "
+          f"{'compute':>8} {'memory':>8} {'chain':>8} {'roofline':>9} {'profiled':>9}")
+    for k in case["kernels"]:
+        prof = "-" if k["profiled_ms"] is None else f"{k['profiled_ms']:.3g}"
+        print(f"   {k['kernel']:<16} {k['pass']:<8} {k['launches']:>8} {k['programs'] or '-':>9} {k['chain_steps']:>6} "
+              f"{k['bytes'] / 1e9:>8.3g} {k['tile_bytes'] / 1e9:>8.3g} {k['flops'] / 1e9:>9.4g} {_ms(k['compute_s']):>8} {_ms(k['memory_s']):>8} "
+              f"{_ms(k['chain_s']):>8} {_ms(k['roofline_s']):>9} {prof:>9}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    hw = hardware(args)
+    measured = load_measured(args.measured, args)
+    profile = {}
+    if args.profile:
+        with open(REPO / args.profile if not os.path.isabs(args.profile) else args.profile) as f:
+            profile = parse_profile(f.read())
+    patterns = [p for p in args.patterns.split(",") if p and p != SDPA] + [SDPA]
+    lengths = [int(v) for v in args.lengths.split(",")]
+    print(f"roofline: B{args.batch} H{args.heads} d{args.head_dim} {args.dtype}; peaks {args.bf16_tflops} TFLOP/s "
+          f"16-bit, {args.tf32_tflops} tf32, {args.fp32_tflops} float32 CUDA cores, {args.hbm_tbps} TB/s, "
+          f"{args.sms} SMs; assumed chain-step latency {args.step_latency_us} us. Times in ms; measured: "
+          f"{measured['source'] or 'none'} ({measured['device'] or '-'}), profiled: {args.profile or 'none'} "
+          f"(ms per forward+backward step)")
+    cases = []
+    for n in lengths:
+        for pattern in patterns:
+            case = model_case(pattern, n, args, hw, measured, profile)
+            print_case(case)
+            cases.append(case)
+    settings = {k: getattr(args, k) for k in ("batch", "heads", "head_dim", "dtype", "bf16_tflops", "tf32_tflops",
+                                              "fp32_tflops", "hbm_tbps", "sms", "step_latency_us", "measured",
+                                              "profile")}
+    settings["assumptions"] = (
+        "the chain-step latency is assumed, not measured; bytes (the roofline's) move every distinct tensor argument "
+        "of a launch once, tile_bytes every program's loads and stores (an atomic add as one store); FLOPs are "
+        "2 m n k per tl.dot and 2 per multiply-add of the sparse kernels' row dot products; a tf32x3 product takes "
+        "the time of three tf32 products")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": settings, "measured_device": measured["device"], "cases": cases},
+                              indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
