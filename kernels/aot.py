@@ -76,7 +76,9 @@ def _constexpr_names(fn) -> set:
 
 
 @contextlib.contextmanager
-def _recording():
+def recording_launches():
+    """Within the block, the launchers record every kernel launch (kernel, grid, arguments) instead of running it:
+    yields the recorder, whose launches the caller reads."""
     jit = jit_module(interpret=False)
     for name in dir(jit):
         obj = getattr(jit, name)
@@ -114,7 +116,7 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
     sh = _resolvent.LaunchShapes(BH=BH, H=heads, n=n, da=d, db=d, e=e, scale=d**-0.5,
                             prec=_resolvent.FP32_PREC if dtype == torch.float32 else "tf32")
     cfg = _resolvent.fitted_block_config(dtype, max(d, e))
-    with _recording() as rec:
+    with recording_launches() as rec:
         if tied:
             qa = ka = None
         y, saved = _resolvent.launch_forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, tied)

@@ -106,7 +106,7 @@ def record_passes(pattern: str, n: int, batch: int, heads: int, d: int, dtype) -
         sh = resolvent.LaunchShapes(BH=BH, H=heads, n=n, da=d, db=d, e=d, scale=d**-0.5,
                                     prec=resolvent.FP32_PREC if dtype == torch.float32 else "tf32")
         cfg = resolvent.fitted_block_config(dtype, d)
-        with aot._recording() as rec:
+        with aot.recording_launches() as rec:
             _, saved = resolvent.launch_forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, False)
             n_forward = len(rec.launches)
             resolvent.launch_backward(torch.empty(BH, n, d, dtype=dtype), qa, ka, qb, kb, x, g, start, saved, plan,
