@@ -354,17 +354,26 @@ def passkey_rows(name: str, seed: int, cfg: dict, device, log) -> list[dict]:
     t0 = time.time()
     model, loss = train_task(name, seed, cfg, vocab.size, T,
                              lambda rng, n: passkey_batch(vocab, (1, longest), prefix, n, rng), device)
+
+    def samples_of(n: int):  # the longest distance that fits in n tokens
+        d = passkey_distance(n, prefix)
+        return lambda rng, b: passkey_batch(vocab, (d, d), prefix, b, rng)
+
+    return recall_rows(name, "passkey", seed, cfg, T, model, samples_of, device, log, loss, t0)
+
+
+def recall_rows(name: str, task: str, seed: int, cfg: dict, trained: int, model, samples_of, device, log,
+                loss: float, t0: float) -> list[dict]:
+    """The accuracy of a recall model trained at ``trained`` tokens on samples of each multiple of it
+    (``samples_of(n)`` draws samples of n tokens); GPT-2's rows past its trained length are not applicable."""
     rows = []
     for k in cfg["multiples"]:
-        n = k * T
-        if name == "gpt2" and n > T:
-            rows.append(row(name, "passkey", n, seed, None, learned_positions_note(T)))
+        n = k * trained
+        if name == "gpt2" and n > trained:
+            rows.append(row(name, task, n, seed, None, learned_positions_note(trained)))
             continue
-        d = passkey_distance(n, prefix)
-        acc = accuracy(model, lambda rng, b, d=d: passkey_batch(vocab, (d, d), prefix, b, rng),
-                       cfg["eval_samples"], seed, device)
-        rows.append(row(name, "passkey", n, seed, acc))
-    log(f"[long_context] {name} (seed {seed}) passkey: final training loss {loss:.3f} ({time.time() - t0:.0f}s); "
+        rows.append(row(name, task, n, seed, accuracy(model, samples_of(n), cfg["eval_samples"], seed, device)))
+    log(f"[long_context] {name} (seed {seed}) {task}: final training loss {loss:.3f} ({time.time() - t0:.0f}s); "
         "accuracy " + _values(rows))
     return rows
 
@@ -383,18 +392,12 @@ def mqar_rows(name: str, seed: int, cfg: dict, device, log) -> list[dict]:
     t0 = time.time()
     model, loss = train_task(name, seed, cfg, spec.vocab.size, L,
                              lambda rng, n: S.make_batch(spec, n, rng), device)
-    rows = []
-    for k in cfg["multiples"]:
-        n = k * L
-        if name == "gpt2" and n > L:
-            rows.append(row(name, "mqar", n, seed, None, learned_positions_note(L)))
-            continue
+
+    def samples_of(n: int):  # the same pairs in a longer sequence
         longer = mqar_spec(cfg, n)
-        acc = accuracy(model, lambda rng, b, s=longer: S.make_batch(s, b, rng), cfg["eval_samples"], seed, device)
-        rows.append(row(name, "mqar", n, seed, acc))
-    log(f"[long_context] {name} (seed {seed}) mqar: final training loss {loss:.3f} ({time.time() - t0:.0f}s); "
-        "accuracy " + _values(rows))
-    return rows
+        return lambda rng, b: S.make_batch(longer, b, rng)
+
+    return recall_rows(name, "mqar", seed, cfg, L, model, samples_of, device, log, loss, t0)
 
 
 # --------------------------------------------------------------------------------------------------------------
