@@ -3,7 +3,7 @@
 16 x T: validation loss by position, with and without zero-shot RoPE scaling, and recall at a distance.
 
     python scripts/long_context.py --quick --out runs/long_context/quick   # CI: gpt2 and exp2:ce, about a minute
-    python scripts/long_context.py --preset hour --out bench/long_context   # every model of the sweep, 3 seeds
+    python scripts/long_context.py --preset hour --out runs/long_context/hour   # every model of the sweep, 3 seeds (bench/long_context holds a copy)
 
 Three questions, each trained at a short context and measured at longer ones (lengths: the preset's multiples of
 the context the task was trained at):
