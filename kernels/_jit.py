@@ -85,6 +85,24 @@ def _unit_lower_solve(L, rhs, LOG2_BLOCK: tl.constexpr, TRANS: tl.constexpr, SOL
     return y
 
 
+@triton.jit
+def _unit_lower_solve_pair(L, rhs, rhs2, LOG2_BLOCK: tl.constexpr, TRANS: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """(I - L)^-1 rhs and (I - L)^-1 rhs2, or both with (I - L)^-T under TRANS (``_unit_lower_solve``), sharing
+    the squarings of L."""
+    if TRANS:
+        P = tl.trans(L)
+    else:
+        P = L
+    y = rhs
+    y2 = rhs2
+    for j in tl.static_range(LOG2_BLOCK):
+        y = y + _dot(P, y, SOLVE_PREC)
+        y2 = y2 + _dot(P, y2, SOLVE_PREC)
+        if j < LOG2_BLOCK - 1:
+            P = _dot(P, P, SOLVE_PREC)
+    return y, y2
+
+
 # ------------------------------------------------------------------------------------------------
 # Addressing: which rows a program owns, tile and row-scalar loads
 
@@ -339,6 +357,53 @@ def attn_bwd_dq_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, START, n, H, d, e, qk_s
     tl.store(_tile_ptrs(DQ, bh, n, rows, cd, d), dq * scale, mask=_tile_mask(rmask, cd, d))
 
 
+@triton.jit
+def attn_bwd_atomic_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, DK, DV, START, n, H, d, e, qk_scale2, scale,
+                           BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                           STRICT: tl.constexpr, HAS_DV: tl.constexpr, PREC: tl.constexpr):
+    """Every gradient of a causal softmax channel in one kernel (the FlashAttention-2 backward).
+
+    Same channel and arguments as the split pair (see attn_bwd_dkdv_kernel), with DQ float32 and zero
+    on entry. Grid (cdiv(n, BN), BH): a program holds one block of keys and walks the query blocks that
+    read it. dK and dV accumulate in registers and are stored once; each query block's share of dQ,
+    scale sum_j dS_ij K_j over this program's keys, is added to DQ with relaxed atomic adds, since every
+    key block up to a row contributes to that row. Scores are held transposed (keys by queries), so the
+    key-side products take the resident K and V tiles as their left operand and only dQ turns dS around.
+    """
+    DT = Q.dtype.element_ty  # q, k, dS operands: bf16 tensor cores for bf16 inputs
+    VT = V.dtype.element_ty  # dO, V, P operands: float32 (tf32) when V is the solved Y
+    pid = tl.program_id(0)
+    bh, s = _head_and_start(START, H, 1)
+    cd = tl.arange(0, BD)
+    ce = tl.arange(0, BE)
+    keys, kmask, k, v = _load_key_block(K, V, bh, n, pid * BN, BN, cd, d, ce, e)
+    v = v.to(VT)
+    kvalid = kmask & (keys >= s)
+    dk = tl.full([BN, BD], 0.0, tl.float32)
+    dv = tl.full([BN, BE], 0.0, tl.float32)
+    # Queries from the block holding this block's first key on; a block of left padding is read by none.
+    lo = ((pid * BN) // BM) * BM
+    hi = tl.where(pid * BN + BN > s, n, lo)
+    for i0 in range(lo, hi, BM):
+        rows = i0 + tl.arange(0, BM)
+        rmask = rows < n
+        q, w, coef, delta, lse = _load_query_rows(Q, W, COEF, DELTA, LSE, bh, n, rows, rmask, cd, d, ce, e)
+        s2t = _dot(k, tl.trans(q), PREC) * qk_scale2
+        ok = tl.trans(_causal(rows, keys, STRICT)) & kvalid[:, None] & rmask[None, :]
+        pt = _exp2_where(ok, s2t - lse[None, :])
+        do = (w * coef[:, None]).to(VT)
+        if HAS_DV:
+            dv += _dot(pt.to(VT), do, PREC)
+        dpt = _dot(v, tl.trans(do), PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk += _dot(dst.to(DT), q, PREC)
+        dq = _dot(tl.trans(dst.to(DT)), k, PREC) * scale
+        tl.atomic_add(_tile_ptrs(DQ, bh, n, rows, cd, d), dq, mask=_tile_mask(rmask, cd, d), sem="relaxed")
+    tl.store(_tile_ptrs(DK, bh, n, keys, cd, d), dk * scale, mask=_tile_mask(kmask, cd, d))
+    if HAS_DV:
+        tl.store(_tile_ptrs(DV, bh, n, keys, ce, e), dv, mask=_tile_mask(kmask, ce, e))
+
+
 # The solves (dense and sparse): scheduling, and how a block ends.
 #
 # The dense solves and the sparse backward solve run one program per row block (the sparse forward
@@ -504,20 +569,27 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
 
 
 @triton.jit
-def _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, r0, ar, cd, d, ce, e, kc, cvalid, rhs, qk_scale2,
-                    PREC: tl.constexpr):
-    """One later row block r0 of the dense backward solve: adds B_rc^T W_r to the right-hand side of
-    the columns (keys kc, valid where cvalid), with B_rc recomputed from the scores."""
+def _dense_later_block(QB, LSEB, G, bh, n, s, r0, ar, cd, d, kc, cvalid, qk_scale2, PREC: tl.constexpr):
+    """B_rc of the later row block r0 onto the columns (keys kc, valid where cvalid), recomputed from the scores:
+    its rows and their mask, and the (rows, columns) tile geff_i exp2(s2_ij - LSEB_i)."""
     rows = r0 + ar
     rmask = rows < n
     hasb_r = rmask & (rows - s >= 1)
     qr = _load_tile(QB, bh, n, rows, rmask, cd, d)
     lse_r = _load_row_scalars(LSEB, bh, n, rows, rmask)
     geff_r = _gate(G, bh, n, rows, rmask, hasb_r)
-    w_later = _load_solved_tile(W, bh, n, rows, rmask, ce, e)
     s2 = _dot(qr, tl.trans(kc), PREC) * qk_scale2
     ok = cvalid[None, :] & hasb_r[:, None]
-    pb = _exp2_where(ok, s2 - lse_r[:, None]) * geff_r[:, None]
+    return rows, rmask, _exp2_where(ok, s2 - lse_r[:, None]) * geff_r[:, None]
+
+
+@triton.jit
+def _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, r0, ar, cd, d, ce, e, kc, cvalid, rhs, qk_scale2,
+                    PREC: tl.constexpr):
+    """One later row block r0 of the dense backward solve: adds B_rc^T W_r to the right-hand side of
+    the columns (keys kc, valid where cvalid)."""
+    rows, rmask, pb = _dense_later_block(QB, LSEB, G, bh, n, s, r0, ar, cd, d, kc, cvalid, qk_scale2, PREC)
+    w_later = _load_solved_tile(W, bh, n, rows, rmask, ce, e)
     return rhs + _dot(tl.trans(pb), w_later, PREC)
 
 
@@ -564,6 +636,137 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PRO
     bt = _exp2_where(ok, s2 - lse_c[:, None])
     w = _unit_lower_solve(geff_c[:, None] * bt, rhs, LOG2_BLOCK, True, SOLVE_PREC)
     w = tl.where(cvalid[:, None], w, 0.0)
+    _store_w_and_row_grads(_tile_ptrs(W, bh, n, cols, ce, e), _tile_ptrs(OA, bh, n, cols, ce, e),
+                           _tile_ptrs(R, bh, n, cols, ce, e), _tile_mask(cmask, ce, e),
+                           DA, DB, DG, bh, n, cols, cmask, w, geff_c, hasb_c)
+    _publish_solved(PROGRESS, bh, order, known)
+
+
+# Dense resolvent, chunked solves (BlockConfig.dense_solver = "chunked"): the schedule of the blocked solves
+# (tickets, blocks published in solve order), with what sits on the chain from block to block cut to one product.
+# Block c needs Y of every earlier block, but only Y_{c-1} can still be in flight when its program is ready:
+# with T_c = (I - B_cc)^-1 and M_c = T_c B_{c,c-1},
+#   Y_c = T_c ((1 - geff) OA_c + B_{c,<c-1} Y_{<c-1}) + M_c Y_{c-1},
+# so the row normaliser, T_c (squarings), M_c and the first term are computed before the wait on block c - 1,
+# after which one (BLOCK x BLOCK) x (BLOCK x e) product remains. The backward mirrors it: with
+# M'_c = T_c^T B_{c+1,c}^T,  W_c = T_c^T (dY_c + sum_{r > c+1} B_rc^T W_r) + M'_c W_{c+1}.
+
+
+@triton.jit
+def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, e, qk_scale2,
+                           BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                           PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """Dense resolvent, forward, chunked: what ``dense_solve_fwd_kernel`` computes (Y, R, LSEB), with one product
+    after the wait on the block before.
+
+    Grid (cdiv(n, BLOCK) * BH,), ticket order. Block c: (1) online softmax with P.Y over the blocks before c - 1
+    that were published when the program started; (2) the scores of the remaining earlier blocks and of the block
+    itself join the running max and sum only, which makes the row normaliser final; (3) the blocks before c - 1
+    not yet published, waited on one by one, add P.Y with final probabilities; (4) T_c applied to the right-hand
+    side and to geff P_{c,c-1} in one squaring solve; (5) the wait on block c - 1 and Y_c = Yhat_c + M_c Y_{c-1}.
+    """
+    nblk = (n + BLOCK - 1) // BLOCK
+    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, False)
+    ar = tl.arange(0, BLOCK)
+    cd = tl.arange(0, BD)
+    ce = tl.arange(0, BE)
+    lo = (s // BLOCK) * BLOCK
+    c0 = blk * BLOCK
+    rows = c0 + ar
+    rmask, rel, valid = _pattern_rows(rows, n, s)
+    hasb = rmask & (rel >= 1)
+    q = _load_tile(QB, bh, n, rows, rmask, cd, d)
+    geff = _gate(G, bh, n, rows, rmask, hasb)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_sum = tl.full([BLOCK], 0.0, tl.float32)
+    acc = tl.full([BLOCK, BE], 0.0, tl.float32)
+    known = _solved_count(PROGRESS, bh)
+    mid = tl.maximum(tl.minimum(known * BLOCK, c0 - BLOCK), lo)
+    for j0 in range(lo, mid, BLOCK):
+        m, l_sum, acc = _dense_fwd_tile(q, KB, Y, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC)
+    for j0 in range(mid, c0, BLOCK):
+        keys = j0 + ar
+        s2 = _dot(q, tl.trans(_load_tile(KB, bh, n, keys, None, cd, d)), PREC) * qk_scale2
+        m, l_sum, alpha, _ = _online_softmax(m, l_sum, tl.where(keys[None, :] >= s, s2, float("-inf")))
+        acc = acc * alpha[:, None]
+    kc = _load_tile(KB, bh, n, rows, rmask, cd, d)
+    s_in = _dot(q, tl.trans(kc), PREC) * qk_scale2
+    ok = (ar[None, :] < ar[:, None]) & (rows[None, :] >= s) & rmask[None, :]
+    m, l_sum, alpha, p_in = _online_softmax(m, l_sum, tl.where(ok, s_in, float("-inf")))
+    lse = _log_sum_exp2(m, l_sum)
+    has = l_sum > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_sum, 1.0), 0.0)
+    acc = acc * (alpha * inv_l)[:, None]
+    p_in = p_in * inv_l[:, None]
+    for j0 in range(mid, c0 - BLOCK, BLOCK):
+        known = _wait_solved(PROGRESS, bh, j0 // BLOCK, known)
+        keys = j0 + ar
+        s2 = _dot(q, tl.trans(_load_tile(KB, bh, n, keys, None, cd, d)), PREC) * qk_scale2
+        p = _exp2_where(keys[None, :] >= s, s2 - lse[:, None])
+        acc += _dot(p, _load_solved_tile(Y, bh, n, keys, None, ce, e), PREC)
+    prev = c0 - BLOCK + ar
+    prev_ok = (prev >= s) & (prev >= 0)
+    s_prev = _dot(q, tl.trans(_load_tile(KB, bh, n, prev, prev_ok, cd, d)), PREC) * qk_scale2
+    p_prev = _exp2_where(prev_ok[None, :], s_prev - lse[:, None])
+    oa = _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
+    rhs = (1.0 - geff)[:, None] * oa + geff[:, None] * acc
+    yhat, chain = _unit_lower_solve_pair(geff[:, None] * p_in, rhs, geff[:, None] * p_prev, LOG2_BLOCK, False,
+                                         SOLVE_PREC)
+    known = _wait_solved(PROGRESS, bh, blk - 1, known)
+    y_prev = _load_solved_tile(Y, bh, n, prev, prev_ok, ce, e)
+    y = tl.where(valid[:, None], yhat + _dot(chain, y_prev, SOLVE_PREC), 0.0)
+    r_read = acc + _dot(p_prev, y_prev, PREC) + _dot(p_in, y, SOLVE_PREC)
+    tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), y, mask=_tile_mask(rmask, ce, e))
+    tl.store(_tile_ptrs(R, bh, n, rows, ce, e), r_read, mask=_tile_mask(rmask, ce, e))
+    tl.store(_row_ptrs(LSEB, bh, n, rows), lse, mask=rmask)
+    _publish_solved(PROGRESS, bh, order, known)
+
+
+@triton.jit
+def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PROGRESS, n, H, d, e, qk_scale2,
+                           BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                           PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """Dense resolvent, backward, chunked: what ``dense_solve_bwd_kernel`` computes (W and the row scalars), with
+    one product after the wait on the block after.
+
+    Grid (cdiv(n, BLOCK) * BH,), ticket order from the last block. Block c: dY_c plus B_rc^T W_r of the later
+    blocks but c + 1 (published ones first, the rest waited on one by one); T_c^T applied to that and to
+    B_{c+1,c}^T in one transposed squaring solve; then the wait on block c + 1 and W_c = What_c + M'_c W_{c+1}.
+    """
+    nblk = (n + BLOCK - 1) // BLOCK
+    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, True)
+    ar = tl.arange(0, BLOCK)
+    cd = tl.arange(0, BD)
+    ce = tl.arange(0, BE)
+    c0 = blk * BLOCK
+    cols = c0 + ar
+    cmask = cols < n
+    cvalid = cmask & (cols >= s)
+    hasb_c = cmask & (cols - s >= 1)
+    kc = _load_tile(KB, bh, n, cols, cmask, cd, d)
+    rhs = _load_tile(DY, bh, n, cols, cvalid, ce, e).to(tl.float32)
+    # Later blocks in solve order (the last block is position 0, block c + 1 is position order - 1).
+    known = _solved_count(PROGRESS, bh)
+    mid = tl.maximum(tl.minimum(known, order - 1), 0)
+    for o in range(0, mid):
+        rhs = _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid, rhs,
+                              qk_scale2, PREC)
+    for o in range(mid, order - 1):
+        known = _wait_solved(PROGRESS, bh, o, known)
+        rhs = _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid, rhs,
+                              qk_scale2, PREC)
+    qc = _load_tile(QB, bh, n, cols, cmask, cd, d)
+    lse_c = _load_row_scalars(LSEB, bh, n, cols, cmask)
+    geff_c = _gate(G, bh, n, cols, cmask, hasb_c)
+    s2 = _dot(qc, tl.trans(kc), PREC) * qk_scale2
+    ok = (ar[None, :] < ar[:, None]) & cvalid[None, :] & hasb_c[:, None]
+    lower = geff_c[:, None] * _exp2_where(ok, s2 - lse_c[:, None])
+    nxt, nxt_mask, b_next = _dense_later_block(QB, LSEB, G, bh, n, s, c0 + BLOCK, ar, cd, d, kc, cvalid, qk_scale2,
+                                               PREC)
+    what, chain = _unit_lower_solve_pair(lower, rhs, tl.trans(b_next), LOG2_BLOCK, True, SOLVE_PREC)
+    known = _wait_solved(PROGRESS, bh, order - 1, known)
+    w_next = _load_solved_tile(W, bh, n, nxt, nxt_mask, ce, e)
+    w = tl.where(cvalid[:, None], what + _dot(chain, w_next, SOLVE_PREC), 0.0)
     _store_w_and_row_grads(_tile_ptrs(W, bh, n, cols, ce, e), _tile_ptrs(OA, bh, n, cols, ce, e),
                            _tile_ptrs(R, bh, n, cols, ce, e), _tile_mask(cmask, ce, e),
                            DA, DB, DG, bh, n, cols, cmask, w, geff_c, hasb_c)
@@ -823,6 +1026,182 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
         tl.store(_tile_ptrs(DQA, bh, n, rows, ca, da), dqa * scale, mask=_tile_mask(rmask, ca, da))
     if HAS_B:
         tl.store(_tile_ptrs(DQB, bh, n, rows, cb, db), dqb * scale, mask=_tile_mask(rmask, cb, db))
+
+
+# ------------------------------------------------------------------------------------------------
+# Sparse kinds, chunked solves (BlockConfig.sparse_solver = "chunked")
+#
+# Per (batch, head) the real rows are cut into chunks of C rows counted from the first real token (pattern
+# position rel = 0). With T_c = (I - B_cc)^-1 (the chunk's own block of B), H_c the earlier rows the chunk
+# reads (HELD[c]: pattern positions, -1 padded to HM), J_c = T_c B[c, H_c] and Yhat_c = T_c (1 - geff) OA_c:
+#
+#   forward:   Y_c = Yhat_c + J_c Y[H_c]                           chunk after chunk
+#   backward:  G_c = dY_c + ACC_c;  ACC[H_c] += J_c^T G_c           last chunk first;  W_c = T_c^T G_c
+#
+# Only the chain through the held rows is sequential. chunk_prepare_kernel computes Yhat_c and J_c for every
+# chunk at once; chunk_carry_kernel walks the chain with the value columns split across programs, so each
+# program owns its columns and no program waits on another; chunk_rows_bwd_kernel solves W_c for every chunk
+# at once and the row scalars of the gradients; sparse_grads_kernel (above) then gives dq, dk, dx as in the
+# blocked solver. kernels/chunked_solve.py is the float64 model of these steps.
+
+
+@triton.jit
+def _chunk_of_program(START, H, n, C: tl.constexpr):
+    """For a grid (cdiv(n, C), BH): the chunk index c, head bh, left padding s, the chunk's positions, which are
+    in range, and their pattern positions."""
+    c = tl.program_id(0)
+    bh, s = _head_and_start(START, H, 1)
+    rel = c * C + tl.arange(0, C)
+    rows = s + rel
+    return c, bh, s, rows, rows < n, rel
+
+
+@triton.jit
+def _held_rows(HELD, c, s, HM: tl.constexpr):
+    """The held rows of chunk c as positions (s where the table is padded, a safe address) and which are real."""
+    held = tl.load(HELD + c * HM + tl.arange(0, HM))
+    ok = held >= 0
+    return s + tl.where(ok, held, 0), ok
+
+
+@triton.jit
+def _chunk_probabilities(QB, KB, LSEB, G, bh, s, n, c, rows, rmask, rel, hrows, hok, F0, OFFS, STEPS, NSLOT, d,
+                         qk_scale2, C: tl.constexpr, HM: tl.constexpr, BD: tl.constexpr, CE: tl.constexpr,
+                         PREC: tl.constexpr):
+    """Channel B of a chunk's rows: softmax probabilities onto the chunk's own rows (C, C, strictly lower) and
+    onto its held rows (C, HM), and geff. B_cc = geff P_in and B[c, H_c] = geff P_held.
+
+    The scores are two tensor-core tiles; the pattern enters only through masks built from each slot's source
+    (integer work), so no key row is gathered per slot."""
+    cd = tl.arange(0, BD)
+    ar = tl.arange(0, C)
+    hasb = rmask & (rel >= F0)
+    geff = _gate(G, bh, n, rows, rmask, hasb)
+    q = _load_tile(QB, bh, n, rows, rmask, cd, d)
+    k_in = _load_tile(KB, bh, n, rows, rmask, cd, d)
+    k_held = _load_tile(KB, bh, n, hrows, hok, cd, d)
+    lse = _load_row_scalars(LSEB, bh, n, rows, rmask)
+    c0 = s + c * C
+    read_in = tl.full([C, C], 0, tl.int32)
+    read_held = tl.full([C, HM], 0, tl.int32)
+    for k in range(0, NSLOT):
+        src, ok = _slot_source(OFFS, STEPS, k, rel, rmask, s, CE)
+        read_in = tl.where(ok[:, None] & (src[:, None] == c0 + ar[None, :]), 1, read_in)
+        read_held = tl.where(ok[:, None] & hok[None, :] & (src[:, None] == hrows[None, :]), 1, read_held)
+    s_in = _dot(q, tl.trans(k_in), PREC) * qk_scale2 - lse[:, None]
+    s_held = _dot(q, tl.trans(k_held), PREC) * qk_scale2 - lse[:, None]
+    return _exp2_where(read_in != 0, s_in), _exp2_where(read_held != 0, s_held), geff, hasb
+
+
+@triton.jit
+def _zero_padding_rows(PTR, bh, n, s, c, cols, width, C: tl.constexpr, BW: tl.constexpr):
+    """Writes 0 to the left-padding positions among c * C .. c * C + C - 1 of a (BH, n, width) tensor, BW its
+    tile width (the chunks count from the first real token, so no chunk owns those rows)."""
+    pad = c * C + tl.arange(0, C)
+    tl.store(_tile_ptrs(PTR, bh, n, pad, cols, width), tl.full([C, BW], 0.0, tl.float32),
+             mask=_tile_mask(pad < s, cols, width))
+
+
+@triton.jit
+def _chunk_j_ptrs(J, bh, n, c, C: tl.constexpr, HM: tl.constexpr):
+    """Pointers to J_c (C, HM) of head bh in J (BH, cdiv(n, C), C, HM)."""
+    nc = (n + C - 1) // C
+    return J + ((bh * nc + c) * C + tl.arange(0, C)[:, None]) * HM + tl.arange(0, HM)[None, :]
+
+
+@triton.jit
+def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, Y, J, START, OFFS, STEPS, NSLOT, F0, n, H, d, e, qk_scale2,
+                         C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, BD: tl.constexpr,
+                         BE: tl.constexpr, CE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """Chunked sparse solve, the parallel part of the forward: Yhat_c (written to Y) and J_c for every chunk.
+
+    Grid (cdiv(n, C), BH). Yhat_c = T_c (1 - geff) OA_c and J_c = T_c geff P_held, both by the in-block
+    squaring solve of the dense kernels (``_unit_lower_solve``) with L = geff P_in. J (BH, cdiv(n, C), C, HM)
+    float32 is written whole (zero rows past n and zero columns past |H_c|); Y is 0 on padded rows.
+    """
+    c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
+    ce = tl.arange(0, BE)
+    hrows, hok = _held_rows(HELD, c, s, HM)
+    p_in, p_held, geff, _ = _chunk_probabilities(QB, KB, LSEB, G, bh, s, n, c, rows, rmask, rel, hrows, hok, F0,
+                                                 OFFS, STEPS, NSLOT, d, qk_scale2, C, HM, BD, CE, PREC)
+    lower = geff[:, None] * p_in
+    oa = _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
+    yhat, jc = _unit_lower_solve_pair(lower, (1.0 - geff)[:, None] * oa, geff[:, None] * p_held, LOG2_C, False,
+                                      SOLVE_PREC)
+    tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), yhat, mask=_tile_mask(rmask, ce, e))
+    tl.store(_chunk_j_ptrs(J, bh, n, c, C, HM), jc)
+    _zero_padding_rows(Y, bh, n, s, c, ce, e, C, BE)
+
+
+@triton.jit
+def chunk_carry_kernel(Y, J, HELD, START, n, H, e, C: tl.constexpr, HM: tl.constexpr, BES: tl.constexpr,
+                       REVERSE: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """Chunked sparse solve, the chain through the held rows, in place on Y (BH, n, e) float32.
+
+    Grid (BH, cdiv(e, BES)): each program owns BES value columns of one head. Forward: Y holds Yhat on entry;
+    chunk after chunk, Y_c += J_c Y[H_c]. REVERSE (backward): Y holds dY on entry (0 on padded rows); last chunk
+    first, Y_c is then final (G_c) and Y[H_c] += J_c^T G_c (the rows of H_c are distinct: no atomics). Rows a
+    chunk reads were written by this program at an earlier step: a barrier ends each step.
+    """
+    bh, s = _head_and_start(START, H, 0)
+    cols = tl.program_id(1) * BES + tl.arange(0, BES)
+    ar = tl.arange(0, C)
+    nreal = (n - s + C - 1) // C
+    for i in range(0, nreal):
+        if REVERSE:
+            c = nreal - 1 - i
+        else:
+            c = i
+        rows = s + c * C + ar
+        rmask = rows < n
+        hrows, hok = _held_rows(HELD, c, s, HM)
+        jc = tl.load(_chunk_j_ptrs(J, bh, n, c, C, HM))
+        if REVERSE:
+            grad = _load_tile(Y, bh, n, rows, rmask, cols, e)
+            ptrs = _tile_ptrs(Y, bh, n, hrows, cols, e)
+            mask = _tile_mask(hok, cols, e)
+            tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + _dot(tl.trans(jc), grad, SOLVE_PREC), mask=mask)
+        else:
+            carried = _load_tile(Y, bh, n, hrows, hok, cols, e)
+            ptrs = _tile_ptrs(Y, bh, n, rows, cols, e)
+            mask = _tile_mask(rmask, cols, e)
+            tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + _dot(jc, carried, SOLVE_PREC), mask=mask)
+        tl.debug_barrier()
+
+
+@triton.jit
+def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, Y, GRAD, W, DA, DB, DG, START, OFFS, STEPS, NSLOT, F0, n, H,
+                          d, e, qk_scale2, C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr,
+                          BD: tl.constexpr, BE: tl.constexpr, CE: tl.constexpr, PREC: tl.constexpr,
+                          SOLVE_PREC: tl.constexpr):
+    """Chunked sparse solve, the parallel part of the backward: W_c = T_c^T G_c for every chunk (GRAD holds G
+    from the reverse chain), and the row scalars DA = (1 - geff) W.OA, DB = geff W.R, DG = W.(R - OA) on rows
+    with a recurrent set, as ``_store_w_and_row_grads`` writes them.
+
+    Grid (cdiv(n, C), BH). W.R_i = sum_j P_ij W_i . Y_j over the chunk's own rows and its held rows: two
+    tensor-core tiles W_c Y_c^T and W_c Y[H_c]^T weighted by P, so R itself is never stored.
+    """
+    c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
+    ce = tl.arange(0, BE)
+    hrows, hok = _held_rows(HELD, c, s, HM)
+    p_in, p_held, geff, hasb = _chunk_probabilities(QB, KB, LSEB, G, bh, s, n, c, rows, rmask, rel, hrows, hok, F0,
+                                                    OFFS, STEPS, NSLOT, d, qk_scale2, C, HM, BD, CE, PREC)
+    grad = _load_tile(GRAD, bh, n, rows, rmask, ce, e)
+    w = _unit_lower_solve(geff[:, None] * p_in, grad, LOG2_C, True, SOLVE_PREC)
+    y_in = _load_tile(Y, bh, n, rows, rmask, ce, e)
+    y_held = _load_tile(Y, bh, n, hrows, hok, ce, e)
+    w_r = _sum(p_in * _dot(w, tl.trans(y_in), PREC), 1) + _sum(p_held * _dot(w, tl.trans(y_held), PREC), 1)
+    w_oa = _sum(w * _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32), 1)
+    tl.store(_tile_ptrs(W, bh, n, rows, ce, e), w, mask=_tile_mask(rmask, ce, e))
+    tl.store(_row_ptrs(DA, bh, n, rows), (1.0 - geff) * w_oa, mask=rmask)
+    tl.store(_row_ptrs(DB, bh, n, rows), geff * w_r, mask=rmask)
+    tl.store(_row_ptrs(DG, bh, n, rows), tl.where(hasb, w_r - w_oa, 0.0), mask=rmask)
+    _zero_padding_rows(W, bh, n, s, c, ce, e, C, BE)
+    pad = c * C + tl.arange(0, C)
+    zero = tl.full([C], 0.0, tl.float32)
+    tl.store(_row_ptrs(DA, bh, n, pad), zero, mask=pad < s)
+    tl.store(_row_ptrs(DB, bh, n, pad), zero, mask=pad < s)
+    tl.store(_row_ptrs(DG, bh, n, pad), zero, mask=pad < s)
 
 
 # ------------------------------------------------------------------------------------------------

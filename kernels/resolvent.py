@@ -12,6 +12,11 @@ local_attention, banded,      sparse_direct, then sparse_solve_fwd             s
 diagonal, f-patterns (+ :ce)  (sequential; none for local attention)           sparse_grads
 ============================  ===============================================  ==========================
 
+``BlockConfig`` names the variants (kernels/README.md): ``dense_solver="chunked"`` runs dense_chunk_fwd /
+dense_chunk_bwd instead of the blocked dense solves, ``sparse_solver="chunked"`` runs chunk_prepare and
+chunk_carry forward, chunk_carry (reverse) and chunk_rows_bwd backward instead of the sparse solves, and
+``attn_bwd="atomic"`` runs attn_bwd_atomic instead of the attn_bwd_dkdv / attn_bwd_dq pair.
+
 Left padding (``start``) is supported by every kernel. Inputs may be float32, bfloat16 or float16;
 every accumulation is float32, outputs come back in x's dtype.
 
@@ -21,6 +26,7 @@ Shapes: B batch, H heads, n positions, d key width, e value width.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -31,6 +37,7 @@ from hf_resolvent.ops.common import check_inputs
 from hf_resolvent.patterns import Pattern, get_pattern
 
 from ._loader import check_ready, jit_module
+from .chunked_solve import held_rows
 
 LOG2E = math.log2(math.e)
 # Input precision of products with float32 operands (see _jit.py): float32-accurate on tensor cores.
@@ -54,6 +61,19 @@ class BlockConfig:
             pipelining stages of the sequential solves. The defaults compile for sm_80 / sm_90 with
             bfloat16 inputs, head dim 64, without register spills worth mentioning (see
             ``scripts/bench/bench_kernels.py --compile-check``); with solve = 64 the sequential kernels spill.
+        sparse_solver: how the sparse patterns' solves run: ``"blocked"`` (one sequential program per head
+            forward, ticket-ordered blocks backward) or ``"chunked"`` (chunks of ``chunk`` rows prepared in
+            parallel, then a pass that carries only each chunk's held rows; kernels/README.md).
+        dense_solver: how the dense pattern's solves run: ``"blocked"`` (blocks of ``solve`` rows) or
+            ``"chunked"`` (blocks of ``chunk`` rows with one product left after the wait on the block before).
+        chunk: rows per chunk of the chunked solves.
+        attn_bwd: the attention-style backward: ``"split"`` (one kernel over key blocks for dK and dV, one over
+            query blocks for dQ) or ``"atomic"`` (one kernel over key blocks, dQ added atomically in float32).
+        atomic_m, atomic_n, atomic_warps: query rows per step, keys per program and warps of the ``"atomic"``
+            backward (``attn_bwd_atomic_kernel``), for 16-bit inputs at head width <= 64, where every product of
+            the kernel has 64 or more rows (Hopper's warpgroup products, wgmma); float32 inputs and wider heads
+            divide both tile sizes by their row's size over 128 bytes (64 x 128 becomes 32 x 64 for float32 or
+            head width 128), to fit shared memory.
     """
 
     attn_m: int = 64
@@ -67,12 +87,25 @@ class BlockConfig:
     num_warps: int = 4
     solve_warps: int = 4
     solve_stages: int = 2
+    sparse_solver: str = "blocked"
+    dense_solver: str = "blocked"
+    chunk: int = 64
+    attn_bwd: str = "split"
+    atomic_m: int = 64
+    atomic_n: int = 128
+    atomic_warps: int = 8
 
     def __post_init__(self):
-        for name in ("attn_m", "attn_n", "bwd_m", "bwd_n", "solve", "sparse_m", "sparse_grads_m", "decode"):
+        for name in ("attn_m", "attn_n", "bwd_m", "bwd_n", "solve", "sparse_m", "sparse_grads_m", "decode", "chunk",
+                     "atomic_m", "atomic_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"BlockConfig.{name} must be a power of two >= 16, got {v}")
+        for name, choices in (("sparse_solver", ("blocked", "chunked")), ("dense_solver", ("blocked", "chunked")),
+                              ("attn_bwd", ("split", "atomic"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"BlockConfig.{name} must be one of {', '.join(map(repr, choices))}, "
+                                 f"got {getattr(self, name)!r}")
 
 
 _CONFIG = BlockConfig()
@@ -84,9 +117,15 @@ def get_block_config() -> BlockConfig:
 
 
 def fitted_block_config(dtype: torch.dtype, width: int, cfg: BlockConfig | None = None) -> BlockConfig:
-    """``cfg`` (default: the current one) with the attention tiles' key step halved while its pipelined key and
-    value tiles would pass 16 KiB each (float32 at head width > 64): compiled for sm_90, the float32 attention
-    kernels at width 128 ask for 256 KiB of shared memory with 64-key steps, over the 227 KiB a block may have."""
+    """``cfg`` (default: the current one) with its tiles fitted to a block's shared memory for rows of ``width``
+    elements of ``dtype``:
+
+    - the attention tiles' key step halved while its pipelined key and value tiles would pass 16 KiB each (float32
+      at head width > 64): compiled for sm_90, the float32 attention kernels at width 128 ask for 256 KiB of shared
+      memory with 64-key steps, over the 227 KiB a block may have;
+    - the atomic backward's tiles, set for rows of 128 bytes (16-bit inputs, head width 64), divided by the row's
+      size over 128 bytes: a program's K and V and its pipelined query tiles sit in shared memory, and the defaults
+      then fit sm_80 and sm_90."""
     cfg = _CONFIG if cfg is None else cfg
     elem, BW = torch.empty((), dtype=dtype).element_size(), tile_width(width)
 
@@ -95,7 +134,9 @@ def fitted_block_config(dtype: torch.dtype, width: int, cfg: BlockConfig | None 
             step //= 2
         return step
 
-    return replace(cfg, attn_n=fitted(cfg.attn_n), bwd_n=fitted(cfg.bwd_n))
+    shrink = max(1, elem * BW // 128)
+    return replace(cfg, attn_n=fitted(cfg.attn_n), bwd_n=fitted(cfg.bwd_n),
+                   atomic_m=max(16, cfg.atomic_m // shrink), atomic_n=max(16, cfg.atomic_n // shrink))
 
 
 @contextlib.contextmanager
@@ -147,7 +188,7 @@ class Plan:
 
     dense: attention / dense resolvent (causal prefix) rather than a slot pattern; has_b: B != 0;
     offsets, steps: f(k) and a_k per slot (steps only for cache-efficient patterns); f0: pattern rows
-    rel >= f0 have a non-empty recurrent set.
+    rel >= f0 have a non-empty recurrent set; pattern: the pattern itself (the chunked solves' held rows).
     """
 
     dense: bool
@@ -156,21 +197,33 @@ class Plan:
     offsets: tuple[int, ...] = ()
     steps: tuple[int, ...] = ()
     f0: int = 1
+    pattern: Pattern | None = None
 
 
 def make_plan(pattern: Pattern, n: int) -> Plan:
     if pattern.kind == "attention":
-        return Plan(dense=True, has_b=False)
+        return Plan(dense=True, has_b=False, pattern=pattern)
     if pattern.kind == "dense":
-        return Plan(dense=True, has_b=True, f0=1)
+        return Plan(dense=True, has_b=True, f0=1, pattern=pattern)
     if pattern.kind == "local_attention":
-        return Plan(dense=False, has_b=False, offsets=tuple(range(1, pattern.window)))
+        return Plan(dense=False, has_b=False, offsets=tuple(range(1, pattern.window)), pattern=pattern)
     if pattern.band is not None:
-        return Plan(dense=False, has_b=True, offsets=tuple(range(1, pattern.band + 1)), f0=1)
+        return Plan(dense=False, has_b=True, offsets=tuple(range(1, pattern.band + 1)), f0=1, pattern=pattern)
     offsets = tuple(pattern.offsets(n))
     steps = tuple(pattern.steps(n)) if pattern.cache_efficient else ()
     return Plan(dense=False, has_b=True, ce=pattern.cache_efficient, offsets=offsets, steps=steps,
-                f0=offsets[0] if offsets else n)
+                f0=offsets[0] if offsets else n, pattern=pattern)
+
+
+@functools.lru_cache(maxsize=32)
+def held_table(pattern: Pattern, n: int, chunk: int) -> torch.Tensor:
+    """(cdiv(n, chunk), HM) int32 on CPU: row c lists the held rows H_c of chunk c (``chunked_solve.held_rows``,
+    pattern positions), -1 past them; HM is the largest |H_c| as a tile width (a power of two >= 16)."""
+    held = held_rows(pattern, n, chunk)
+    table = torch.full((len(held), tile_width(max((len(h) for h in held), default=1))), -1, dtype=torch.int32)
+    for c, rows in enumerate(held):
+        table[c, :len(rows)] = rows
+    return table
 
 
 def _table(values: tuple[int, ...], device) -> torch.Tensor:
@@ -216,7 +269,7 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
     BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
     qk2 = sh.scale * LOG2E
     BE = tile_width(e)
-    oa = lsea = lseb = r = None
+    oa = lsea = lseb = r = j = None
     if plan.dense:
         if not tied:
             oa, lsea = new_buffer((BH, n, e), dev), new_buffer((BH, n), dev)
@@ -228,9 +281,10 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
             oa = x
         if plan.has_b:
             y, r, lseb = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev), new_buffer((BH, n), dev)
-            jit.dense_solve_fwd_kernel[_solve_grid(n, BH, cfg)](
+            kernel, block = _dense_solve(jit, cfg, "fwd")
+            kernel[_solve_grid(n, BH, block)](
                 qb, kb, oa, g, y, r, lseb, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
+                BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
@@ -250,7 +304,15 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
             n, H, sh.da, sh.db, e, qk2,
             BM=cfg.sparse_m, BDA=tile_width(sh.da), BDB=tile_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
             HAS_B=plan.has_b, num_warps=cfg.num_warps)
-        if plan.has_b:
+        if plan.has_b and cfg.sparse_solver == "chunked":
+            held = held_table(plan.pattern, n, cfg.chunk).to(dev)
+            y, j = new_buffer((BH, n, e), dev), new_buffer((BH, held.shape[0], cfg.chunk, held.shape[1]), dev)
+            jit.chunk_prepare_kernel[(held.shape[0], BH)](
+                qb, kb, oa, g, lseb, held, y, j, start, offs, steps, K, plan.f0, n, H, sh.db, e, qk2,
+                **_chunk_tiles(cfg, held, sh.db, e), PREC=sh.prec, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
+                num_warps=cfg.solve_warps)
+            _chunk_carry(jit, y, j, held, start, sh, cfg, reverse=False)
+        elif plan.has_b:
             y, r = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev)
             jit.sparse_solve_fwd_kernel[(BH,)](
                 qb, kb, oa, g, lseb, y, r, start, offs, steps, K, plan.f0, n, H, sh.db, e, qk2,
@@ -258,7 +320,7 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
-    return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r)
+    return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r, j=j)
 
 
 def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: LaunchShapes, cfg: BlockConfig, tied: bool):
@@ -280,13 +342,22 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
         w = new_buffer((BH, n, e), dev)
         da, db, dg = new_buffer((BH, n), dev), new_buffer((BH, n), dev), new_buffer((BH, n), dev)
         if plan.dense:
-            jit.dense_solve_bwd_kernel[_solve_grid(n, BH, cfg)](
+            kernel, block = _dense_solve(jit, cfg, "bwd")
+            kernel[_solve_grid(n, BH, block)](
                 qb, kb, oa, r, g, lseb, dy, w, da, db, dg, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
+                BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
+        elif cfg.sparse_solver == "chunked":
+            held = held_table(plan.pattern, n, cfg.chunk).to(dev)
+            grad = dy.float() * valid_rows(start, heads, n)[..., None]
+            _chunk_carry(jit, grad, saved["j"], held, start, sh, cfg, reverse=True)
+            jit.chunk_rows_bwd_kernel[(held.shape[0], BH)](
+                qb, kb, oa, g, lseb, held, y, grad, w, da, db, dg, start, offs, steps, K, plan.f0, n, H, sh.db, e,
+                qk2, **_chunk_tiles(cfg, held, sh.db, e), PREC=sh.prec, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
+                num_warps=cfg.solve_warps)
         else:
             gacc = torch.zeros(BH, n, e, device=dev)
-            jit.sparse_solve_bwd_kernel[_solve_grid(n, BH, cfg)](
+            jit.sparse_solve_bwd_kernel[_solve_grid(n, BH, cfg.solve)](
                 qb, kb, oa, r, g, lseb, dy, gacc, w, da, db, dg, start, _progress(BH, dev), offs, steps, K, plan.f0,
                 n, H, sh.db, e, qk2,
                 BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=tile_width(sh.db), BE=BE, CE=plan.ce,
@@ -328,6 +399,14 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
 def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: LaunchShapes, d, cfg, strict: bool):
     BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
     qk2 = sh.scale * LOG2E
+    if cfg.attn_bwd == "atomic":
+        # Every key block before a query row adds its share of that row's dQ: the sums start at zero.
+        dq.zero_()
+        jit.attn_bwd_atomic_kernel[(triton_cdiv(n, cfg.atomic_n), BH)](
+            q, k, v, w, coef, delta, lse, dq, dk, dv if dv is not None else dk, start, n, H, d, e, qk2, sh.scale,
+            BM=cfg.atomic_m, BN=cfg.atomic_n, BD=tile_width(d), BE=tile_width(e), STRICT=strict,
+            HAS_DV=dv is not None, PREC=sh.prec, num_warps=cfg.atomic_warps)
+        return
     common = dict(BD=tile_width(d), BE=tile_width(e), STRICT=strict, PREC=sh.prec, num_warps=cfg.num_warps)
     jit.attn_bwd_dkdv_kernel[(triton_cdiv(n, cfg.bwd_n), BH)](
         q, k, v, w, coef, delta, lse, dk, dv if dv is not None else dk, start, n, H, d, e, qk2, sh.scale,
@@ -336,10 +415,32 @@ def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: LaunchSh
         q, k, v, w, coef, delta, lse, dq, start, n, H, d, e, qk2, sh.scale, BM=cfg.bwd_m, BN=cfg.bwd_n, **common)
 
 
-def _solve_grid(n: int, BH: int, cfg: BlockConfig) -> tuple:
-    """Grid of the solves run per block (all but the sparse forward): one program per (row block, batch x head),
-    which the kernels order by ticket."""
-    return (triton_cdiv(n, cfg.solve) * BH,)
+def _chunk_tiles(cfg: BlockConfig, held: torch.Tensor, d: int, e: int) -> dict:
+    """The tile constexprs shared by the chunked solves' parallel kernels."""
+    return dict(C=cfg.chunk, LOG2_C=int(math.log2(cfg.chunk)), HM=held.shape[1], BD=tile_width(d), BE=tile_width(e))
+
+
+def _chunk_carry(jit, y, j, held, start, sh: LaunchShapes, cfg: BlockConfig, reverse: bool):
+    """The chunked solves' chain through the held rows, in place on y (BH, n, e) float32: forward Yhat -> Y,
+    reverse dY -> G. One program per (batch x head, 16 value columns); no software pipelining across the
+    barrier that ends each chunk."""
+    columns = 16
+    jit.chunk_carry_kernel[(sh.BH, triton_cdiv(sh.e, columns))](
+        y, j, held, start, sh.n, sh.H, sh.e, C=cfg.chunk, HM=held.shape[1], BES=columns, REVERSE=reverse,
+        SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=1)
+
+
+def _solve_grid(n: int, BH: int, block: int) -> tuple:
+    """Grid of the solves run per block of ``block`` rows (the ticket-ordered ones): one program per (row block,
+    batch x head), which the kernels order by ticket."""
+    return (triton_cdiv(n, block) * BH,)
+
+
+def _dense_solve(jit, cfg: BlockConfig, direction: str):
+    """The dense solve kernel of ``cfg.dense_solver`` for ``direction`` ("fwd" or "bwd"), and its rows per block."""
+    if cfg.dense_solver == "chunked":
+        return getattr(jit, f"dense_chunk_{direction}_kernel"), cfg.chunk
+    return getattr(jit, f"dense_solve_{direction}_kernel"), cfg.solve
 
 
 def _progress(BH: int, device) -> torch.Tensor:
@@ -378,7 +479,7 @@ class _MixFunction(torch.autograd.Function):
         flat = [_flat(t, dtype) for t in (qa, ka, qb, kb, x)] + [_flat(g)]
         start = start.to(device=x.device, dtype=torch.int32).contiguous()
         y, saved = launch_forward(*flat, start, plan, sh, cfg, tied)
-        keys = ("oa", "lsea", "lseb", "y", "r")
+        keys = ("oa", "lsea", "lseb", "y", "r", "j")
         ctx.save_for_backward(*flat, start, *(saved[k] for k in keys))
         ctx.meta = (plan, sh, cfg, tied, keys, [None if t is None else t.dtype for t in (qa, ka, qb, kb, x, g)])
         out = y.view(batch, heads, n, e)

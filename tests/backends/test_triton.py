@@ -53,7 +53,7 @@ def interpreter():
         mp.setenv("TRITON_INTERPRET", "1")
         old = kernels.set_nan_fill(True)
         with kernels.block_config(attn_m=BLOCK, attn_n=BLOCK, bwd_m=BLOCK, bwd_n=BLOCK, solve=BLOCK, sparse_m=BLOCK,
-                                  sparse_grads_m=BLOCK, decode=BLOCK):
+                                  sparse_grads_m=BLOCK, decode=BLOCK, atomic_m=BLOCK, atomic_n=BLOCK):
             yield
         kernels.set_nan_fill(old)
 
@@ -163,6 +163,10 @@ def test_pattern_with_no_slot_in_range():
     ("exp2", torch.bfloat16, 3e-2, False),
 ])
 def test_tied_variant(pattern, dtype, rel, padded):
+    _check_tied(pattern, dtype, rel, padded)
+
+
+def _check_tied(pattern, dtype, rel, padded):
     batch, heads, n = 2, 2, 35
     qa, ka, qb, kb, x, g, tied_d = _inputs(batch, heads, n, 16, 16, 3, dtype)
     start = torch.tensor([0, 9]) if padded else None
@@ -177,6 +181,84 @@ def test_tied_variant(pattern, dtype, rel, padded):
             _close(got, want, rel)
         except AssertionError as err:
             raise AssertionError(f"gradient of {name}: {err}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# The attention-style backward in one kernel, dQ added atomically (BlockConfig.attn_bwd = "atomic")
+#
+# Only the dense kinds run it (attention, and the dense pattern's channels A and B); local attention and the
+# sparse patterns go through sparse_grads whatever attn_bwd says.
+
+
+@pytest.mark.parametrize(("pattern", "dtype", "n", "tiles"), [
+    ("attention", torch.float32, 37, (BLOCK, BLOCK)),
+    ("dense", torch.float32, 37, (BLOCK, BLOCK)),
+    ("dense", torch.float32, 37, (BLOCK, 2 * BLOCK)),  # a key block read from the middle of a query block
+    ("dense", torch.float32, 37, (2 * BLOCK, BLOCK)),  # query blocks that start before the key block
+    ("dense", torch.float32, 5, (BLOCK, BLOCK)),
+    ("attention", torch.bfloat16, 29, (BLOCK, BLOCK)),
+    ("dense", torch.bfloat16, 29, (BLOCK, BLOCK)),
+])
+def test_atomic_attention_backward(pattern, dtype, n, tiles):
+    rel, e = (1e-4, 24) if dtype == torch.float32 else (3e-2, 16)
+    with kernels.block_config(attn_bwd="atomic", atomic_m=tiles[0], atomic_n=tiles[1]):
+        _check_mix(pattern, batch=2, heads=2, n=n, d=16, e=e, dtype=dtype, rel=rel)
+
+
+@pytest.mark.parametrize("pattern", ["attention", "dense"])
+@pytest.mark.parametrize("keys_per_program", [BLOCK, 2 * BLOCK])
+def test_atomic_attention_backward_left_padding(pattern, keys_per_program):
+    # start 18: with 16 keys per program the first key block is all padding, with 32 it is partly padding.
+    start = torch.tensor([0, 7, 18])
+    with kernels.block_config(attn_bwd="atomic", atomic_n=keys_per_program):
+        _check_mix(pattern, batch=3, heads=1, n=33, d=16, e=16, dtype=torch.float32, rel=1e-4, start=start)
+
+
+@pytest.mark.parametrize(("dtype", "rel", "padded"), [(torch.float32, 1e-4, True), (torch.bfloat16, 3e-2, False)])
+def test_atomic_attention_backward_tied(dtype, rel, padded):
+    with kernels.block_config(attn_bwd="atomic"):
+        _check_tied("dense", dtype, rel, padded)
+
+
+def test_atomic_attention_backward_launches_one_kernel_per_channel():
+    """attn_bwd="atomic" replaces the split pair by attn_bwd_atomic_kernel (recorded launches, nothing runs)."""
+    from hf_resolvent.backends.triton import aot
+
+    def bwd(pattern, **kw):
+        return [launch for launch in aot.record_launches(pattern, dtype=torch.float32, n=40, d=16, e=16, **kw)
+                if launch.name.startswith("attn_bwd")]
+
+    split = {pattern: bwd(pattern) for pattern in ("attention", "dense")}
+    assert [launch.name for launch in split["dense"]] == ["attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"] * 2
+    with kernels.block_config(attn_bwd="atomic"):
+        attention, dense, tied = bwd("attention"), bwd("dense"), bwd("dense", tied=True)
+        assert not bwd("local_attention:3")
+    assert [launch.name for launch in attention + dense + tied] == ["attn_bwd_atomic_kernel"] * 4
+    # Channel A (keys j <= i, dV) and channel B (keys j < i, no dV); the tied variant has channel B only.
+    assert [(launch.constexprs["STRICT"], launch.constexprs["HAS_DV"]) for launch in dense] == [(False, True),
+                                                                                                   (True, False)]
+    assert [(launch.constexprs["STRICT"], launch.constexprs["HAS_DV"]) for launch in tied] == [(True, False)]
+    assert dense[0].grid == (-(-40 // BLOCK), 1)
+
+
+def test_atomic_attention_backward_tiles():
+    """BlockConfig.atomic_m / atomic_n hold for 16-bit inputs at head width <= 64 (64 x 128 by default, 128 x 128 when
+    asked for); float32 inputs and head width 128 divide both by their row's size over 128 bytes."""
+    import dataclasses
+
+    from hf_resolvent.backends.triton import aot, resolvent
+
+    def tiles(dtype, width):
+        launches = aot.record_launches("dense", dtype=dtype, n=256, d=width, e=width)
+        return {(launch.constexprs["BM"], launch.constexprs["BN"], launch.options["num_warps"])
+                for launch in launches if launch.name == "attn_bwd_atomic_kernel"}
+
+    with kernels.block_config(**dict(dataclasses.asdict(resolvent.BlockConfig()), attn_bwd="atomic")):
+        assert tiles(torch.bfloat16, 64) == tiles(torch.float16, 32) == {(64, 128, 8)}
+        assert tiles(torch.bfloat16, 128) == tiles(torch.float32, 64) == {(32, 64, 8)}
+        assert tiles(torch.float32, 128) == {(16, 32, 8)}
+        with kernels.block_config(atomic_m=128, atomic_warps=4):
+            assert tiles(torch.bfloat16, 64) == {(128, 128, 4)}
 
 
 def test_resolvent_mix_dispatches_to_triton(monkeypatch):
@@ -280,8 +362,10 @@ def test_decode_step_tied_and_bfloat16():
 # GPU lowering (no GPU needed)
 
 
-@pytest.mark.parametrize(("pattern", "dtype"), [("dense", torch.bfloat16), ("exp2:ce", torch.float32)])
-def test_kernels_compile_for_a_gpu(pattern, dtype):
+@pytest.mark.parametrize(("pattern", "dtype", "attn_bwd"), [("dense", torch.bfloat16, "split"),
+                                                            ("dense", torch.float32, "atomic"),
+                                                            ("exp2:ce", torch.float32, "split")])
+def test_kernels_compile_for_a_gpu(pattern, dtype, attn_bwd):
     """Every launch of a forward, backward and decode step compiles to a cubin for sm_90.
 
     The interpreter runs kernels as Python and would accept code that Triton cannot lower to a GPU;
@@ -290,10 +374,13 @@ def test_kernels_compile_for_a_gpu(pattern, dtype):
     """
     from hf_resolvent.backends.triton import aot
 
-    launches = aot.record_launches(pattern, dtype=dtype, n=40, d=16, e=16, batch=1, heads=2)
+    with kernels.block_config(attn_bwd=attn_bwd):
+        launches = aot.record_launches(pattern, dtype=dtype, n=40, d=16, e=16, batch=1, heads=2)
     names = {launch.name for launch in launches}
-    expected = {"dense": {"attn_fwd_kernel", "dense_solve_fwd_kernel", "dense_solve_bwd_kernel", "attn_bwd_dkdv_kernel",
-                          "attn_bwd_dq_kernel", "decode_step_kernel"},
+    attn_bwd_kernels = {"split": {"attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"},
+                        "atomic": {"attn_bwd_atomic_kernel"}}[attn_bwd]
+    expected = {"dense": {"attn_fwd_kernel", "dense_solve_fwd_kernel", "dense_solve_bwd_kernel", "decode_step_kernel"}
+                | attn_bwd_kernels,
                 "exp2:ce": {"sparse_direct_kernel", "sparse_solve_fwd_kernel", "sparse_solve_bwd_kernel",
                             "sparse_grads_kernel", "decode_step_kernel"}}[pattern]
     assert names == expected
@@ -313,7 +400,7 @@ def test_float32_attention_at_width_128_fits_a_blocks_shared_memory():
 
     defaults = dataclasses.asdict(resolvent.BlockConfig())
     with kernels.block_config(**defaults):
-        assert resolvent.fitted_block_config(torch.bfloat16, 128) == resolvent.BlockConfig()
+        assert resolvent.fitted_block_config(torch.bfloat16, 128).attn_n == resolvent.BlockConfig().attn_n == 64
         assert resolvent.fitted_block_config(torch.float32, 128).attn_n == 32
         launches = aot.record_launches("attention", dtype=torch.float32, n=64, d=128, e=128, batch=1, heads=1)
         assert {launch.name for launch in launches} >= {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}

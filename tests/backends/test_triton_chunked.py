@@ -1,0 +1,120 @@
+"""The chunked solves (``BlockConfig.sparse_solver = "chunked"``, ``dense_solver = "chunked"``) against the float64
+reference, under Triton's interpreter.
+
+Chunks of 16 rows (``chunk=16``), so the short sequences of the interpreter cross several chunks and reach held
+rows far back (exp2:ce at n = 70 holds rows 64 positions before a chunk). The oracles, tolerances, NaN-filled
+outputs and the interpreter fixture are those of ``test_triton.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_resolvent.backends.triton import aot, resolvent
+from test_triton import _check_mix, _check_tied, interpreter  # noqa: F401 (interpreter: autouse fixture)
+
+from hf_resolvent.backends import triton as kernels
+from hf_resolvent.patterns import get_pattern
+
+CHUNK = 16
+SPARSE_RECURRENT = ["banded:2", "diagonal", "exp2", "exp2:ce", "square", "square:ce", "f:k**2+2"]
+
+
+@pytest.fixture(autouse=True)
+def chunked():
+    with kernels.block_config(sparse_solver="chunked", dense_solver="chunked", chunk=CHUNK):
+        yield
+
+
+@pytest.mark.parametrize("pattern", ["dense", *SPARSE_RECURRENT])
+def test_float32_forward_and_gradients(pattern):
+    # n = 70: four full chunks and a partial one; e != d exercises the column masks.
+    _check_mix(pattern, batch=1, heads=2, n=70, d=16, e=24, dtype=torch.float32, rel=1e-4)
+
+
+@pytest.mark.parametrize("pattern", ["dense", "exp2:ce", "square:ce", "banded:3"])
+def test_bfloat16_forward_and_gradients(pattern):
+    _check_mix(pattern, batch=2, heads=1, n=45, d=16, e=16, dtype=torch.bfloat16, rel=3e-2)
+
+
+@pytest.mark.parametrize("pattern", ["dense", "exp2:ce", "banded:2", "square"])
+def test_left_padding(pattern):
+    start = torch.tensor([0, 5, 21])  # 21 > one chunk: the padded rows span a whole chunk of positions
+    _check_mix(pattern, batch=3, heads=1, n=53, d=16, e=16, dtype=torch.float32, rel=1e-4, start=start)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16])
+def test_short_sequences(n):
+    for pattern in ("dense", "exp2:ce"):
+        _check_mix(pattern, batch=1, heads=2, n=n, d=16, e=16, dtype=torch.float32, rel=1e-4)
+
+
+@pytest.mark.parametrize(("pattern", "dtype", "rel", "padded"), [
+    ("square:ce", torch.float32, 1e-4, True),
+    ("exp2", torch.bfloat16, 3e-2, False),
+    ("dense", torch.float32, 1e-4, True),
+])
+def test_tied_variant(pattern, dtype, rel, padded):
+    _check_tied(pattern, dtype, rel, padded)
+
+
+def test_the_chunked_solvers_run_the_chunk_kernels_and_the_defaults_do_not():
+    chunked = [launch.name for launch in aot.record_launches("exp2:ce", n=64, d=16, e=16)]
+    assert chunked == ["sparse_direct_kernel", "chunk_prepare_kernel", "chunk_carry_kernel", "chunk_carry_kernel",
+                       "chunk_rows_bwd_kernel", "sparse_grads_kernel", "decode_step_kernel"]
+    dense = {launch.name: launch.grid for launch in aot.record_launches("dense", n=64, d=16, e=16)}
+    assert {"dense_chunk_fwd_kernel", "dense_chunk_bwd_kernel"} <= set(dense)
+    assert dense["dense_chunk_fwd_kernel"] == (64 // CHUNK,)  # one program per chunk of the one head
+    with kernels.block_config(sparse_solver="blocked", dense_solver="blocked"):
+        blocked = {launch.name for launch in aot.record_launches("exp2:ce", n=64, d=16, e=16)}
+        blocked |= {launch.name for launch in aot.record_launches("dense", n=64, d=16, e=16)}
+    assert not any("chunk" in name for name in blocked)
+    assert {"sparse_solve_fwd_kernel", "dense_solve_fwd_kernel"} <= blocked
+
+
+@pytest.mark.parametrize("pattern", ["dense", "exp2:ce"])
+def test_every_block_of_a_chunked_dense_solve_is_claimed_once_and_published(pattern, monkeypatch):
+    """The chunked dense solves keep the ticket schedule: after a forward and backward every chunk of every head is
+    published and every ticket taken (a chunk that never published would leave the next one waiting on a GPU).
+    The sparse chunked solves take no tickets at all."""
+    schedules = []
+    real = resolvent._progress
+    monkeypatch.setattr(resolvent, "_progress", lambda BH, device: schedules.append(real(BH, device)) or schedules[-1])
+    batch, heads, n = 2, 2, 37
+    _check_mix(pattern, batch=batch, heads=heads, n=n, d=16, e=16, dtype=torch.float32, rel=1e-4)
+    nblk, BH = -(-n // CHUNK), batch * heads
+    assert len(schedules) == (2 if pattern == "dense" else 0)
+    for progress in schedules:
+        assert progress.tolist() == [nblk] * BH + [nblk * BH]
+
+
+@pytest.mark.parametrize("pattern", SPARSE_RECURRENT)
+@pytest.mark.parametrize("n", [70, 300])
+def test_held_table_lists_exactly_the_earlier_rows_each_chunk_reads(pattern, n):
+    """Row c of the table holds every source before chunk c that one of its rows reads, once, and nothing else,
+    taken here straight from the pattern's source index."""
+    table = resolvent.held_table(get_pattern(pattern), n, CHUNK)
+    sources = get_pattern(pattern).source_index(n)
+    assert table.shape[0] == -(-n // CHUNK) and table.shape[1] >= 16 and table.shape[1] & (table.shape[1] - 1) == 0
+    for c in range(table.shape[0]):
+        c0 = c * CHUNK
+        read = sources[c0:c0 + CHUNK]
+        expected = sorted({int(j) for j in read[(read >= 0) & (read < c0)]})
+        row = table[c].tolist()
+        assert row[:len(expected)] == expected and all(v == -1 for v in row[len(expected):]), c
+
+
+def test_cache_efficient_chunks_carry_few_rows():
+    """What the chain carries per chunk of 64 rows: exp2:ce holds at most 16 earlier rows up to 32k (one tile),
+    square:ce a few tiles; a plain f-pattern holds far more (why the cache-efficient patterns suit the chain)."""
+    assert resolvent.held_table(get_pattern("exp2:ce"), 32768, 64).shape[1] == 16
+    assert resolvent.held_table(get_pattern("square:ce"), 4096, 64).shape[1] == 64
+    assert resolvent.held_table(get_pattern("exp2"), 4096, 64).shape[1] >= 256
+
+
+def test_bad_solver_settings_are_refused():
+    with pytest.raises(ValueError, match="BlockConfig.chunk must be a power of two >= 16"):
+        kernels.block_config(chunk=48).__enter__()
+    for name in ("sparse_solver", "dense_solver"):
+        with pytest.raises(ValueError, match=f"BlockConfig.{name} must be one of 'blocked', 'chunked'"):
+            kernels.block_config(**{name: "parallel"}).__enter__()
