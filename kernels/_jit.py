@@ -715,11 +715,12 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
     known = _wait_solved(PROGRESS, bh, blk - 1, known)
     y_prev = _load_solved_tile(Y, bh, n, prev, prev_ok, ce, e)
     y = tl.where(valid[:, None], yhat + _dot(chain, y_prev, SOLVE_PREC), 0.0)
-    r_read = acc + _dot(p_prev, y_prev, PREC) + _dot(p_in, y, SOLVE_PREC)
     tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), y, mask=_tile_mask(rmask, ce, e))
+    _publish_solved(PROGRESS, bh, order, known)
+    # R and LSEB are read by the backward only: off the chain, after the publication.
+    r_read = acc + _dot(p_prev, y_prev, PREC) + _dot(p_in, y, SOLVE_PREC)
     tl.store(_tile_ptrs(R, bh, n, rows, ce, e), r_read, mask=_tile_mask(rmask, ce, e))
     tl.store(_row_ptrs(LSEB, bh, n, rows), lse, mask=rmask)
-    _publish_solved(PROGRESS, bh, order, known)
 
 
 @triton.jit
@@ -1041,8 +1042,8 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
 # Only the chain through the held rows is sequential. chunk_prepare_kernel computes Yhat_c and J_c for every
 # chunk at once; chunk_carry_kernel walks the chain with the value columns split across programs, so each
 # program owns its columns and no program waits on another; chunk_rows_bwd_kernel solves W_c for every chunk
-# at once and the row scalars of the gradients; sparse_grads_kernel (above) then gives dq, dk, dx as in the
-# blocked solver. kernels/chunked_solve.py is the float64 model of these steps.
+# at once and the row scalars of the gradients; chunk_grads_kernel gives dq, dk, dx as tiles over the chunk's own
+# and held rows. kernels/chunked_solve.py is the float64 model of these steps.
 
 
 @triton.jit
@@ -1057,40 +1058,45 @@ def _chunk_of_program(START, H, n, C: tl.constexpr):
 
 
 @triton.jit
-def _held_rows(HELD, c, s, HM: tl.constexpr):
-    """The held rows of chunk c as positions (s where the table is padded, a safe address) and which are real."""
+def _held_rows(HELD, c, s, n, HM: tl.constexpr):
+    """The held rows of chunk c as positions (s where the table is padded, a safe address) and which are real. The
+    table is laid out for a sequence of n real rows: with left padding, the chunks past the sequence's end list
+    rows past n, which are not real either."""
     held = tl.load(HELD + c * HM + tl.arange(0, HM))
-    ok = held >= 0
+    ok = (held >= 0) & (s + held < n)
     return s + tl.where(ok, held, 0), ok
 
 
 @triton.jit
-def _chunk_probabilities(QB, KB, LSEB, G, bh, s, n, c, rows, rmask, rel, hrows, hok, F0, OFFS, STEPS, NSLOT, d,
-                         qk_scale2, C: tl.constexpr, HM: tl.constexpr, BD: tl.constexpr, CE: tl.constexpr,
-                         PREC: tl.constexpr):
+def _chunk_reads(READS, c, C: tl.constexpr, HM: tl.constexpr):
+    """Which of a chunk's own rows (C, C) and held rows (C, HM) each of its rows reads through B: READS
+    (cdiv(n, C), C, C + HM) int8 from ``resolvent.held_table``, the pattern's sources laid out per chunk once on the
+    host, so no program recomputes them per slot."""
+    ar = tl.arange(0, C)
+    base = READS + (c * C + ar[:, None]) * (C + HM)
+    return tl.load(base + ar[None, :]) != 0, tl.load(base + C + tl.arange(0, HM)[None, :]) != 0
+
+
+@triton.jit
+def _chunk_probabilities(QB, KB, LSEB, G, READS, bh, s, n, c, rows, rmask, rel, hrows, hok, F0, d, qk_scale2,
+                         C: tl.constexpr, HM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
     """Channel B of a chunk's rows: softmax probabilities onto the chunk's own rows (C, C, strictly lower) and
     onto its held rows (C, HM), and geff. B_cc = geff P_in and B[c, H_c] = geff P_held.
 
-    The scores are two tensor-core tiles; the pattern enters only through masks built from each slot's source
-    (integer work), so no key row is gathered per slot."""
+    The scores are two tensor-core tiles, masked by the chunk's reads (``_chunk_reads``): no key row is gathered
+    per slot."""
     cd = tl.arange(0, BD)
-    ar = tl.arange(0, C)
     hasb = rmask & (rel >= F0)
     geff = _gate(G, bh, n, rows, rmask, hasb)
     q = _load_tile(QB, bh, n, rows, rmask, cd, d)
     k_in = _load_tile(KB, bh, n, rows, rmask, cd, d)
     k_held = _load_tile(KB, bh, n, hrows, hok, cd, d)
     lse = _load_row_scalars(LSEB, bh, n, rows, rmask)
-    c0 = s + c * C
-    read_in = tl.full([C, C], 0, tl.int32)
-    read_held = tl.full([C, HM], 0, tl.int32)
-    for k in range(0, NSLOT):
-        src, ok = _slot_source(OFFS, STEPS, k, rel, rmask, s, CE)
-        read_in = tl.where(ok[:, None] & (src[:, None] == c0 + ar[None, :]), 1, read_in)
-        read_held = tl.where(ok[:, None] & hok[None, :] & (src[:, None] == hrows[None, :]), 1, read_held)
+    read_in, read_held = _chunk_reads(READS, c, C, HM)
     s_in = _dot(q, tl.trans(k_in), PREC) * qk_scale2 - lse[:, None]
     s_held = _dot(q, tl.trans(k_held), PREC) * qk_scale2 - lse[:, None]
-    return _exp2_where(read_in != 0, s_in), _exp2_where(read_held != 0, s_held), geff, hasb
+    return (_exp2_where(read_in & rmask[:, None], s_in), _exp2_where(read_held & rmask[:, None] & hok[None, :], s_held),
+            geff, hasb)
 
 
 @triton.jit
@@ -1110,9 +1116,9 @@ def _chunk_j_ptrs(J, bh, n, c, C: tl.constexpr, HM: tl.constexpr):
 
 
 @triton.jit
-def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, Y, J, START, OFFS, STEPS, NSLOT, F0, n, H, d, e, qk_scale2,
+def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, START, F0, n, H, d, e, qk_scale2,
                          C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, BD: tl.constexpr,
-                         BE: tl.constexpr, CE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+                         BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Chunked sparse solve, the parallel part of the forward: Yhat_c (written to Y) and J_c for every chunk.
 
     Grid (cdiv(n, C), BH). Yhat_c = T_c (1 - geff) OA_c and J_c = T_c geff P_held, both by the in-block
@@ -1121,9 +1127,9 @@ def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, Y, J, START, OFFS, STEPS, NS
     """
     c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
     ce = tl.arange(0, BE)
-    hrows, hok = _held_rows(HELD, c, s, HM)
-    p_in, p_held, geff, _ = _chunk_probabilities(QB, KB, LSEB, G, bh, s, n, c, rows, rmask, rel, hrows, hok, F0,
-                                                 OFFS, STEPS, NSLOT, d, qk_scale2, C, HM, BD, CE, PREC)
+    hrows, hok = _held_rows(HELD, c, s, n, HM)
+    p_in, p_held, geff, _ = _chunk_probabilities(QB, KB, LSEB, G, READS, bh, s, n, c, rows, rmask, rel, hrows, hok,
+                                                 F0, d, qk_scale2, C, HM, BD, PREC)
     lower = geff[:, None] * p_in
     oa = _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
     yhat, jc = _unit_lower_solve_pair(lower, (1.0 - geff)[:, None] * oa, geff[:, None] * p_held, LOG2_C, False,
@@ -1154,7 +1160,7 @@ def chunk_carry_kernel(Y, J, HELD, START, n, H, e, C: tl.constexpr, HM: tl.const
             c = i
         rows = s + c * C + ar
         rmask = rows < n
-        hrows, hok = _held_rows(HELD, c, s, HM)
+        hrows, hok = _held_rows(HELD, c, s, n, HM)
         jc = tl.load(_chunk_j_ptrs(J, bh, n, c, C, HM))
         if REVERSE:
             grad = _load_tile(Y, bh, n, rows, rmask, cols, e)
@@ -1170,10 +1176,9 @@ def chunk_carry_kernel(Y, J, HELD, START, n, H, e, C: tl.constexpr, HM: tl.const
 
 
 @triton.jit
-def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, Y, GRAD, W, DA, DB, DG, START, OFFS, STEPS, NSLOT, F0, n, H,
-                          d, e, qk_scale2, C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr,
-                          BD: tl.constexpr, BE: tl.constexpr, CE: tl.constexpr, PREC: tl.constexpr,
-                          SOLVE_PREC: tl.constexpr):
+def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, GRAD, W, DA, DB, DG, START, F0, n, H, d, e,
+                          qk_scale2, C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, BD: tl.constexpr,
+                          BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Chunked sparse solve, the parallel part of the backward: W_c = T_c^T G_c for every chunk (GRAD holds G
     from the reverse chain), and the row scalars DA = (1 - geff) W.OA, DB = geff W.R, DG = W.(R - OA) on rows
     with a recurrent set, as ``_store_w_and_row_grads`` writes them.
@@ -1183,9 +1188,9 @@ def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, Y, GRAD, W, DA, DB, DG, STA
     """
     c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
     ce = tl.arange(0, BE)
-    hrows, hok = _held_rows(HELD, c, s, HM)
-    p_in, p_held, geff, hasb = _chunk_probabilities(QB, KB, LSEB, G, bh, s, n, c, rows, rmask, rel, hrows, hok, F0,
-                                                    OFFS, STEPS, NSLOT, d, qk_scale2, C, HM, BD, CE, PREC)
+    hrows, hok = _held_rows(HELD, c, s, n, HM)
+    p_in, p_held, geff, hasb = _chunk_probabilities(QB, KB, LSEB, G, READS, bh, s, n, c, rows, rmask, rel, hrows,
+                                                    hok, F0, d, qk_scale2, C, HM, BD, PREC)
     grad = _load_tile(GRAD, bh, n, rows, rmask, ce, e)
     w = _unit_lower_solve(geff[:, None] * p_in, grad, LOG2_C, True, SOLVE_PREC)
     y_in = _load_tile(Y, bh, n, rows, rmask, ce, e)
@@ -1202,6 +1207,81 @@ def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, Y, GRAD, W, DA, DB, DG, STA
     tl.store(_row_ptrs(DA, bh, n, pad), zero, mask=pad < s)
     tl.store(_row_ptrs(DB, bh, n, pad), zero, mask=pad < s)
     tl.store(_row_ptrs(DG, bh, n, pad), zero, mask=pad < s)
+
+
+@triton.jit
+def chunk_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, HELD, READS, DQA, DKA, DX, DQB, DKB, START, F0,
+                       n, H, da, db, e, qk_scale2, scale, C: tl.constexpr, HM: tl.constexpr, BDA: tl.constexpr,
+                       BDB: tl.constexpr, BE: tl.constexpr, HAS_A: tl.constexpr, PREC: tl.constexpr):
+    """Chunked sparse solve, the attention-style gradients of both channels once W is known (``sparse_grads_kernel``'s
+    results), as tiles.
+
+    Grid (cdiv(n, C), BH). A chunk's rows read their sources among the chunk's own rows and its held rows (channel
+    A also reads the row itself), so per channel the probabilities P, dP = dO V^T and dS = P (dP - D) are two tiles,
+    (C, C) and (C, HM), with dO = (1 - geff) W, V = x for A and dO = geff W, V = Y for B. dq rows are written once;
+    dk and dx of the chunk's rows and of its held rows receive one atomic tile add per chunk (DKA, DX, DKB float32,
+    zero on entry), where ``sparse_grads_kernel`` adds once per (row, slot). Operands follow the attention backward:
+    q, k and dS in the input dtype, P and dO in the dtype of V.
+    """
+    c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
+    ar = tl.arange(0, C)
+    ce = tl.arange(0, BE)
+    hrows, hok = _held_rows(HELD, c, s, n, HM)
+    read_in, read_held = _chunk_reads(READS, c, C, HM)
+    read_in = read_in & rmask[:, None]
+    read_held = read_held & rmask[:, None] & hok[None, :]
+    w = _load_tile(W, bh, n, rows, rmask, ce, e)
+    hasb = rmask & (rel >= F0)
+    geff = _gate(G, bh, n, rows, rmask, hasb)
+    if HAS_A:
+        DT = QA.dtype.element_ty
+        XT = X.dtype.element_ty
+        ca = tl.arange(0, BDA)
+        qa = _load_tile(QA, bh, n, rows, rmask, ca, da)
+        ka_in = _load_tile(KA, bh, n, rows, rmask, ca, da)
+        ka_held = _load_tile(KA, bh, n, hrows, hok, ca, da)
+        x_in = _load_tile(X, bh, n, rows, rmask, ce, e)
+        x_held = _load_tile(X, bh, n, hrows, hok, ce, e)
+        lsea = _load_row_scalars(LSEA, bh, n, rows, rmask)
+        delta_a = _load_row_scalars(DA, bh, n, rows, rmask)
+        own = (ar[:, None] == ar[None, :]) & rmask[:, None]
+        p_in = _exp2_where(read_in | own, _dot(qa, tl.trans(ka_in), PREC) * qk_scale2 - lsea[:, None])
+        p_held = _exp2_where(read_held, _dot(qa, tl.trans(ka_held), PREC) * qk_scale2 - lsea[:, None])
+        do_a = ((1.0 - geff)[:, None] * w).to(XT)
+        ds_in = p_in * (_dot(do_a, tl.trans(x_in), PREC) - delta_a[:, None])
+        ds_held = p_held * (_dot(do_a, tl.trans(x_held), PREC) - delta_a[:, None])
+        dqa = _dot(ds_in.to(DT), ka_in, PREC) + _dot(ds_held.to(DT), ka_held, PREC)
+        tl.store(_tile_ptrs(DQA, bh, n, rows, ca, da), dqa * scale, mask=_tile_mask(rmask, ca, da))
+        tl.atomic_add(_tile_ptrs(DKA, bh, n, rows, ca, da), _dot(tl.trans(ds_in).to(DT), qa, PREC) * scale,
+                      mask=_tile_mask(rmask, ca, da), sem="relaxed")
+        tl.atomic_add(_tile_ptrs(DKA, bh, n, hrows, ca, da), _dot(tl.trans(ds_held).to(DT), qa, PREC) * scale,
+                      mask=_tile_mask(hok, ca, da), sem="relaxed")
+        tl.atomic_add(_tile_ptrs(DX, bh, n, rows, ce, e), _dot(tl.trans(p_in).to(XT), do_a, PREC),
+                      mask=_tile_mask(rmask, ce, e), sem="relaxed")
+        tl.atomic_add(_tile_ptrs(DX, bh, n, hrows, ce, e), _dot(tl.trans(p_held).to(XT), do_a, PREC),
+                      mask=_tile_mask(hok, ce, e), sem="relaxed")
+        _zero_padding_rows(DQA, bh, n, s, c, ca, da, C, BDA)
+    DT_B = QB.dtype.element_ty
+    cb = tl.arange(0, BDB)
+    qb = _load_tile(QB, bh, n, rows, rmask, cb, db)
+    kb_in = _load_tile(KB, bh, n, rows, rmask, cb, db)
+    kb_held = _load_tile(KB, bh, n, hrows, hok, cb, db)
+    y_in = _load_tile(Y, bh, n, rows, rmask, ce, e)
+    y_held = _load_tile(Y, bh, n, hrows, hok, ce, e)
+    lseb = _load_row_scalars(LSEB, bh, n, rows, rmask)
+    delta_b = _load_row_scalars(DB, bh, n, rows, rmask)
+    p_in = _exp2_where(read_in, _dot(qb, tl.trans(kb_in), PREC) * qk_scale2 - lseb[:, None])
+    p_held = _exp2_where(read_held, _dot(qb, tl.trans(kb_held), PREC) * qk_scale2 - lseb[:, None])
+    do_b = geff[:, None] * w
+    ds_in = p_in * (_dot(do_b, tl.trans(y_in), PREC) - delta_b[:, None])
+    ds_held = p_held * (_dot(do_b, tl.trans(y_held), PREC) - delta_b[:, None])
+    dqb = _dot(ds_in.to(DT_B), kb_in, PREC) + _dot(ds_held.to(DT_B), kb_held, PREC)
+    tl.store(_tile_ptrs(DQB, bh, n, rows, cb, db), dqb * scale, mask=_tile_mask(rmask, cb, db))
+    tl.atomic_add(_tile_ptrs(DKB, bh, n, rows, cb, db), _dot(tl.trans(ds_in).to(DT_B), qb, PREC) * scale,
+                  mask=_tile_mask(rmask, cb, db), sem="relaxed")
+    tl.atomic_add(_tile_ptrs(DKB, bh, n, hrows, cb, db), _dot(tl.trans(ds_held).to(DT_B), qb, PREC) * scale,
+                  mask=_tile_mask(hok, cb, db), sem="relaxed")
+    _zero_padding_rows(DQB, bh, n, s, c, cb, db, C, BDB)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ from hf_resolvent.ops.common import check_inputs
 from hf_resolvent.patterns import Pattern, get_pattern
 
 from ._loader import check_ready, jit_module
-from .chunked_solve import held_rows
 
 LOG2E = math.log2(math.e)
 # Input precision of products with float32 operands (see _jit.py): float32-accurate on tensor cores.
@@ -216,14 +215,41 @@ def make_plan(pattern: Pattern, n: int) -> Plan:
 
 
 @functools.lru_cache(maxsize=32)
-def held_table(pattern: Pattern, n: int, chunk: int) -> torch.Tensor:
-    """(cdiv(n, chunk), HM) int32 on CPU: row c lists the held rows H_c of chunk c (``chunked_solve.held_rows``,
-    pattern positions), -1 past them; HM is the largest |H_c| as a tile width (a power of two >= 16)."""
-    held = held_rows(pattern, n, chunk)
-    table = torch.full((len(held), tile_width(max((len(h) for h in held), default=1))), -1, dtype=torch.int32)
-    for c, rows in enumerate(held):
-        table[c, :len(rows)] = rows
-    return table
+def held_table(pattern: Pattern, n: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the chunked sparse solves read of a pattern at length n with chunks of ``chunk`` rows, in pattern
+    positions (the same for every left padding), on the CPU:
+
+    - held (cdiv(n, chunk), HM) int32: row c lists, sorted, the held rows H_c of chunk c (the earlier rows its
+      rows read; ``chunked_solve.held_rows`` is the plain reference), -1 past them; HM is the largest |H_c| as a
+      tile width (a power of two >= 16);
+    - reads (cdiv(n, chunk), chunk, chunk + HM) int8: 1 where row i of chunk c reads row j of the chunk (column j)
+      or its h-th held row (column chunk + h) through B.
+
+    Both come from ``Pattern.source_index`` in a few whole-table operations.
+    """
+    if pattern.is_dense or not pattern.has_recurrence:
+        raise ValueError(f"pattern {pattern.name!r} has no held rows: the chunked sparse solves take sparse patterns "
+                         "with a recurrence")
+    with torch.device("cpu"):  # cached: never on the device of the first caller's context
+        sources = pattern.source_index(n)
+        row = torch.arange(n)[:, None].expand_as(sources)
+        c0 = (row // chunk) * chunk
+        early = (sources >= 0) & (sources < c0)
+        inside = sources >= c0
+        # The held rows: distinct (chunk, source) pairs of the early reads, sorted, numbered within their chunk.
+        keys = (row // chunk * n + sources)[early]
+        held_keys = torch.unique(keys)
+        held_chunk = held_keys // n
+        first = torch.searchsorted(held_chunk, torch.arange(triton_cdiv(n, chunk)))
+        rank = torch.arange(len(held_keys)) - first[held_chunk]
+        width = tile_width(int(rank.max()) + 1 if len(rank) else 1)
+        table = torch.full((len(first), width), -1, dtype=torch.int32)
+        table[held_chunk, rank] = (held_keys % n).to(torch.int32)
+        reads = torch.zeros(len(first), chunk, chunk + width, dtype=torch.int8)
+        reads[row[inside] // chunk, row[inside] % chunk, sources[inside] - c0[inside]] = 1
+        rank_of_read = rank[torch.searchsorted(held_keys, keys)]
+        reads[row[early] // chunk, row[early] % chunk, chunk + rank_of_read] = 1
+    return table, reads
 
 
 def _table(values: tuple[int, ...], device) -> torch.Tensor:
@@ -305,12 +331,11 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
             BM=cfg.sparse_m, BDA=tile_width(sh.da), BDB=tile_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
             HAS_B=plan.has_b, num_warps=cfg.num_warps)
         if plan.has_b and cfg.sparse_solver == "chunked":
-            held = held_table(plan.pattern, n, cfg.chunk).to(dev)
+            held, reads = (t.to(dev) for t in held_table(plan.pattern, n, cfg.chunk))
             y, j = new_buffer((BH, n, e), dev), new_buffer((BH, held.shape[0], cfg.chunk, held.shape[1]), dev)
             jit.chunk_prepare_kernel[(held.shape[0], BH)](
-                qb, kb, oa, g, lseb, held, y, j, start, offs, steps, K, plan.f0, n, H, sh.db, e, qk2,
-                **_chunk_tiles(cfg, held, sh.db, e), PREC=sh.prec, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
-                num_warps=cfg.solve_warps)
+                qb, kb, oa, g, lseb, held, reads, y, j, start, plan.f0, n, H, sh.db, e, qk2,
+                **_chunk_tiles(cfg, held, sh.db, e), PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
             _chunk_carry(jit, y, j, held, start, sh, cfg, reverse=False)
         elif plan.has_b:
             y, r = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev)
@@ -348,13 +373,12 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
                 BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         elif cfg.sparse_solver == "chunked":
-            held = held_table(plan.pattern, n, cfg.chunk).to(dev)
+            held, reads = (t.to(dev) for t in held_table(plan.pattern, n, cfg.chunk))
             grad = dy.float() * valid_rows(start, heads, n)[..., None]
             _chunk_carry(jit, grad, saved["j"], held, start, sh, cfg, reverse=True)
             jit.chunk_rows_bwd_kernel[(held.shape[0], BH)](
-                qb, kb, oa, g, lseb, held, y, grad, w, da, db, dg, start, offs, steps, K, plan.f0, n, H, sh.db, e,
-                qk2, **_chunk_tiles(cfg, held, sh.db, e), PREC=sh.prec, CE=plan.ce, SOLVE_PREC=SOLVE_PREC,
-                num_warps=cfg.solve_warps)
+                qb, kb, oa, g, lseb, held, reads, y, grad, w, da, db, dg, start, plan.f0, n, H, sh.db, e, qk2,
+                **_chunk_tiles(cfg, held, sh.db, e), PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
         else:
             gacc = torch.zeros(BH, n, e, device=dev)
             jit.sparse_solve_bwd_kernel[_solve_grid(n, BH, cfg.solve)](
@@ -383,6 +407,14 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
         if plan.has_b:
             dqb, dkb = new_buffer((BH, n, sh.db), dev), torch.zeros(BH, n, sh.db, device=dev)
         dummy = w
+        if plan.has_b and cfg.sparse_solver == "chunked":
+            jit.chunk_grads_kernel[(held.shape[0], BH)](
+                qa if not tied else dummy, ka if not tied else dummy, x, qb, kb, y, w, g, da, db,
+                lsea if lsea is not None else da, lseb, held, reads, dqa if dqa is not None else dummy,
+                dka if dka is not None else dummy, dx if not tied else dummy, dqb, dkb, start, plan.f0, n, H, sh.da,
+                sh.db, e, qk2, sh.scale, C=cfg.chunk, HM=held.shape[1], BDA=tile_width(sh.da), BDB=tile_width(sh.db),
+                BE=BE, HAS_A=not tied, PREC=sh.prec, num_warps=cfg.solve_warps)
+            return dqa, dka, dqb, dkb, dx, dg
         grid = (triton_cdiv(n, cfg.sparse_grads_m), BH)
         jit.sparse_grads_kernel[grid](
             qa if not tied else dummy, ka if not tied else dummy, x, qb if plan.has_b else dummy,

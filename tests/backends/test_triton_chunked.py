@@ -61,7 +61,7 @@ def test_tied_variant(pattern, dtype, rel, padded):
 def test_the_chunked_solvers_run_the_chunk_kernels_and_the_defaults_do_not():
     chunked = [launch.name for launch in aot.record_launches("exp2:ce", n=64, d=16, e=16)]
     assert chunked == ["sparse_direct_kernel", "chunk_prepare_kernel", "chunk_carry_kernel", "chunk_carry_kernel",
-                       "chunk_rows_bwd_kernel", "sparse_grads_kernel", "decode_step_kernel"]
+                       "chunk_rows_bwd_kernel", "chunk_grads_kernel", "decode_step_kernel"]
     dense = {launch.name: launch.grid for launch in aot.record_launches("dense", n=64, d=16, e=16)}
     assert {"dense_chunk_fwd_kernel", "dense_chunk_bwd_kernel"} <= set(dense)
     assert dense["dense_chunk_fwd_kernel"] == (64 // CHUNK,)  # one program per chunk of the one head
@@ -90,26 +90,41 @@ def test_every_block_of_a_chunked_dense_solve_is_claimed_once_and_published(patt
 
 @pytest.mark.parametrize("pattern", SPARSE_RECURRENT)
 @pytest.mark.parametrize("n", [70, 300])
-def test_held_table_lists_exactly_the_earlier_rows_each_chunk_reads(pattern, n):
-    """Row c of the table holds every source before chunk c that one of its rows reads, once, and nothing else,
-    taken here straight from the pattern's source index."""
-    table = resolvent.held_table(get_pattern(pattern), n, CHUNK)
+def test_held_table_lists_exactly_the_rows_each_chunk_reads(pattern, n):
+    """Row c of the held table holds every source before chunk c that one of its rows reads, once, and nothing else;
+    the reads table marks exactly the (row, source) pairs of the pattern, by column of the chunk or of its held row.
+    Both are checked here against the pattern's source index."""
+    held, reads = resolvent.held_table(get_pattern(pattern), n, CHUNK)
     sources = get_pattern(pattern).source_index(n)
-    assert table.shape[0] == -(-n // CHUNK) and table.shape[1] >= 16 and table.shape[1] & (table.shape[1] - 1) == 0
-    for c in range(table.shape[0]):
+    HM = held.shape[1]
+    assert held.shape[0] == -(-n // CHUNK) and HM >= 16 and HM & (HM - 1) == 0
+    assert reads.shape == (held.shape[0], CHUNK, CHUNK + HM) and reads.dtype == torch.int8
+    for c in range(held.shape[0]):
         c0 = c * CHUNK
         read = sources[c0:c0 + CHUNK]
         expected = sorted({int(j) for j in read[(read >= 0) & (read < c0)]})
-        row = table[c].tolist()
+        row = held[c].tolist()
         assert row[:len(expected)] == expected and all(v == -1 for v in row[len(expected):]), c
+        columns = {j: c0 + j for j in range(CHUNK)} | {CHUNK + h: j for h, j in enumerate(expected)}
+        marked = {(i, columns[int(col)]) for i, col in reads[c].nonzero().tolist()}
+        assert marked == {(i, int(j)) for i in range(read.shape[0]) for j in read[i] if j >= 0}, c
 
 
 def test_cache_efficient_chunks_carry_few_rows():
     """What the chain carries per chunk of 64 rows: exp2:ce holds at most 16 earlier rows up to 32k (one tile),
     square:ce a few tiles; a plain f-pattern holds far more (why the cache-efficient patterns suit the chain)."""
-    assert resolvent.held_table(get_pattern("exp2:ce"), 32768, 64).shape[1] == 16
-    assert resolvent.held_table(get_pattern("square:ce"), 4096, 64).shape[1] == 64
-    assert resolvent.held_table(get_pattern("exp2"), 4096, 64).shape[1] >= 256
+    assert resolvent.held_table(get_pattern("exp2:ce"), 32768, 64)[0].shape[1] == 16
+    assert resolvent.held_table(get_pattern("square:ce"), 4096, 64)[0].shape[1] == 64
+    assert resolvent.held_table(get_pattern("exp2"), 4096, 64)[0].shape[1] >= 256
+
+
+def test_held_tables_stay_on_the_cpu_whatever_the_callers_device():
+    resolvent.held_table.cache_clear()
+    with torch.device("meta"):
+        held, reads = resolvent.held_table(get_pattern("exp2:ce"), 100, CHUNK)
+    assert held.device.type == reads.device.type == "cpu"
+    with pytest.raises(ValueError, match="'dense' has no held rows"):
+        resolvent.held_table(get_pattern("dense"), 100, CHUNK)
 
 
 def test_bad_solver_settings_are_refused():
