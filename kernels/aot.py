@@ -4,10 +4,14 @@
 module swapped for a recorder, so it sees every launch exactly as it would happen (arguments, tile
 sizes, flags) without running anything. ``compile_launch`` then builds each recorded launch with
 Triton's compiler for a CUDA target (``ptxas`` ships with the triton wheel; no driver or device is
-needed) and reports registers, spills and shared memory. This catches what the interpreter cannot:
-code that runs as Python but does not lower to the GPU, and tile sizes that spill registers.
+needed), specialised on its arguments as Triton's JIT specialises a real launch, and reports registers,
+spills, shared memory and static counts of telling PTX instructions (warpgroup and warp-level tensor-core
+products, atomics). This catches what the interpreter cannot: code that runs as Python but does not lower to
+the GPU, tiles that spill registers or pass a block's shared memory, and products that miss the tensor-core
+path their tiles allow.
 
-Used by ``scripts/bench/bench_kernels.py --compile-check`` and by tests/backends/test_triton.py.
+Used by ``scripts/bench/bench_kernels.py --compile-check``, tests/backends/test_aot.py (the default tiles on
+sm_90) and tests/backends/test_triton.py.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from . import decode as _decode
 from . import resolvent as _resolvent
 from ._loader import jit_module
 
-_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-          torch.int64: "i64"}
+_TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+          torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+          torch.bool: "u1"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # Shared memory one block may hold on each target (bytes, with the opt-in above 48 KiB); a kernel compiled past it
 # fails at its first launch (Triton's OutOfResources), which the compiler itself does not report.
@@ -133,36 +138,109 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
     return rec.launches
 
 
-def _signature(launch: Launch) -> dict:
-    sig = {}
-    for k, v in launch.args.items():
+def parse_config(text: str) -> dict:
+    """BlockConfig settings from ``NAME=VALUE[,NAME=VALUE...]`` ("" for none), checked by BlockConfig: the
+    ``--config`` option of the scripts that build, check and time kernel variants (scripts/bench/)."""
+    from dataclasses import fields
+
+    types = {f.name: type(getattr(_resolvent.BlockConfig(), f.name)) for f in fields(_resolvent.BlockConfig)}
+    settings = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in types:
+            raise ValueError(f"{item!r} is not NAME=VALUE with NAME a BlockConfig field ({', '.join(types)})")
+        try:
+            settings[name] = types[name](value)
+        except ValueError:
+            raise ValueError(f"{name} takes an integer, got {value!r}") from None
+    _resolvent.BlockConfig(**settings)  # its own checks: powers of two, known variant names
+    return settings
+
+
+def config_label(settings: dict) -> str:
+    """``name=value,...`` of some BlockConfig settings, the inverse of :func:`parse_config` ("" for none)."""
+    return ",".join(f"{k}={v}" for k, v in settings.items())
+
+
+def _specialize(launch: Launch, fn) -> tuple[dict, dict, dict]:
+    """Signature, constants and attributes of ``launch`` as Triton's JIT derives them when it launches the kernel:
+    an integer equal to 1 (or None) becomes a constant; integers divisible by 16, and tensors whose address is, are
+    marked so (``tt.divisibility``), which lets the compiler vectorise the loads and stores of whole rows."""
+    signature, constants, attrs = {}, dict(launch.constexprs), {}
+    for index, name in enumerate(fn.arg_names):
+        if name in launch.constexprs:
+            signature[name] = "constexpr"
+            continue
+        v = launch.args[name]
+        aligned = False
+        if v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1):
+            signature[name], constants[name] = "constexpr", v
+            continue
         if isinstance(v, torch.Tensor):
-            sig[k] = "*" + _TYPES[v.dtype]
+            signature[name], aligned = "*" + _TYPES[v.dtype], v.data_ptr() % 16 == 0
         elif isinstance(v, bool):
-            sig[k] = "i1"
+            signature[name] = "u1"
         elif isinstance(v, int):
-            sig[k] = "i32"
+            signature[name], aligned = ("i32" if -2**31 <= v < 2**31 else "i64"), v % 16 == 0
         elif isinstance(v, float):
-            sig[k] = "fp32"
+            signature[name] = "fp32"
         else:
-            raise TypeError(f"{launch.name}: cannot type argument {k}={v!r}")
-    for k in launch.constexprs:
-        sig[k] = "constexpr"
-    return sig
+            raise TypeError(f"{launch.name}: cannot type argument {name}={v!r}")
+        if aligned:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constants, attrs
+
+
+# Static instruction counts read from the PTX: each instruction as it is written in the PTX text, once, however
+# often it runs (an instruction inside a loop counts once; an unrolled loop counts once per copy). They say which
+# hardware paths a kernel uses, not how much work it does.
+PTX_COUNTS = {
+    "wgmma": ("wgmma.mma_async",),  # Hopper warpgroup products: one m64nNk16 step of 4 warps each
+    "mma_sync": ("mma.sync",),  # warp-level tensor-core products (m16n8k16 for 16-bit, m16n8k8 for tf32)
+    "atomics": ("atom.", "red."),  # atomic read-modify-writes and reductions, global or shared
+    "ld_shared": ("ld.shared", "ldmatrix"),  # reads of shared memory, into registers or MMA fragments
+    "cp_async": ("cp.async",),  # asynchronous copies global -> shared (software pipelining; .bulk: TMA)
+}
+_PTX_INSTRUCTION = re.compile(r"^[ \t]*(?:@!?%\w+[ \t]+)?([a-z][\w.:]*)", re.M)
+
+
+def ptx_counts(ptx: str) -> dict:
+    """Static counts of the instruction groups of :data:`PTX_COUNTS` in a PTX text (a predicate ``@%p`` may lead),
+    and ``atomic_ops``: each atomic instruction as written (e.g. ``red.global.gpu.relaxed.add.v4.f32``) and its
+    count, which says what the atomics do (integer tickets, float32 sums) and how wide they are."""
+    opcodes = _PTX_INSTRUCTION.findall(ptx)
+    counts = {key: sum(op.startswith(prefixes) for op in opcodes) for key, prefixes in PTX_COUNTS.items()}
+    atomic = [op for op in opcodes if op.startswith(PTX_COUNTS["atomics"])]
+    counts["atomic_ops"] = {op: atomic.count(op) for op in sorted(set(atomic))}
+    return counts
+
+
+def compile_key(launch: Launch) -> tuple:
+    """What decides the compiled code of ``launch`` (kernel, argument types and specialisation, constants,
+    options): launches with equal keys share one binary, as in Triton's own cache."""
+    fn = getattr(jit_module(interpret=False), launch.name)
+    signature, constants, attrs = _specialize(launch, fn)
+    return (launch.name, tuple(signature.items()), tuple(sorted(constants.items(), key=repr)),
+            tuple(sorted(attrs)), tuple(sorted(launch.options.items())))
 
 
 def compile_launch(launch: Launch, arch: int = 90) -> dict:
-    """Compile a recorded launch for ``sm_<arch>``. Returns registers, spill stack, shared memory (bytes); raises
-    ``RuntimeError`` where the shared memory is over what a block of that target may hold."""
+    """Compile a recorded launch for ``sm_<arch>``, specialised on its arguments as a real launch would be.
+
+    Returns registers per thread, spill stack (bytes per thread), shared memory (bytes per block) and the static
+    PTX instruction counts of :func:`ptx_counts`; raises ``RuntimeError`` where the shared memory is over what a
+    block of that target may hold."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = getattr(jit_module(interpret=False), launch.name)
-    src = ASTSource(fn=fn, signature=_signature(launch), constexprs=dict(launch.constexprs))
+    signature, constants, attrs = _specialize(launch, fn)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
     usage = _resource_usage(compiled.asm["cubin"])
     usage["shared"] = compiled.metadata.shared
+    usage.update(ptx_counts(compiled.asm["ptx"]))
     limit = SHARED_MEMORY_LIMIT.get(arch)
     if limit is not None and usage["shared"] > limit:
         raise RuntimeError(f"{launch.name} {launch.constexprs} asks for {usage['shared']} B of shared memory per block, "

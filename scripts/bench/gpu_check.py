@@ -19,9 +19,12 @@ max |kernel - oracle| / max |oracle| <= MAX (a wrong row or block shows here) an
     python scripts/bench/gpu_check.py --out runs/gpu_check                  # GPU: the full grid (under 8 min, H100)
     python scripts/bench/gpu_check.py --pytest --skip-kernels --out DIR     # GPU: the test suite only
     python scripts/bench/gpu_check.py --dry-run --out /tmp/gpu_check        # any machine: interpreter, tiny shapes
+    python scripts/bench/gpu_check.py --config sparse_solver=chunked,attn_bwd=atomic --out runs/gpu_check_variants
 
 ``--shapes full`` runs n = 512..16k, d = 64 and 128, H = 8-16, batch 1-8; ``quick`` one mid-size shape;
-``--dry-run`` the same code on CPU under TRITON_INTERPRET=1 at n <= 64 with 16-row tiles. On a GPU the
+``--dry-run`` the same code on CPU under TRITON_INTERPRET=1 at n <= 64 with 16-row tiles. ``--config`` runs every
+case under BlockConfig settings (``NAME=VALUE[,NAME=VALUE...]``: a kernel variant such as ``sparse_solver=chunked``
+or ``attn_bwd=atomic``, or tiles), recorded in the JSON (``config``, ``block_config``). On a GPU the
 kernels of all cases are first compiled by --jobs worker processes (a shared Triton cache), which
 saves most of the compile time. Writes DIR/gpu_check.json, rewritten after every case (so a run cut short
 keeps its results), and DIR/pytest.log with --pytest. Exit status: 0 when every case (and pytest) passed,
@@ -29,7 +32,6 @@ keeps its results), and DIR/pytest.log with --pytest. Exit status: 0 when every 
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -89,6 +91,10 @@ DRY_SELECTION = {
     ("decode", "tiny-cache"): [(DRY_PATTERNS, ("float32",)), (["dense"], ("bfloat16",))],
     ("decode_tied", "tiny-cache"): [(["exp2:ce"], ("bfloat16",))],
 }
+# --dry-run: every tile at 16 rows (the chunked solves' chunk and the atomic backward's tiles too), so that the
+# tiny lengths span several blocks; --config settings apply on top.
+DRY_TILES = dict(attn_m=16, attn_n=16, bwd_m=16, bwd_n=16, solve=16, sparse_m=16, sparse_grads_m=16, decode=16,
+                 chunk=16, atomic_m=16, atomic_n=16)
 PARALLEL_F64_BYTES = 6 << 30
 WARM_LIMIT_S = 300  # the compile workers are stopped after this
 
@@ -133,6 +139,8 @@ def parse_args(argv=None):
     p.add_argument("--pytest-args", default="", help="extra pytest arguments (one string)")
     p.add_argument("--pytest-timeout", type=float, default=480, help="seconds before pytest is stopped")
     p.add_argument("--skip-kernels", action="store_true", help="no kernel cases (with --pytest)")
+    p.add_argument("--config", default="", metavar="NAME=VALUE[,NAME=VALUE...]",
+                   help="BlockConfig settings every case runs under (a kernel variant, e.g. sparse_solver=chunked)")
     # Hidden: tests/scripts/bench/test_gpu_check.py perturbs the kernel outputs to see the check fail.
     p.add_argument("--inject-error", choices=["offset", "nan"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # "k/N": a compile worker
@@ -150,6 +158,12 @@ def parse_args(argv=None):
         bad = set(getattr(args, name).split(",")) - set(allowed)
         if bad:
             p.error(f"--{name}: unknown {sorted(bad)}; choose from {', '.join(allowed)}")
+    from hf_resolvent.backends.triton import aot
+
+    try:
+        args.settings = aot.parse_config(args.config)
+    except ValueError as err:
+        p.error(f"--config: {err}")
     return args
 
 
@@ -419,6 +433,8 @@ def warm_up(args, cases: list[Case]) -> dict:
             "--dtypes", args.dtypes, "--jobs", "0"] + (["--dry-run"] if args.dry_run else [])
     if args.patterns:
         base += ["--patterns", args.patterns]
+    if args.config:
+        base += ["--config", args.config]
     procs = [subprocess.Popen(base + ["--warm-part", f"{k}/{jobs}"], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for k in range(jobs)]
     failed = 0
@@ -525,10 +541,8 @@ def main(argv=None) -> int:
     from hf_resolvent.backends import triton as kernels
 
     cases = plan_cases(args)
-    tiles = contextlib.nullcontext()
-    if args.dry_run:  # 16-row tiles, as tests/ops/test_kernels.py: every length spans several blocks
-        tiles = kernels.block_config(attn_m=16, attn_n=16, bwd_m=16, bwd_n=16, solve=16, sparse_m=16,
-                                     sparse_grads_m=16, decode=16)
+    # --dry-run: 16-row tiles, as tests/backends/test_triton.py; --config on top
+    tiles = kernels.block_config(**{**(DRY_TILES if args.dry_run else {}), **args.settings})
     kernels.set_nan_fill(True)
     with tiles:
         runner = Runner(args, device)
@@ -542,12 +556,13 @@ def drive(args, runner: Runner, cases: list[Case], torch, device) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_check.json"
     t_start = time.time()
-    result = {"args": {k: v for k, v in vars(args).items() if k != "warm_part"},
-              "environment": environment(torch, device), "block_config": asdict(runner.kernels.get_block_config()),
+    result = {"args": {k: v for k, v in vars(args).items() if k not in ("warm_part", "settings")},
+              "environment": environment(torch, device), "config": args.settings,
+              "block_config": asdict(runner.kernels.get_block_config()),
               "tolerance": {"float32": args.tol_fp32, "bfloat16": args.tol_bf16}, "cases": [], "complete": False}
     env = result["environment"]
     print(f"gpu_check: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
-          f"transformers {env['transformers']}", flush=True)
+          f"transformers {env['transformers']}" + (f", block config {args.config}" if args.config else ""), flush=True)
     write(path, result)
     ok = True
     if args.pytest:

@@ -6,6 +6,12 @@ a pattern before changing one.
 Inputs as in ``bench_kernels.py`` (B4 H16 d64, bfloat16 by default). For each (n, pattern): two warm-up steps,
 then ``--steps`` profiled ones; prints torch.profiler's table (CUDA time per kernel, summed over the steps) and
 writes ``<out>.json`` (per kernel: calls and total CUDA ms). Needs a CUDA GPU: without one it says so and exits 2.
+
+Each ``--config NAME=VALUE[,NAME=VALUE...]`` (BlockConfig settings, e.g. ``sparse_solver=chunked``) profiles every
+case again under those settings, so the kernels of two variants show side by side:
+
+    python scripts/bench/profile_kernels.py --patterns exp2:ce --config sparse_solver=blocked \
+        --config sparse_solver=chunked --out runs/bench/profile_variants
 """
 
 from __future__ import annotations
@@ -25,10 +31,19 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--steps", type=int, default=3, help="profiled forward + backward steps per case")
-    return p.parse_args(argv)
+    p.add_argument("--config", action="append", default=None, metavar="NAME=VALUE[,NAME=VALUE...]",
+                   help="BlockConfig settings to profile every case under; repeat it to compare variants")
+    args = p.parse_args(argv)
+    from hf_resolvent.backends.triton import aot
+
+    try:
+        args.configs = [aot.parse_config(text) for text in args.config or [""]]
+    except ValueError as err:
+        p.error(f"--config: {err}")
+    return args
 
 
-def profile_case(args, n: int, pattern: str) -> list[dict]:
+def profile_case(args, n: int, pattern: str, label: str = "") -> list[dict]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -52,7 +67,7 @@ def profile_case(args, n: int, pattern: str) -> list[dict]:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
-    print(f"=== n={n} {pattern} ({args.steps} steps)", flush=True)
+    print(f"=== n={n} {pattern} ({args.steps} steps)" + (f" [{label}]" if label else ""), flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40), flush=True)
     rows = [{"kernel": e.key, "calls": e.count, "cuda_ms": e.device_time_total / 1e3} for e in prof.key_averages()
             if e.device_time_total > 0]
@@ -67,10 +82,16 @@ def main(argv=None) -> int:
         print("profile_kernels: no CUDA GPU here; it times the Triton kernels on a GPU (see docs/GPU.md)",
               file=sys.stderr)
         return 2
+    from hf_resolvent.backends.triton import aot, block_config
+
     results = []
-    for n in (int(v) for v in args.lengths.split(",")):
-        for pattern in args.patterns.split(","):
-            results.append({"n": n, "pattern": pattern, "steps": args.steps, "kernels": profile_case(args, n, pattern)})
+    for settings in args.configs:
+        with block_config(**settings):
+            for n in (int(v) for v in args.lengths.split(",")):
+                for pattern in args.patterns.split(","):
+                    kernels = profile_case(args, n, pattern, aot.config_label(settings))
+                    results.append({"n": n, "pattern": pattern, "config": settings, "steps": args.steps,
+                                    "kernels": kernels})
     meta = {"device": torch.cuda.get_device_name(), "batch": args.batch, "heads": args.heads,
             "head_dim": args.head_dim, "dtype": args.dtype}
     with open(args.out + ".json", "w") as f:

@@ -71,7 +71,81 @@ def test_profile_prefill_lists_the_operators_of_a_prefill(capsys):
     assert "exp2:ce: prefill of 300 tokens in chunks of 128" in out and "aten::searchsorted" in out
 
 
+def _spy_on_kernels(monkeypatch) -> dict:
+    """{(sparse_solver, attn_bwd): names of the Triton kernels launched under that BlockConfig}, filled as the
+    launchers of kernels/resolvent.py reach their kernels."""
+    from hf_resolvent.backends.triton import resolvent
+
+    launched, real = {}, resolvent.jit_module
+
+    class Spy:
+        def __getattr__(self, name):
+            cfg = resolvent.get_block_config()
+            launched.setdefault((cfg.sparse_solver, cfg.attn_bwd), set()).add(name)
+            return getattr(real(), name)
+
+    monkeypatch.setattr(resolvent, "jit_module", Spy)
+    return launched
+
+
+def test_bench_kernels_times_each_config_as_its_own_series(tmp_path, monkeypatch):
+    """--dry-run (the interpreter, tiny shapes): every --config gives its own triton series, run under its settings."""
+    launched = _spy_on_kernels(monkeypatch)
+    out = tmp_path / "kernels"
+    configs = ["sparse_solver=blocked,attn_bwd=split", "sparse_solver=chunked,attn_bwd=atomic"]
+    assert load_script("bench/bench_kernels").main(["--dry-run", "--out", str(out), "--patterns", "attention,exp2:ce",
+                                                    "--config", configs[0], "--config", configs[1]]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["dry_run"] and result["configs"] == [{"sparse_solver": "blocked", "attn_bwd": "split"},
+                                                       {"sparse_solver": "chunked", "attn_bwd": "atomic"}]
+    rows = {r["name"]: r for r in result["rows"]}
+    triton = {f"triton:{p} [{c}]" for p in ("attention", "exp2:ce") for c in configs}
+    assert set(rows) == {"sdpa", "parallel:attention", "parallel:exp2:ce"} | triton
+    assert all(r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 and r["n"] == 32 for r in rows.values())
+    assert rows["triton:exp2:ce [sparse_solver=chunked,attn_bwd=atomic]"]["config"] == result["configs"][1]
+    assert rows["sdpa"]["config"] == {}
+    old = {"attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "sparse_solve_fwd_kernel", "sparse_solve_bwd_kernel"}
+    new = {"attn_bwd_atomic_kernel", "chunk_prepare_kernel", "chunk_carry_kernel", "chunk_rows_bwd_kernel"}
+    assert set(launched) == {("blocked", "split"), ("chunked", "atomic")}
+    assert launched[("blocked", "split")] >= old and not launched[("blocked", "split")] & new
+    assert launched[("chunked", "atomic")] >= new and not launched[("chunked", "atomic")] & old
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_kernels_compile_check_counts_each_variant(tmp_path, capsys):
+    """--compile-check under two --config: each distinct kernel compiled once, rows naming the configs that launch
+    it, with the PTX counts (the split backward's dQ kernel on mma.sync, the atomic one on wgmma with atomics)."""
+    bench = load_script("bench/bench_kernels")
+    out = tmp_path / "kernels"
+    assert bench.main(["--compile-check", "--arch", "90", "--patterns", "attention", "--no-extra-cases",
+                       "--config", "attn_bwd=split", "--config", "attn_bwd=atomic", "--out", str(out)]) == 0
+    rows = {r["kernel"]: r for r in json.loads((tmp_path / "kernels_compile.json").read_text())}
+    assert set(rows) == {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_bwd_atomic_kernel",
+                         "decode_step_kernel"}
+    assert rows["attn_fwd_kernel"]["configs"] == ["attn_bwd=split", "attn_bwd=atomic"]
+    assert rows["attn_bwd_dq_kernel"]["configs"] == ["attn_bwd=split"]
+    assert rows["attn_bwd_atomic_kernel"]["configs"] == ["attn_bwd=atomic"]
+    for r in rows.values():
+        assert r["arch"] == "sm_90" and "error" not in r and r["registers"] > 0, r
+    dq, atomic = rows["attn_bwd_dq_kernel"], rows["attn_bwd_atomic_kernel"]
+    assert dq["wgmma"] == 0 and dq["mma_sync"] > 0 and dq["atomics"] == 0
+    assert atomic["wgmma"] > 0 and atomic["mma_sync"] == 0 and atomic["atomics"] > 0
+    assert "attn_bwd_atomic_kernel" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--config", "attn_bwd=sideways"])
+    assert "BlockConfig.attn_bwd must be one of 'split', 'atomic'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--config", "tile=16"])
+    assert "not NAME=VALUE with NAME a BlockConfig field" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without a GPU")
 def test_profile_kernels_without_a_gpu_says_so(capsys):
-    assert load_script("bench/profile_kernels").main(["--lengths", "64", "--patterns", "exp2:ce"]) == 2
+    profile = load_script("bench/profile_kernels")
+    assert profile.main(["--lengths", "64", "--patterns", "exp2:ce", "--config", "sparse_solver=chunked"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+    args = profile.parse_args(["--config", "sparse_solver=blocked", "--config", "sparse_solver=chunked,chunk=32"])
+    assert args.configs == [{"sparse_solver": "blocked"}, {"sparse_solver": "chunked", "chunk": 32}]
+    with pytest.raises(SystemExit):
+        profile.parse_args(["--config", "sparse_solver=chunk"])
+    assert "BlockConfig.sparse_solver must be one of 'blocked', 'chunked'" in capsys.readouterr().err
