@@ -1043,7 +1043,8 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
 # chunk at once; chunk_carry_kernel walks the chain with the value columns split across programs, so each
 # program owns its columns and no program waits on another; chunk_rows_bwd_kernel solves W_c for every chunk
 # at once and the row scalars of the gradients; chunk_grads_kernel gives dq, dk, dx as tiles over the chunk's own
-# and held rows. kernels/chunked_solve.py is the float64 model of these steps.
+# and held rows. Held rows are visited in blocks of HB (<= C) columns, so tiles stay C x C however many rows a
+# chunk holds. kernels/chunked_solve.py is the float64 model of these steps.
 
 
 @triton.jit
@@ -1058,45 +1059,47 @@ def _chunk_of_program(START, H, n, C: tl.constexpr):
 
 
 @triton.jit
-def _held_rows(HELD, c, s, n, HM: tl.constexpr):
-    """The held rows of chunk c as positions (s where the table is padded, a safe address) and which are real. The
-    table is laid out for a sequence of n real rows: with left padding, the chunks past the sequence's end list
-    rows past n, which are not real either."""
-    held = tl.load(HELD + c * HM + tl.arange(0, HM))
+def _held_rows(HELD, c, s, n, h0, HM: tl.constexpr, HB: tl.constexpr):
+    """Held rows h0 .. h0 + HB - 1 of chunk c as positions (s where the table is padded, a safe address) and which
+    are real. The table is laid out for a sequence of n real rows: with left padding, the chunks past the
+    sequence's end list rows past n, which are not real either."""
+    held = tl.load(HELD + c * HM + h0 + tl.arange(0, HB))
     ok = (held >= 0) & (s + held < n)
     return s + tl.where(ok, held, 0), ok
 
 
 @triton.jit
-def _chunk_reads(READS, c, C: tl.constexpr, HM: tl.constexpr):
-    """Which of a chunk's own rows (C, C) and held rows (C, HM) each of its rows reads through B: READS
-    (cdiv(n, C), C, C + HM) int8 from ``resolvent.held_table``, the pattern's sources laid out per chunk once on the
-    host, so no program recomputes them per slot."""
-    ar = tl.arange(0, C)
-    base = READS + (c * C + ar[:, None]) * (C + HM)
-    return tl.load(base + ar[None, :]) != 0, tl.load(base + C + tl.arange(0, HM)[None, :]) != 0
+def _reads_ptrs(READS, c, col0, C: tl.constexpr, HM: tl.constexpr, WIDTH: tl.constexpr):
+    """Pointers to columns col0 .. col0 + WIDTH - 1 of chunk c's reads (C, C + HM) in READS (cdiv(n, C), C, C + HM)
+    int8 from ``resolvent.held_table``: the pattern's sources laid out per chunk once on the host (column j < C: the
+    chunk's row j; column C + h: its held row h), so no program computes a source."""
+    return READS + (c * C + tl.arange(0, C)[:, None]) * (C + HM) + col0 + tl.arange(0, WIDTH)[None, :]
 
 
 @triton.jit
-def _chunk_probabilities(QB, KB, LSEB, G, READS, bh, s, n, c, rows, rmask, rel, hrows, hok, F0, d, qk_scale2,
-                         C: tl.constexpr, HM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
-    """Channel B of a chunk's rows: softmax probabilities onto the chunk's own rows (C, C, strictly lower) and
-    onto its held rows (C, HM), and geff. B_cc = geff P_in and B[c, H_c] = geff P_held.
+def _own_probabilities(Q, K, LSE, READS, bh, n, c, rows, rmask, cd, d, qk_scale2, DIAG: tl.constexpr,
+                       C: tl.constexpr, HM: tl.constexpr, PREC: tl.constexpr):
+    """A softmax channel's probabilities from a chunk's rows onto its own rows (C, C) as one tensor-core tile, with
+    the row's query tile q and log-sum-exps; DIAG adds the row itself (channel A reads it)."""
+    q = _load_tile(Q, bh, n, rows, rmask, cd, d)
+    k = _load_tile(K, bh, n, rows, rmask, cd, d)
+    lse = _load_row_scalars(LSE, bh, n, rows, rmask)
+    read = (tl.load(_reads_ptrs(READS, c, 0, C, HM, C)) != 0) & rmask[:, None]
+    if DIAG:
+        ar = tl.arange(0, C)
+        read = read | ((ar[:, None] == ar[None, :]) & rmask[:, None])
+    return q, k, lse, _exp2_where(read, _dot(q, tl.trans(k), PREC) * qk_scale2 - lse[:, None])
 
-    The scores are two tensor-core tiles, masked by the chunk's reads (``_chunk_reads``): no key row is gathered
-    per slot."""
-    cd = tl.arange(0, BD)
-    hasb = rmask & (rel >= F0)
-    geff = _gate(G, bh, n, rows, rmask, hasb)
-    q = _load_tile(QB, bh, n, rows, rmask, cd, d)
-    k_in = _load_tile(KB, bh, n, rows, rmask, cd, d)
-    k_held = _load_tile(KB, bh, n, hrows, hok, cd, d)
-    lse = _load_row_scalars(LSEB, bh, n, rows, rmask)
-    read_in, read_held = _chunk_reads(READS, c, C, HM)
-    s_in = _dot(q, tl.trans(k_in), PREC) * qk_scale2 - lse[:, None]
-    s_held = _dot(q, tl.trans(k_held), PREC) * qk_scale2 - lse[:, None]
-    return (_exp2_where(read_in & rmask[:, None], s_in), _exp2_where(read_held & rmask[:, None] & hok[None, :], s_held),
-            geff, hasb)
+
+@triton.jit
+def _held_probabilities(q, lse, K, HELD, READS, bh, s, n, c, rmask, h0, cd, d, qk_scale2, C: tl.constexpr,
+                        HM: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
+    """The same channel's probabilities onto held rows h0 .. h0 + HB - 1 (C, HB), with those rows, which are real,
+    and their keys."""
+    hrows, hok = _held_rows(HELD, c, s, n, h0, HM, HB)
+    k = _load_tile(K, bh, n, hrows, hok, cd, d)
+    read = (tl.load(_reads_ptrs(READS, c, C + h0, C, HM, HB)) != 0) & rmask[:, None] & hok[None, :]
+    return hrows, hok, k, _exp2_where(read, _dot(q, tl.trans(k), PREC) * qk_scale2 - lse[:, None])
 
 
 @triton.jit
@@ -1109,39 +1112,53 @@ def _zero_padding_rows(PTR, bh, n, s, c, cols, width, C: tl.constexpr, BW: tl.co
 
 
 @triton.jit
-def _chunk_j_ptrs(J, bh, n, c, C: tl.constexpr, HM: tl.constexpr):
-    """Pointers to J_c (C, HM) of head bh in J (BH, cdiv(n, C), C, HM)."""
+def _chunk_j_ptrs(J, bh, n, c, h0, C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr):
+    """Pointers to columns h0 .. h0 + HB - 1 of J_c (C, HM) of head bh in J (BH, cdiv(n, C), C, HM)."""
     nc = (n + C - 1) // C
-    return J + ((bh * nc + c) * C + tl.arange(0, C)[:, None]) * HM + tl.arange(0, HM)[None, :]
+    return J + ((bh * nc + c) * C + tl.arange(0, C)[:, None]) * HM + h0 + tl.arange(0, HB)[None, :]
 
 
 @triton.jit
 def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, START, F0, n, H, d, e, qk_scale2,
-                         C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, BD: tl.constexpr,
-                         BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+                         C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
+                         BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Chunked sparse solve, the parallel part of the forward: Yhat_c (written to Y) and J_c for every chunk.
 
-    Grid (cdiv(n, C), BH). Yhat_c = T_c (1 - geff) OA_c and J_c = T_c geff P_held, both by the in-block
-    squaring solve of the dense kernels (``_unit_lower_solve``) with L = geff P_in. J (BH, cdiv(n, C), C, HM)
-    float32 is written whole (zero rows past n and zero columns past |H_c|); Y is 0 on padded rows.
+    Grid (cdiv(n, C), BH). Yhat_c = T_c (1 - geff) OA_c and J_c = T_c geff P_held with T_c = (I - geff P_in)^-1, by
+    the in-block squaring solve of the dense kernels: on both right-hand sides at once where the held rows are one
+    block, else on the identity (T_c itself, then applied to HB held columns at a time). J (BH, cdiv(n, C), C, HM)
+    float32 is written whole (zero rows past n, zero columns past |H_c|); Y is 0 on padded rows.
     """
     c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
+    ar = tl.arange(0, C)
+    cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    hrows, hok = _held_rows(HELD, c, s, n, HM)
-    p_in, p_held, geff, _ = _chunk_probabilities(QB, KB, LSEB, G, READS, bh, s, n, c, rows, rmask, rel, hrows, hok,
-                                                 F0, d, qk_scale2, C, HM, BD, PREC)
+    geff = _gate(G, bh, n, rows, rmask, rmask & (rel >= F0))
+    q, k_own, lse, p_in = _own_probabilities(QB, KB, LSEB, READS, bh, n, c, rows, rmask, cd, d, qk_scale2, False,
+                                             C, HM, PREC)
     lower = geff[:, None] * p_in
-    oa = _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
-    yhat, jc = _unit_lower_solve_pair(lower, (1.0 - geff)[:, None] * oa, geff[:, None] * p_held, LOG2_C, False,
-                                      SOLVE_PREC)
+    rhs = (1.0 - geff)[:, None] * _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
+    if HM == HB:
+        # One block of held rows (exp2:ce at any length): both right-hand sides through one squaring solve.
+        hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, 0, cd, d,
+                                                         qk_scale2, C, HM, HB, PREC)
+        yhat, jc = _unit_lower_solve_pair(lower, rhs, geff[:, None] * p_held, LOG2_C, False, SOLVE_PREC)
+        tl.store(_chunk_j_ptrs(J, bh, n, c, 0, C, HM, HB), jc)
+    else:
+        # T_c itself, applied to the right-hand side and to each block of held rows.
+        inverse = _unit_lower_solve(lower, tl.where(ar[:, None] == ar[None, :], 1.0, 0.0), LOG2_C, False, SOLVE_PREC)
+        yhat = _dot(inverse, rhs, SOLVE_PREC)
+        for h0 in range(0, HM, HB):
+            hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, h0, cd, d,
+                                                             qk_scale2, C, HM, HB, PREC)
+            tl.store(_chunk_j_ptrs(J, bh, n, c, h0, C, HM, HB), _dot(inverse, geff[:, None] * p_held, SOLVE_PREC))
     tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), yhat, mask=_tile_mask(rmask, ce, e))
-    tl.store(_chunk_j_ptrs(J, bh, n, c, C, HM), jc)
     _zero_padding_rows(Y, bh, n, s, c, ce, e, C, BE)
 
 
 @triton.jit
-def chunk_carry_kernel(Y, J, HELD, START, n, H, e, C: tl.constexpr, HM: tl.constexpr, BES: tl.constexpr,
-                       REVERSE: tl.constexpr, SOLVE_PREC: tl.constexpr):
+def chunk_carry_kernel(Y, J, HELD, START, n, H, e, C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
+                       BES: tl.constexpr, REVERSE: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Chunked sparse solve, the chain through the held rows, in place on Y (BH, n, e) float32.
 
     Grid (BH, cdiv(e, BES)): each program owns BES value columns of one head. Forward: Y holds Yhat on entry;
@@ -1160,42 +1177,49 @@ def chunk_carry_kernel(Y, J, HELD, START, n, H, e, C: tl.constexpr, HM: tl.const
             c = i
         rows = s + c * C + ar
         rmask = rows < n
-        hrows, hok = _held_rows(HELD, c, s, n, HM)
-        jc = tl.load(_chunk_j_ptrs(J, bh, n, c, C, HM))
         if REVERSE:
             grad = _load_tile(Y, bh, n, rows, rmask, cols, e)
-            ptrs = _tile_ptrs(Y, bh, n, hrows, cols, e)
-            mask = _tile_mask(hok, cols, e)
-            tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + _dot(tl.trans(jc), grad, SOLVE_PREC), mask=mask)
+            for h0 in range(0, HM, HB):
+                hrows, hok = _held_rows(HELD, c, s, n, h0, HM, HB)
+                jc = tl.load(_chunk_j_ptrs(J, bh, n, c, h0, C, HM, HB))
+                ptrs = _tile_ptrs(Y, bh, n, hrows, cols, e)
+                mask = _tile_mask(hok, cols, e)
+                tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + _dot(tl.trans(jc), grad, SOLVE_PREC), mask=mask)
         else:
-            carried = _load_tile(Y, bh, n, hrows, hok, cols, e)
-            ptrs = _tile_ptrs(Y, bh, n, rows, cols, e)
-            mask = _tile_mask(rmask, cols, e)
-            tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + _dot(jc, carried, SOLVE_PREC), mask=mask)
+            acc = _load_tile(Y, bh, n, rows, rmask, cols, e)
+            for h0 in range(0, HM, HB):
+                hrows, hok = _held_rows(HELD, c, s, n, h0, HM, HB)
+                jc = tl.load(_chunk_j_ptrs(J, bh, n, c, h0, C, HM, HB))
+                acc += _dot(jc, _load_tile(Y, bh, n, hrows, hok, cols, e), SOLVE_PREC)
+            tl.store(_tile_ptrs(Y, bh, n, rows, cols, e), acc, mask=_tile_mask(rmask, cols, e))
         tl.debug_barrier()
 
 
 @triton.jit
 def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, GRAD, W, DA, DB, DG, START, F0, n, H, d, e,
-                          qk_scale2, C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, BD: tl.constexpr,
-                          BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+                          qk_scale2, C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
+                          BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Chunked sparse solve, the parallel part of the backward: W_c = T_c^T G_c for every chunk (GRAD holds G
     from the reverse chain), and the row scalars DA = (1 - geff) W.OA, DB = geff W.R, DG = W.(R - OA) on rows
     with a recurrent set, as ``_store_w_and_row_grads`` writes them.
 
-    Grid (cdiv(n, C), BH). W.R_i = sum_j P_ij W_i . Y_j over the chunk's own rows and its held rows: two
-    tensor-core tiles W_c Y_c^T and W_c Y[H_c]^T weighted by P, so R itself is never stored.
+    Grid (cdiv(n, C), BH). W.R_i = sum_j P_ij W_i . Y_j over the chunk's own rows and its held rows: tensor-core
+    tiles W_c Y_c^T and W_c Y[H_c]^T weighted by P, so R itself is never stored.
     """
     c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
+    cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
-    hrows, hok = _held_rows(HELD, c, s, n, HM)
-    p_in, p_held, geff, hasb = _chunk_probabilities(QB, KB, LSEB, G, READS, bh, s, n, c, rows, rmask, rel, hrows,
-                                                    hok, F0, d, qk_scale2, C, HM, BD, PREC)
+    hasb = rmask & (rel >= F0)
+    geff = _gate(G, bh, n, rows, rmask, hasb)
+    q, k_own, lse, p_in = _own_probabilities(QB, KB, LSEB, READS, bh, n, c, rows, rmask, cd, d, qk_scale2, False,
+                                             C, HM, PREC)
     grad = _load_tile(GRAD, bh, n, rows, rmask, ce, e)
     w = _unit_lower_solve(geff[:, None] * p_in, grad, LOG2_C, True, SOLVE_PREC)
-    y_in = _load_tile(Y, bh, n, rows, rmask, ce, e)
-    y_held = _load_tile(Y, bh, n, hrows, hok, ce, e)
-    w_r = _sum(p_in * _dot(w, tl.trans(y_in), PREC), 1) + _sum(p_held * _dot(w, tl.trans(y_held), PREC), 1)
+    w_r = _sum(p_in * _dot(w, tl.trans(_load_tile(Y, bh, n, rows, rmask, ce, e)), PREC), 1)
+    for h0 in range(0, HM, HB):
+        hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, h0, cd, d,
+                                                         qk_scale2, C, HM, HB, PREC)
+        w_r += _sum(p_held * _dot(w, tl.trans(_load_tile(Y, bh, n, hrows, hok, ce, e)), PREC), 1)
     w_oa = _sum(w * _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32), 1)
     tl.store(_tile_ptrs(W, bh, n, rows, ce, e), w, mask=_tile_mask(rmask, ce, e))
     tl.store(_row_ptrs(DA, bh, n, rows), (1.0 - geff) * w_oa, mask=rmask)
@@ -1210,78 +1234,62 @@ def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, GRAD, W, DA, DB, 
 
 
 @triton.jit
+def _channel_grads(Q, K, V, LSE, DELTA, DQ, DK, DV, HELD, READS, do, bh, s, n, c, rows, rmask, cd, d, ce, e,
+                   qk_scale2, scale, DIAG: tl.constexpr, HAS_DV: tl.constexpr, C: tl.constexpr, HM: tl.constexpr,
+                   HB: tl.constexpr, BDW: tl.constexpr, PREC: tl.constexpr):
+    """One softmax channel's gradients for a chunk's rows, given dO (C, e): dS = P (dO V^T - DELTA) over the
+    chunk's own rows and its held rows, HB at a time. dQ rows are written once; dK (and dV = P^T dO with HAS_DV) of
+    the chunk's rows and of each block of held rows get one atomic tile add. Operands as in the attention backward:
+    q, k, dS in Q's dtype, P and dO in V's."""
+    DT = Q.dtype.element_ty
+    VT = V.dtype.element_ty
+    do = do.to(VT)
+    delta = _load_row_scalars(DELTA, bh, n, rows, rmask)
+    q, k, lse, p = _own_probabilities(Q, K, LSE, READS, bh, n, c, rows, rmask, cd, d, qk_scale2, DIAG, C, HM, PREC)
+    ds = p * (_dot(do, tl.trans(_load_tile(V, bh, n, rows, rmask, ce, e).to(VT)), PREC) - delta[:, None])
+    dq = _dot(ds.to(DT), k, PREC)
+    tl.atomic_add(_tile_ptrs(DK, bh, n, rows, cd, d), _dot(tl.trans(ds).to(DT), q, PREC) * scale,
+                  mask=_tile_mask(rmask, cd, d), sem="relaxed")
+    if HAS_DV:
+        tl.atomic_add(_tile_ptrs(DV, bh, n, rows, ce, e), _dot(tl.trans(p).to(VT), do, PREC),
+                      mask=_tile_mask(rmask, ce, e), sem="relaxed")
+    for h0 in range(0, HM, HB):
+        hrows, hok, kh, ph = _held_probabilities(q, lse, K, HELD, READS, bh, s, n, c, rmask, h0, cd, d, qk_scale2, C,
+                                                 HM, HB, PREC)
+        dsh = ph * (_dot(do, tl.trans(_load_tile(V, bh, n, hrows, hok, ce, e).to(VT)), PREC) - delta[:, None])
+        dq += _dot(dsh.to(DT), kh, PREC)
+        tl.atomic_add(_tile_ptrs(DK, bh, n, hrows, cd, d), _dot(tl.trans(dsh).to(DT), q, PREC) * scale,
+                      mask=_tile_mask(hok, cd, d), sem="relaxed")
+        if HAS_DV:
+            tl.atomic_add(_tile_ptrs(DV, bh, n, hrows, ce, e), _dot(tl.trans(ph).to(VT), do, PREC),
+                          mask=_tile_mask(hok, ce, e), sem="relaxed")
+    tl.store(_tile_ptrs(DQ, bh, n, rows, cd, d), dq * scale, mask=_tile_mask(rmask, cd, d))
+    _zero_padding_rows(DQ, bh, n, s, c, cd, d, C, BDW)
+
+
+@triton.jit
 def chunk_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, HELD, READS, DQA, DKA, DX, DQB, DKB, START, F0,
-                       n, H, da, db, e, qk_scale2, scale, C: tl.constexpr, HM: tl.constexpr, BDA: tl.constexpr,
-                       BDB: tl.constexpr, BE: tl.constexpr, HAS_A: tl.constexpr, PREC: tl.constexpr):
+                       n, H, da, db, e, qk_scale2, scale, C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
+                       BDA: tl.constexpr, BDB: tl.constexpr, BE: tl.constexpr, HAS_A: tl.constexpr,
+                       PREC: tl.constexpr):
     """Chunked sparse solve, the attention-style gradients of both channels once W is known (``sparse_grads_kernel``'s
     results), as tiles.
 
     Grid (cdiv(n, C), BH). A chunk's rows read their sources among the chunk's own rows and its held rows (channel
-    A also reads the row itself), so per channel the probabilities P, dP = dO V^T and dS = P (dP - D) are two tiles,
-    (C, C) and (C, HM), with dO = (1 - geff) W, V = x for A and dO = geff W, V = Y for B. dq rows are written once;
-    dk and dx of the chunk's rows and of its held rows receive one atomic tile add per chunk (DKA, DX, DKB float32,
-    zero on entry), where ``sparse_grads_kernel`` adds once per (row, slot). Operands follow the attention backward:
-    q, k and dS in the input dtype, P and dO in the dtype of V.
+    A also reads the row itself), so per channel P, dP = dO V^T and dS = P (dP - D) are a (C, C) tile and (C, HB)
+    tiles (``_channel_grads``), with dO = (1 - geff) W, V = x for A and dO = geff W, V = Y for B. dk and dx of a
+    chunk's rows and of its held rows receive one atomic tile add per chunk (DKA, DX, DKB float32, zero on entry),
+    where ``sparse_grads_kernel`` adds once per (row, slot).
     """
     c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
-    ar = tl.arange(0, C)
     ce = tl.arange(0, BE)
-    hrows, hok = _held_rows(HELD, c, s, n, HM)
-    read_in, read_held = _chunk_reads(READS, c, C, HM)
-    read_in = read_in & rmask[:, None]
-    read_held = read_held & rmask[:, None] & hok[None, :]
     w = _load_tile(W, bh, n, rows, rmask, ce, e)
-    hasb = rmask & (rel >= F0)
-    geff = _gate(G, bh, n, rows, rmask, hasb)
+    geff = _gate(G, bh, n, rows, rmask, rmask & (rel >= F0))
     if HAS_A:
-        DT = QA.dtype.element_ty
-        XT = X.dtype.element_ty
-        ca = tl.arange(0, BDA)
-        qa = _load_tile(QA, bh, n, rows, rmask, ca, da)
-        ka_in = _load_tile(KA, bh, n, rows, rmask, ca, da)
-        ka_held = _load_tile(KA, bh, n, hrows, hok, ca, da)
-        x_in = _load_tile(X, bh, n, rows, rmask, ce, e)
-        x_held = _load_tile(X, bh, n, hrows, hok, ce, e)
-        lsea = _load_row_scalars(LSEA, bh, n, rows, rmask)
-        delta_a = _load_row_scalars(DA, bh, n, rows, rmask)
-        own = (ar[:, None] == ar[None, :]) & rmask[:, None]
-        p_in = _exp2_where(read_in | own, _dot(qa, tl.trans(ka_in), PREC) * qk_scale2 - lsea[:, None])
-        p_held = _exp2_where(read_held, _dot(qa, tl.trans(ka_held), PREC) * qk_scale2 - lsea[:, None])
-        do_a = ((1.0 - geff)[:, None] * w).to(XT)
-        ds_in = p_in * (_dot(do_a, tl.trans(x_in), PREC) - delta_a[:, None])
-        ds_held = p_held * (_dot(do_a, tl.trans(x_held), PREC) - delta_a[:, None])
-        dqa = _dot(ds_in.to(DT), ka_in, PREC) + _dot(ds_held.to(DT), ka_held, PREC)
-        tl.store(_tile_ptrs(DQA, bh, n, rows, ca, da), dqa * scale, mask=_tile_mask(rmask, ca, da))
-        tl.atomic_add(_tile_ptrs(DKA, bh, n, rows, ca, da), _dot(tl.trans(ds_in).to(DT), qa, PREC) * scale,
-                      mask=_tile_mask(rmask, ca, da), sem="relaxed")
-        tl.atomic_add(_tile_ptrs(DKA, bh, n, hrows, ca, da), _dot(tl.trans(ds_held).to(DT), qa, PREC) * scale,
-                      mask=_tile_mask(hok, ca, da), sem="relaxed")
-        tl.atomic_add(_tile_ptrs(DX, bh, n, rows, ce, e), _dot(tl.trans(p_in).to(XT), do_a, PREC),
-                      mask=_tile_mask(rmask, ce, e), sem="relaxed")
-        tl.atomic_add(_tile_ptrs(DX, bh, n, hrows, ce, e), _dot(tl.trans(p_held).to(XT), do_a, PREC),
-                      mask=_tile_mask(hok, ce, e), sem="relaxed")
-        _zero_padding_rows(DQA, bh, n, s, c, ca, da, C, BDA)
-    DT_B = QB.dtype.element_ty
-    cb = tl.arange(0, BDB)
-    qb = _load_tile(QB, bh, n, rows, rmask, cb, db)
-    kb_in = _load_tile(KB, bh, n, rows, rmask, cb, db)
-    kb_held = _load_tile(KB, bh, n, hrows, hok, cb, db)
-    y_in = _load_tile(Y, bh, n, rows, rmask, ce, e)
-    y_held = _load_tile(Y, bh, n, hrows, hok, ce, e)
-    lseb = _load_row_scalars(LSEB, bh, n, rows, rmask)
-    delta_b = _load_row_scalars(DB, bh, n, rows, rmask)
-    p_in = _exp2_where(read_in, _dot(qb, tl.trans(kb_in), PREC) * qk_scale2 - lseb[:, None])
-    p_held = _exp2_where(read_held, _dot(qb, tl.trans(kb_held), PREC) * qk_scale2 - lseb[:, None])
-    do_b = geff[:, None] * w
-    ds_in = p_in * (_dot(do_b, tl.trans(y_in), PREC) - delta_b[:, None])
-    ds_held = p_held * (_dot(do_b, tl.trans(y_held), PREC) - delta_b[:, None])
-    dqb = _dot(ds_in.to(DT_B), kb_in, PREC) + _dot(ds_held.to(DT_B), kb_held, PREC)
-    tl.store(_tile_ptrs(DQB, bh, n, rows, cb, db), dqb * scale, mask=_tile_mask(rmask, cb, db))
-    tl.atomic_add(_tile_ptrs(DKB, bh, n, rows, cb, db), _dot(tl.trans(ds_in).to(DT_B), qb, PREC) * scale,
-                  mask=_tile_mask(rmask, cb, db), sem="relaxed")
-    tl.atomic_add(_tile_ptrs(DKB, bh, n, hrows, cb, db), _dot(tl.trans(ds_held).to(DT_B), qb, PREC) * scale,
-                  mask=_tile_mask(hok, cb, db), sem="relaxed")
-    _zero_padding_rows(DQB, bh, n, s, c, cb, db, C, BDB)
+        _channel_grads(QA, KA, X, LSEA, DA, DQA, DKA, DX, HELD, READS, (1.0 - geff)[:, None] * w, bh, s, n, c, rows,
+                       rmask, tl.arange(0, BDA), da, ce, e, qk_scale2, scale, True, True, C, HM, HB, BDA, PREC)
+    _channel_grads(QB, KB, Y, LSEB, DB, DQB, DKB, DKB, HELD, READS, geff[:, None] * w, bh, s, n, c, rows, rmask,
+                   tl.arange(0, BDB), db, ce, e, qk_scale2, scale, False, False, C, HM, HB, BDB, PREC)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -412,8 +412,9 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
                 qa if not tied else dummy, ka if not tied else dummy, x, qb, kb, y, w, g, da, db,
                 lsea if lsea is not None else da, lseb, held, reads, dqa if dqa is not None else dummy,
                 dka if dka is not None else dummy, dx if not tied else dummy, dqb, dkb, start, plan.f0, n, H, sh.da,
-                sh.db, e, qk2, sh.scale, C=cfg.chunk, HM=held.shape[1], BDA=tile_width(sh.da), BDB=tile_width(sh.db),
-                BE=BE, HAS_A=not tied, PREC=sh.prec, num_warps=cfg.solve_warps)
+                sh.db, e, qk2, sh.scale, C=cfg.chunk, HM=held.shape[1], HB=min(held.shape[1], cfg.chunk),
+                BDA=tile_width(sh.da), BDB=tile_width(sh.db), BE=BE, HAS_A=not tied, PREC=sh.prec,
+                num_warps=cfg.solve_warps)
             return dqa, dka, dqb, dkb, dx, dg
         grid = (triton_cdiv(n, cfg.sparse_grads_m), BH)
         jit.sparse_grads_kernel[grid](
@@ -448,8 +449,10 @@ def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: LaunchSh
 
 
 def _chunk_tiles(cfg: BlockConfig, held: torch.Tensor, d: int, e: int) -> dict:
-    """The tile constexprs shared by the chunked solves' parallel kernels."""
-    return dict(C=cfg.chunk, LOG2_C=int(math.log2(cfg.chunk)), HM=held.shape[1], BD=tile_width(d), BE=tile_width(e))
+    """The tile constexprs shared by the chunked solves' parallel kernels: held rows are visited HB <= chunk at a
+    time."""
+    return dict(C=cfg.chunk, LOG2_C=int(math.log2(cfg.chunk)), HM=held.shape[1], HB=min(held.shape[1], cfg.chunk),
+                BD=tile_width(d), BE=tile_width(e))
 
 
 def _chunk_carry(jit, y, j, held, start, sh: LaunchShapes, cfg: BlockConfig, reverse: bool):
@@ -458,7 +461,8 @@ def _chunk_carry(jit, y, j, held, start, sh: LaunchShapes, cfg: BlockConfig, rev
     barrier that ends each chunk."""
     columns = 16
     jit.chunk_carry_kernel[(sh.BH, triton_cdiv(sh.e, columns))](
-        y, j, held, start, sh.n, sh.H, sh.e, C=cfg.chunk, HM=held.shape[1], BES=columns, REVERSE=reverse,
+        y, j, held, start, sh.n, sh.H, sh.e, C=cfg.chunk, HM=held.shape[1], HB=min(held.shape[1], cfg.chunk),
+        BES=columns, REVERSE=reverse,
         SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=1)
 
 
