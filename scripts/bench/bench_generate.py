@@ -39,7 +39,8 @@ records the time of each step (it is called right after each step's forward, so 
   difference, the peak above the model: what prompt, activations and cache add, apart from the process (PyTorch,
   ``transformers``, the weights) that every model pays;
 - ``cache_bytes``: bytes held by the cache ``generate`` returns (``ResolventCache.nbytes()``; for GPT-2 and
-  Mamba2 the sum of the tensors their ``DynamicCache`` layers hold).
+  Mamba2 the sum of the tensors their ``DynamicCache`` layers hold);
+- ``load_avg_1min``: the machine's load average after the run, to tell a run slowed by other processes.
 
 Batched decode: the same at ``--batch-context`` tokens (4096) for batches ``--batches`` (1 8 32);
 ``decode_tokens_per_s`` counts the tokens of all sequences. A batch-1 run at a context of the sweep is reused.
@@ -54,11 +55,28 @@ other jobs) the prefill of 8192 tokens took 13 s for GPT-2 and Mamba2, 18 s for 
 square:ce; GPT-2, attention and dense grow about quadratically (some 64 times that at 64k), so a full run
 takes hours. ``--quick`` took under 2 minutes.
 
+Prompts to a million tokens (``--million``): 64k, 128k, 256k, 512k and 1M (2^20) tokens, 32 new tokens, no
+batched runs, ``--max-seconds`` 600, for GPT-2 and ``attention`` with the prompt at once (their fastest prefill;
+in chunks it took 1.3 and 1.5 times as long at 16k) and the cache-efficient mixers with the prompt in chunks of
+``--prefill-chunk`` (1024): ``exp2:ce``, ``exp2:ce+tied``, ``square:ce``, ``square:ce+tied``. The 64k runs give the
+skip prediction two points per model, so a model whose prefill grows as n^2 is skipped where its next prompt
+would pass ``--max-seconds``, not killed after it. Every row of a model whose cache keeps every position (GPT-2,
+attention, dense) carries ``cache_bytes_computed``: what its cache holds after the run, from the config (keys and
+values per token and layer, float32), measured or not; at 1M tokens GPT-2's is 8.0 GiB. ``growth`` in the JSON (and
+a printed table) gives, per model and pair of consecutive measured prompt lengths, the exponent p of n^p that
+time to first token, decode ms/token and the peak above the model grew with.
+
+Chunks of 1024 tokens: the prefill's peak is one chunk's activations (45 MiB above the model for exp2:ce from
+16k to 64k; 4096 tokens add 100 MiB at 256k and were not faster there). What a chunk costs beyond its own tokens
+is ``generate()`` slicing the attention mask and the model checking it against the cache, O(tokens seen): 5 ms at
+1M tokens, against some 110 ms of compute per chunk of 1024 for exp2:ce.
+
 Usage::
 
     python scripts/bench/bench_generate.py --out runs/bench/generate.json                  # 1k ... 64k, 128 new tokens
     python scripts/bench/bench_generate.py --out runs/bench/generate.json --with-128k      # and 128k
     python scripts/bench/bench_generate.py --out runs/bench/generate_quick.json --quick    # under 3 minutes
+    python scripts/bench/bench_generate.py --out runs/bench/million.json --million         # 64k ... 1M tokens
 
 Writes ``{"rows": [{"model", "context", "batch", "new_tokens", "ttft_s", "decode_ms_per_token", ...}, ...],
 "settings": {...}}``, a PNG next to the JSON (decode ms/token and time to first token against the context)
@@ -85,6 +103,7 @@ import transformers
 from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList, Mamba2Config, Mamba2ForCausalLM
 
 import hf_resolvent as hr
+from hf_resolvent.cache_resolvent import ResolventCacheLayer
 from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's argument name in this transformers
 from hf_resolvent.training.metrics import log_axes, write_result
 from hf_resolvent.training.models import build_model
@@ -99,6 +118,10 @@ CONTEXTS = (1024, 4096, 16384, 32768, 65536)
 QUICK = dict(contexts=[512, 2048], new_tokens=16,
              models=[GPT2, MAMBA2, "attention", "dense", "exp2:ce", "exp2:ce" + COMPILED, "exp2:ce" + CHUNKED],
              batches=[1, 8], batch_context=1024)
+MILLION = dict(contexts=[2**16, 2**17, 2**18, 2**19, 2**20], new_tokens=32,
+               models=[GPT2, "attention", "exp2:ce" + CHUNKED, "exp2:ce+tied" + CHUNKED, "square:ce" + CHUNKED,
+                       "square:ce+tied" + CHUNKED],
+               batches=[], max_seconds=600.0)
 WARMUP_TOKENS = 16
 MIB = 2**20
 
@@ -110,6 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="n = 512 and 2048, 16 new tokens, gpt2 mamba2 attention dense exp2:ce (also compiled and "
                         "chunked), batch 1 and 8 at 1024 "
                         "(explicit options still win)")
+    p.add_argument("--million", action="store_true",
+                   help="n = 64k, 128k, 256k, 512k and 1M, 32 new tokens, no batched runs, --max-seconds 600; gpt2 "
+                        "and attention, and exp2:ce, exp2:ce+tied, square:ce, square:ce+tied chunked (explicit "
+                        "options still win)")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help=f"prompt lengths (default {CONTEXTS})")
     p.add_argument("--with-128k", action="store_true", help="add prompts of 131072 tokens")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per prompt (default 128)")
@@ -126,17 +153,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--mamba-state", type=int, default=128, help="Mamba2 state_size")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every child")
-    p.add_argument("--max-seconds", type=float, default=1200.0, help="wall-clock limit of one child")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-clock limit of one child (default 1200; 600 with --million)")
     p.add_argument("--max-gib", type=float, default=None,
                    help="memory one child may use (default: 80%% of MemAvailable at start)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    quick = QUICK if args.quick else {}
+    if args.quick and args.million:
+        p.error("--quick and --million are two presets: give one of them")
+    preset = QUICK if args.quick else MILLION if args.million else {}
     everything = [GPT2, MAMBA2, *MIXERS, "exp2:ce" + COMPILED, "dense" + COMPILED, "exp2:ce" + CHUNKED]
     for key, full in (("contexts", list(CONTEXTS)), ("new_tokens", 128), ("models", everything),
-                      ("batches", [1, 8, 32]), ("batch_context", 4096)):
+                      ("batches", [1, 8, 32]), ("batch_context", 4096), ("max_seconds", 1200.0)):
         if getattr(args, key) is None:
-            setattr(args, key, quick.get(key, full))
+            setattr(args, key, preset.get(key, full))
+    shape = dict(width=args.width, layers=args.layers, heads=args.heads, vocab=args.vocab)
+    for name in args.models:  # a mixer spec that does not parse fails here, not in every child
+        try:
+            kv_cache_bytes(name, shape, 1)
+        except ValueError as e:
+            p.error(f"--models {name!r}: {e} (or '{GPT2}', '{MAMBA2}', with '{COMPILED.strip()}' or "
+                    f"'{CHUNKED.strip()}' after a space)")
     if args.with_128k and 131072 not in args.contexts:
         args.contexts = [*args.contexts, 131072]
     args.contexts = sorted(set(args.contexts))
@@ -192,6 +229,30 @@ def build(name: str, s: dict, n_positions: int) -> torch.nn.Module:
                  n_inner=4 * s["width"])
     cfg = {"type": "gpt2" if name == GPT2 else "resolvent", "preset": "tiny", "mixer": name, "overrides": shape}
     return build_model(cfg, s["vocab"], n_positions, eos_token_id=0).eval()
+
+
+def kv_cache_bytes(name: str, s: dict, tokens: int, batch: int = 1) -> int | None:
+    """Bytes the float32 cache of model ``name`` holds after ``tokens`` tokens, computed from its config, for the
+    models whose cache keeps every position (GPT-2, and resolvent models all of whose layers keep every position:
+    attention, dense, plain f-patterns); None for the others, whose cache does not grow as one row per token.
+
+    GPT-2 keeps a key and a value of ``width`` per token and layer; a resolvent layer keeps its state's rows
+    (``ResolventCacheLayer.row_names``: keys and values for attention, both channels' keys, the input and the output
+    for resolvent patterns), ``heads x head_dim`` each, and the int64 position of each row."""
+    base = name.removesuffix(CHUNKED).removesuffix(COMPILED)
+    if base == GPT2:
+        return 2 * s["layers"] * tokens * s["width"] * 4 * batch
+    if base == MAMBA2:
+        return None
+    config = hr.ResolventConfig.from_preset("tiny", mixer=base, n_embd=s["width"], n_layer=s["layers"],
+                                            n_head=s["heads"], n_inner=4 * s["width"], vocab_size=s["vocab"])
+    total = 0
+    for spec in config.layer_mixers:
+        layer = ResolventCacheLayer(spec["pattern"], spec["tied"])
+        if not layer.keeps_every_position:
+            return None
+        total += tokens * (len(layer.row_names) * config.n_head * config.head_dim * 4 + 8)
+    return total * batch
 
 
 def cache_bytes(cache) -> int:
@@ -367,6 +428,10 @@ def run(args) -> dict:
     for n, batch in jobs:
         for name in args.models:  # round-robin over the models at each (context, batch)
             base = dict(model=name, context=n, batch=batch, new_tokens=args.new_tokens)
+            # what the cache holds after generate(): the prompt and every new token but the last, which is not fed
+            computed = kv_cache_bytes(name, s, n + args.new_tokens - 1, batch)
+            if computed is not None:
+                base["cache_bytes_computed"] = computed
             why = stopped.get((name, batch)) or predict_skip(history[name], n, batch, args.max_seconds, args.max_gib)
             if why:
                 rows.append({**base, "skipped": why})
@@ -376,7 +441,7 @@ def run(args) -> dict:
                        max_bytes=args.max_gib * 2**30)
             status, payload, wall = run_child(job, args.max_seconds)
             if status == "ok":
-                row = payload
+                row = {**payload, **{k: v for k, v in base.items() if k not in payload}}
                 history[name].append(row)
                 print(f"n {n:6d} batch {batch:2d}  {name:20s} ttft {row['ttft_s']:8.3f} s  "
                       f"decode {row['decode_ms_per_token']:8.2f} ms/tok  peak {row['peak_rss_mib']:8.0f} MiB  "
@@ -390,12 +455,13 @@ def run(args) -> dict:
                 row = {**base, "error": payload}
                 stopped[(name, batch)] = f"error at {n} tokens"
                 print(f"n {n:6d} batch {batch:2d}  {name:20s} ERROR\n{payload}", flush=True)
+            row["load_avg_1min"] = os.getloadavg()[0]  # other processes' load on the machine, after the run
             rows.append(row)
     add_ratios(rows)
     settings = dict(**{k: v for k, v in s.items() if k != "seed"}, seed=args.seed, dtype="float32",
                     head_dim=args.width // args.heads, new_tokens=args.new_tokens, contexts=args.contexts,
                     batches=args.batches, batch_context=args.batch_context, models=args.models,
-                    max_seconds=args.max_seconds, max_gib=args.max_gib, quick=args.quick,
+                    max_seconds=args.max_seconds, max_gib=args.max_gib, quick=args.quick, million=args.million,
                     mamba2=mamba2_config(s).to_diff_dict() if MAMBA2 in args.models else None,
                     method=dict(ttft="generate() call to the first step's logits (set-up + prefill, logits_to_keep=1)",
                                 decode="(last step - first step) / (new_tokens - 1), one greedy generate()",
@@ -403,11 +469,35 @@ def run(args) -> dict:
                                 cache="bytes of the cache generate() returns",
                                 compiled="static cache of n + new tokens; generate() compiles the decode step "
                                          "(fullgraph, inductor) during the warm-up (warmup_s), not timed",
-                                chunked="generate(prefill_chunk_size=prefill_chunk)"),
+                                chunked="generate(prefill_chunk_size=prefill_chunk)",
+                                cache_computed="models whose cache keeps every position: bytes after n + new - 1 "
+                                               "tokens from the config (float32 rows, int64 positions), not "
+                                               "measured"),
                     torch=torch.__version__, transformers=transformers.__version__,
                     python=platform.python_version(), machine=platform.machine(),
                     processor=platform.processor() or "unknown", cpus=os.cpu_count())
-    return {"rows": rows, "settings": settings}
+    return {"rows": rows, "growth": growth(rows), "settings": settings}
+
+
+def growth(rows: list[dict]) -> list[dict]:
+    """Per model (batch 1), between consecutive measured prompt lengths n0 < n1: the exponent p with
+    figure(n1) / figure(n0) = (n1 / n0)^p of time to first token, decode ms/token and the peak above the model
+    (1 is linear in n, 2 quadratic, 0 flat)."""
+    out = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        done = sorted((r for r in rows if r["model"] == name and r["batch"] == 1 and "ttft_s" in r),
+                      key=lambda r: r["context"])
+        for a, b in zip(done, done[1:]):
+            out.append(dict(model=name, context_from=a["context"], context_to=b["context"],
+                            ttft_exponent=_exponent(a, b, a["ttft_s"], b["ttft_s"]),
+                            decode_exponent=_exponent(a, b, a["decode_ms_per_token"], b["decode_ms_per_token"]),
+                            peak_above_model_exponent=_exponent(a, b, _added_mib(a), _added_mib(b))))
+    return out
+
+
+def _exponent(a: dict, b: dict, fa: float, fb: float) -> float | None:
+    """p with fb / fa = (n_b / n_a)^p; None where a figure is not positive."""
+    return math.log(fb / fa) / math.log(b["context"] / a["context"]) if fa > 0 and fb > 0 else None
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -458,6 +548,14 @@ def table(result: dict) -> str:
                      f"{r.get('decode_ms_per_token', 0):.2f}{_ratio(r, 'decode_vs_gpt2')}",
                      f"{r.get('ttft_s', 0):.3f}", f"{r.get('peak_rss_mib', 0):.0f}"]
             out.append(_line(r, cells, first=str(r["batch"])))
+    if result.get("growth"):
+        out += ["", "growth between measured prompt lengths: figure ~ n^p (1 linear, 2 quadratic, 0 flat)",
+                "| model | n from | n to | p of time to first token | p of decode ms/token | p of peak above the model |",
+                "|---|---:|---:|---:|---:|---:|"]
+        for g in result["growth"]:
+            cells = [f"{g[k]:.2f}" if g[k] is not None else "n/a"
+                     for k in ("ttft_exponent", "decode_exponent", "peak_above_model_exponent")]
+            out.append(f"| {g['model']} | {g['context_from']} | {g['context_to']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -465,6 +563,8 @@ def _line(r: dict, cells: list[str], first: str | None = None) -> str:
     lead = first if first is not None else str(r["context"])
     if "ttft_s" not in r:
         cells = [f"skipped: {r['skipped']}" if "skipped" in r else "error (see the JSON)"] + [""] * (len(cells) - 1)
+        if "cache_bytes_computed" in r:
+            cells[-1] = f"{r['cache_bytes_computed'] / MIB:.3f} (computed)"
     return f"| {lead} | {r['model']} | " + " | ".join(cells) + " |"
 
 

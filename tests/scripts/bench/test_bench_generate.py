@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, load_script
 
 TINY = ["--width", "32", "--heads", "2", "--layers", "2", "--vocab", "128", "--new-tokens", "4", "--threads", "1"]
@@ -80,6 +81,67 @@ def test_generate_rows_cache_sizes_and_time_budget(tmp_path):
     assert set(rows) == {32, 64} and all("ttft_s" not in r for r in rows.values())
     assert rows[32]["skipped"].startswith("timeout") and rows[64]["skipped"] == "timeout at 32 tokens"
     assert "skipped: timeout" in stdout
+
+
+def test_million_preset_computed_cache_and_growth(tmp_path):
+    """--million at toy lengths (its contexts overridden): no batched runs, the KV cache computed from the config is
+    the one generate() returned, and the growth table's exponents are those of the rows."""
+    models = ["gpt2", "attention", "exp2:ce chunked", "square:ce chunked"]
+    result, stdout = _finish(_start(tmp_path, "million", "--million", "--contexts", "32", "128", "--models", *models,
+                                    "--prefill-chunk", "16"))
+    s, rows = result["settings"], result["rows"]
+    assert s["million"] and s["batches"] == [] and s["max_seconds"] == 600 and s["new_tokens"] == 4
+    at = {(r["model"], r["context"]): r for r in rows}
+    assert set(at) == {(m, n) for m in models for n in (32, 128)} and all(r["batch"] == 1 for r in rows)
+    for (model, _), r in at.items():
+        assert "ttft_s" in r, r
+        if model in ("gpt2", "attention"):  # every position kept: the formula matches the cache, to the byte
+            assert r["cache_bytes_computed"] == r["cache_bytes"]
+        else:
+            assert "cache_bytes_computed" not in r
+    assert at[("gpt2", 128)]["cache_bytes_computed"] == 2 * 2 * (128 + 3) * 32 * 4
+    growth = {(g["model"], g["context_from"], g["context_to"]): g for g in result["growth"]}
+    assert set(growth) == {(m, 32, 128) for m in models}
+    for (model, a, b), g in growth.items():
+        ra, rb = at[(model, a)], at[(model, b)]
+        assert abs(4 ** g["ttft_exponent"] - rb["ttft_s"] / ra["ttft_s"]) < 1e-6 * rb["ttft_s"] / ra["ttft_s"]
+        ratio = rb["decode_ms_per_token"] / ra["decode_ms_per_token"]
+        assert abs(4 ** g["decode_exponent"] - ratio) < 1e-6 * ratio
+    assert "growth between measured prompt lengths" in stdout and "| square:ce chunked | 32 | 128 |" in stdout
+
+
+def test_kv_cache_computed_from_the_config():
+    """At a million tokens GPT-2's cache (bench shape: 4 layers of width 256, float32) is the 8 GiB the docs quote;
+    a cache-efficient or recurrent model has no per-token formula; a skipped row shows the computed figure."""
+    mod = load_script("bench/bench_generate")
+    s = dict(width=256, layers=4, heads=4, vocab=50257)
+    tokens = 2**20 + 31
+    assert mod.kv_cache_bytes("gpt2", s, tokens) == 2 * 4 * tokens * 256 * 4
+    assert 8.0 <= mod.kv_cache_bytes("gpt2", s, tokens) / 2**30 < 8.1
+    # attention keeps keys and values as GPT-2 does, and an int64 position per row; dense four rows per position
+    assert mod.kv_cache_bytes("attention", s, tokens) == 4 * tokens * (2 * 256 * 4 + 8)
+    assert mod.kv_cache_bytes("dense", s, tokens) == 4 * tokens * (4 * 256 * 4 + 8)
+    assert mod.kv_cache_bytes("gpt2", s, 100, batch=3) == 3 * mod.kv_cache_bytes("gpt2", s, 100)
+    for name in ("exp2:ce chunked", "square:ce+tied", "local_attention:256", "mamba2"):
+        assert mod.kv_cache_bytes(name, s, tokens) is None, name
+    skipped = dict(model="gpt2", context=tokens - 31, batch=1, new_tokens=32, skipped="estimated 9999 s",
+                   cache_bytes_computed=mod.kv_cache_bytes("gpt2", s, tokens))
+    result = {"rows": [skipped], "growth": [], "settings": dict(new_tokens=32, threads=1, batch_context=4096,
+                                                                  batches=[])}
+    line = next(x for x in mod.table(result).splitlines() if x.startswith(f"| {tokens - 31} | gpt2 |"))
+    assert "skipped: estimated 9999 s" in line and line.endswith("| 8192.242 (computed) |")
+
+
+def test_million_preset_defaults_and_bad_options(capsys):
+    mod = load_script("bench/bench_generate")
+    args = mod.parse_args(["--out", "x.json", "--million"])
+    assert args.contexts == [2**16, 2**17, 2**18, 2**19, 2**20] and args.batches == [] and args.max_seconds == 600
+    assert "gpt2" in args.models and {"exp2:ce chunked", "square:ce chunked"} <= set(args.models)
+    assert mod.parse_args(["--out", "x.json"]).max_seconds == 1200  # the other runs keep their limit
+    for bad, message in ((["--million", "--quick"], "two presets"), (["--models", "exp2:ce/x"], "unknown pattern")):
+        with pytest.raises(SystemExit):
+            mod.parse_args(["--out", "x.json", *bad])
+        assert message in capsys.readouterr().err
 
 
 def test_predicted_skips_and_same_mixers_as_bench_decode():
