@@ -42,11 +42,12 @@ def source_table(pattern: Pattern, rows: torch.Tensor, n: int) -> torch.Tensor:
     f = torch.tensor(fs, dtype=torch.long, device=rows.device).view(shape)
     a = torch.tensor(steps, dtype=torch.long, device=rows.device).view(shape)
     src = torch.where(t >= f, a * (torch.div(t - f, a, rounding_mode="floor") + 1) - 1, -1)
-    if pattern.cache_efficient:
-        earlier = torch.ones(len(fs), len(fs), dtype=torch.bool, device=rows.device).tril(-1)
-        earlier = earlier.view(len(fs), len(fs), *(1,) * rows.dim())  # [k, j]: j < k
-        repeated = ((src[:, None] == src[None]) & earlier).any(1) & (src >= 0)
-        src = torch.where(repeated, -1, src)
+    if pattern.cache_efficient and len(fs) > 1:
+        # Sources never increase with k: a_(k-1) divides a_k and a_k - a_(k-1) < f_k - f_(k-1), so src_k, a number
+        # = -1 mod a_(k-1) below src_(k-1) + 1 + a_(k-1), is at most src_(k-1). A repeated source is therefore the
+        # one of slot k - 1, and comparing neighbours is exact (O(K) per row, where all pairs cost O(K^2)).
+        repeated = (src[1:] == src[:-1]) & (src[1:] >= 0)
+        src = torch.cat([src[:1], torch.where(repeated, -1, src[1:])])
     return src
 
 
