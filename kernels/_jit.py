@@ -481,6 +481,7 @@ def _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, e
     r_read = earlier + _dot(bt, y, SOLVE_PREC)
     tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), y, mask=_tile_mask(rmask, ce, e))
     tl.store(_tile_ptrs(R, bh, n, rows, ce, e), r_read, mask=_tile_mask(rmask, ce, e))
+    return y
 
 
 @triton.jit
@@ -502,21 +503,21 @@ def _store_w_and_row_grads(W_TILE, OA_TILE, R_TILE, tile_mask, DA, DB, DG, bh, n
 @triton.jit
 def _dense_fwd_tile(QB_ROWS, KB, Y, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC: tl.constexpr):
     """One earlier key block j0 of the dense forward solve: its scores, merged into the running
-    softmax (m, l_sum), and its solved Y rows accumulated into acc."""
+    softmax (m, l_sum), and its solved Y rows (float32, or their copy in the input dtype) accumulated into acc."""
     keys = j0 + ar  # an earlier block: every key is < n
     k = _load_tile(KB, bh, n, keys, None, cd, d)
     yv = _load_solved_tile(Y, bh, n, keys, None, ce, e)
     s2 = _dot(QB_ROWS, tl.trans(k), PREC) * qk_scale2
     s2 = tl.where(keys[None, :] >= s, s2, float("-inf"))
     m, l_sum, alpha, p = _online_softmax(m, l_sum, s2)
-    acc = acc * alpha[:, None] + _dot(p, yv, PREC)
+    acc = acc * alpha[:, None] + _dot(p.to(yv.dtype), yv, PREC)
     return m, l_sum, acc
 
 
 @triton.jit
-def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, e, qk_scale2,
+def dense_solve_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n, H, d, e, qk_scale2,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                           PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+                           COPY: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, forward: Y = (1 - geff) OA + geff softmax_{j<i}(qb_i . kb_j) Y_j, by blocks.
 
     Grid (cdiv(n, BLOCK) * BH,): one program per row block, in ticket order (``_claim_block``). Block c:
@@ -525,7 +526,9 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
     on one by one); (2) the in-block strictly lower scores, merged into the same running max / sum,
     which gives the full-row normaliser; (3) the in-block unit lower triangular system
     (I - geff Bt) Y_c = rhs, solved by repeated squaring (``_unit_lower_solve``).
-    Writes Y and R = softmax(P^B) Y (BH, n, e) float32 and the base-2 log-sum-exp LSEB (BH, n).
+    Writes Y and R = softmax(P^B) Y (BH, n, e) float32 and the base-2 log-sum-exp LSEB (BH, n). Earlier blocks
+    are read from YREAD: Y itself, or with COPY a copy of Y in the input dtype that the block also writes (its
+    products with probabilities then take 16-bit operands, as FlashAttention's P V).
     Memory beyond the inputs: O(n e) per (batch, head); nothing n x n.
     """
     nblk = (n + BLOCK - 1) // BLOCK
@@ -548,10 +551,10 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
     known = _solved_count(PROGRESS, bh)
     mid = tl.maximum(tl.minimum(known * BLOCK, c0), lo)
     for j0 in range(lo, mid, BLOCK):
-        m, l_sum, acc = _dense_fwd_tile(q, KB, Y, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC)
+        m, l_sum, acc = _dense_fwd_tile(q, KB, YREAD, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC)
     for j0 in range(mid, c0, BLOCK):
         known = _wait_solved(PROGRESS, bh, j0 // BLOCK, known)
-        m, l_sum, acc = _dense_fwd_tile(q, KB, Y, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC)
+        m, l_sum, acc = _dense_fwd_tile(q, KB, YREAD, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC)
     # In-block scores (strictly lower), merged into the running normaliser.
     kc = _load_tile(KB, bh, n, rows, rmask, cd, d)
     s2 = _dot(q, tl.trans(kc), PREC) * qk_scale2
@@ -563,7 +566,9 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
     inv_l = tl.where(has, 1.0 / tl.where(has, l_sum, 1.0), 0.0)
     earlier = acc * inv_l[:, None]
     bt = p * inv_l[:, None]
-    _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
+    y = _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
+    if COPY:
+        tl.store(_tile_ptrs(YREAD, bh, n, rows, ce, e), y.to(YREAD.dtype.element_ty), mask=_tile_mask(rmask, ce, e))
     tl.store(_row_ptrs(LSEB, bh, n, rows), _log_sum_exp2(m, l_sum), mask=rmask)
     _publish_solved(PROGRESS, bh, order, known)
 
@@ -653,9 +658,9 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PRO
 
 
 @triton.jit
-def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, e, qk_scale2,
+def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n, H, d, e, qk_scale2,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                           PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+                           COPY: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, forward, chunked: what ``dense_solve_fwd_kernel`` computes (Y, R, LSEB), with one product
     after the wait on the block before.
 
@@ -664,6 +669,8 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
     itself join the running max and sum only, which makes the row normaliser final; (3) the blocks before c - 1
     not yet published, waited on one by one, add P.Y with final probabilities; (4) T_c applied to the right-hand
     side and to geff P_{c,c-1} in one squaring solve; (5) the wait on block c - 1 and Y_c = Yhat_c + M_c Y_{c-1}.
+    The P.Y products read earlier blocks from YREAD (Y, or its copy in the input dtype with COPY, as in
+    ``dense_solve_fwd_kernel``); the chain product reads Y itself.
     """
     nblk = (n + BLOCK - 1) // BLOCK
     blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, False)
@@ -683,7 +690,7 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
     known = _solved_count(PROGRESS, bh)
     mid = tl.maximum(tl.minimum(known * BLOCK, c0 - BLOCK), lo)
     for j0 in range(lo, mid, BLOCK):
-        m, l_sum, acc = _dense_fwd_tile(q, KB, Y, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC)
+        m, l_sum, acc = _dense_fwd_tile(q, KB, YREAD, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC)
     for j0 in range(mid, c0, BLOCK):
         keys = j0 + ar
         s2 = _dot(q, tl.trans(_load_tile(KB, bh, n, keys, None, cd, d)), PREC) * qk_scale2
@@ -703,7 +710,8 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
         keys = j0 + ar
         s2 = _dot(q, tl.trans(_load_tile(KB, bh, n, keys, None, cd, d)), PREC) * qk_scale2
         p = _exp2_where(keys[None, :] >= s, s2 - lse[:, None])
-        acc += _dot(p, _load_solved_tile(Y, bh, n, keys, None, ce, e), PREC)
+        y_read = _load_solved_tile(YREAD, bh, n, keys, None, ce, e)
+        acc += _dot(p.to(y_read.dtype), y_read, PREC)
     prev = c0 - BLOCK + ar
     prev_ok = (prev >= s) & (prev >= 0)
     s_prev = _dot(q, tl.trans(_load_tile(KB, bh, n, prev, prev_ok, cd, d)), PREC) * qk_scale2
@@ -716,6 +724,8 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, R, LSEB, START, PROGRESS, n, H, d, 
     y_prev = _load_solved_tile(Y, bh, n, prev, prev_ok, ce, e)
     y = tl.where(valid[:, None], yhat + _dot(chain, y_prev, SOLVE_PREC), 0.0)
     tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), y, mask=_tile_mask(rmask, ce, e))
+    if COPY:
+        tl.store(_tile_ptrs(YREAD, bh, n, rows, ce, e), y.to(YREAD.dtype.element_ty), mask=_tile_mask(rmask, ce, e))
     _publish_solved(PROGRESS, bh, order, known)
     # R and LSEB are read by the backward only: off the chain, after the publication.
     r_read = acc + _dot(p_prev, y_prev, PREC) + _dot(p_in, y, SOLVE_PREC)

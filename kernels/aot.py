@@ -149,6 +149,11 @@ def parse_config(text: str) -> dict:
         name, sep, value = item.partition("=")
         if not sep or name not in types:
             raise ValueError(f"{item!r} is not NAME=VALUE with NAME a BlockConfig field ({', '.join(types)})")
+        if types[name] is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{name} takes true or false, got {value!r}")
+            settings[name] = value.lower() in ("true", "1")
+            continue
         try:
             settings[name] = types[name](value)
         except ValueError:

@@ -65,6 +65,10 @@ class BlockConfig:
             parallel, then a pass that carries only each chunk's held rows; kernels/README.md).
         dense_solver: how the dense pattern's solves run: ``"blocked"`` (blocks of ``solve`` rows) or
             ``"chunked"`` (blocks of ``chunk`` rows with one product left after the wait on the block before).
+        y_copy: dense pattern, 16-bit inputs: the forward also writes the solved rows Y in the input dtype, and
+            the products that read solved rows with probabilities (the forward's P.Y over earlier blocks, channel
+            B's attention backward) take that copy, at the 16-bit tensor-core rate, as FlashAttention reads V;
+            the in-block solves and the chain stay float32. With float32 inputs the copy is Y itself.
         chunk: rows per chunk of the chunked solves.
         attn_bwd: the attention-style backward: ``"split"`` (one kernel over key blocks for dK and dV, one over
             query blocks for dQ) or ``"atomic"`` (one kernel over key blocks, dQ added atomically in float32).
@@ -88,6 +92,7 @@ class BlockConfig:
     solve_stages: int = 2
     sparse_solver: str = "blocked"
     dense_solver: str = "blocked"
+    y_copy: bool = False
     chunk: int = 64
     attn_bwd: str = "split"
     atomic_m: int = 64
@@ -295,7 +300,7 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
     BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
     qk2 = sh.scale * LOG2E
     BE = tile_width(e)
-    oa = lsea = lseb = r = j = None
+    oa = lsea = lseb = r = j = y_read = None
     if plan.dense:
         if not tied:
             oa, lsea = new_buffer((BH, n, e), dev), new_buffer((BH, n), dev)
@@ -307,10 +312,12 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
             oa = x
         if plan.has_b:
             y, r, lseb = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev), new_buffer((BH, n), dev)
+            copy = cfg.y_copy and x.dtype != torch.float32
+            y_read = new_buffer((BH, n, e), dev, dtype=x.dtype) if copy else y
             kernel, block = _dense_solve(jit, cfg, "fwd")
             kernel[_solve_grid(n, BH, block)](
-                qb, kb, oa, g, y, r, lseb, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
+                qb, kb, oa, g, y, y_read, r, lseb, start, _progress(BH, dev), n, H, sh.db, e, qk2,
+                BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, COPY=copy, PREC=sh.prec,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
@@ -345,7 +352,7 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
-    return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r, j=j)
+    return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r, j=j, y_read=y_read)
 
 
 def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: LaunchShapes, cfg: BlockConfig, tied: bool):
@@ -399,7 +406,9 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
             _attn_bwd(jit, qa, ka, x, w, coef, da, lsea, dqa, dka, dx, start, sh, sh.da, cfg, strict=False)
         if plan.has_b:
             dqb, dkb = new_buffer((BH, n, sh.db), dev), new_buffer((BH, n, sh.db), dev)
-            _attn_bwd(jit, qb, kb, y, w, geff, db, lseb, dqb, dkb, None, start, sh, sh.db, cfg, strict=True)
+            # Channel B's values are the solved rows: their copy in the input dtype where the forward kept one.
+            v = saved["y_read"] if saved["y_read"] is not None else y
+            _attn_bwd(jit, qb, kb, v, w, geff, db, lseb, dqb, dkb, None, start, sh, sh.db, cfg, strict=True)
     else:
         if not tied:
             dqa, dka, dx = new_buffer((BH, n, sh.da), dev), torch.zeros(BH, n, sh.da, device=dev), torch.zeros(BH, n, e,
@@ -515,7 +524,7 @@ class _MixFunction(torch.autograd.Function):
         flat = [_flat(t, dtype) for t in (qa, ka, qb, kb, x)] + [_flat(g)]
         start = start.to(device=x.device, dtype=torch.int32).contiguous()
         y, saved = launch_forward(*flat, start, plan, sh, cfg, tied)
-        keys = ("oa", "lsea", "lseb", "y", "r", "j")
+        keys = ("oa", "lsea", "lseb", "y", "r", "j", "y_read")
         ctx.save_for_backward(*flat, start, *(saved[k] for k in keys))
         ctx.meta = (plan, sh, cfg, tied, keys, [None if t is None else t.dtype for t in (qa, ka, qb, kb, x, g)])
         out = y.view(batch, heads, n, e)
