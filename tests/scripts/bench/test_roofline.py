@@ -3,8 +3,11 @@ where the benchmark file has them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
+import pytest
 import torch
 from conftest import load_script
 from hf_resolvent.backends.triton import resolvent
@@ -97,3 +100,241 @@ def test_roofline_without_measurements_says_not_measured(tmp_path, capsys):
     result = _run(tmp_path, "128", measured="")
     assert all(c[p]["measured_ms"] is None for c in result["cases"] for p in ("forward", "forward_backward"))
     assert "not measured" in capsys.readouterr().out
+
+
+CHUNKED = "sparse_solver=chunked,dense_solver=chunked,attn_bwd=atomic"
+
+
+def _run_variants(tmp_path, patterns: str, lengths: str, *extra: str, batch: int = 1, heads: int = 2) -> dict:
+    out = tmp_path / "variants.json"
+    argv = ["--out", str(out), "--patterns", patterns, "--lengths", lengths, "--batch", str(batch),
+            "--heads", str(heads), "--profile", "", "--config", "default", "--config", f"chunked:{CHUNKED}", *extra]
+    assert load_script("bench/roofline").main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def _variant(result, pattern, n, variant):
+    (case,) = [c for c in result["cases"] if (c["pattern"], c["n"], c["variant"]) == (pattern, n, variant)]
+    return case
+
+
+def _rows(case, kernel):
+    return [r for phase in ("forward", "backward") for r in case["launches"][phase] if r["kernel"] == kernel]
+
+
+def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
+    n, BH = 256, 2
+    result = _run_variants(tmp_path, "exp2:ce", str(n))
+    case = _variant(result, "exp2:ce", n, "chunked")
+    assert case["config"] == {"sparse_solver": "chunked", "dense_solver": "chunked", "attn_bwd": "atomic"}
+    assert [r["kernel"] for r in case["launches"]["forward"]] == ["sparse_direct", "chunk_prepare", "chunk_carry"]
+    assert [r["kernel"] for r in case["launches"]["backward"]] == ["chunk_carry", "chunk_rows_bwd", "chunk_grads"]
+
+    # The held rows by hand: the sources before each chunk that the chunk's rows read.
+    from hf_resolvent.patterns import get_pattern
+
+    C = resolvent.get_block_config().chunk
+    src = get_pattern("exp2:ce").source_index(n)
+    held = [set(src[c0:c0 + C][(src[c0:c0 + C] >= 0) & (src[c0:c0 + C] < c0)].tolist()) for c0 in range(0, n, C)]
+    held_total = sum(len(h) for h in held)
+    HM = max(16, 1 << (max(len(h) for h in held) - 1).bit_length())
+    nc, log2 = n // C, C.bit_length() - 1
+    rows, held_rows, mask = BH * n, BH * held_total, C * (C + HM)  # the mask: int8, one byte per entry
+    # recorded on meta tensors, the launches leave resolvent.held_table's cached tables on the CPU for real launches
+    assert [t.device.type for t in resolvent.held_table(get_pattern("exp2:ce"), n, C)] == ["cpu", "cpu"]
+
+    # The carry: n / C steps in each direction, nothing else chained; one (C x HM) x (HM x 16) product per step
+    carry = _rows(case, "chunk_carry")
+    assert [r["chain_steps"] for r in carry] == [nc, nc]
+    assert [r["grid"] for r in carry] == [[BH, D // 16]] * 2
+    assert all(r["flops"] == BH * (D // 16) * nc * 2 * C * 16 * HM for r in carry)
+    assert sum(r["chain_steps"] for rows in case["launches"].values() for r in rows) == 2 * nc
+    forward_carry, reverse_carry = carry
+    # per step J_c (float32) and the held table (int32) per program; Y_c twice and the held rows once (forward)
+    assert forward_carry["tile_bytes"] == BH * (D // 16) * nc * (C * HM + HM) * 4 + BH * (2 * n + held_total) * D * 4
+    assert reverse_carry["tile_bytes"] == BH * (D // 16) * nc * (C * HM + HM) * 4 + BH * (n + 2 * held_total) * D * 4
+    # its memory floor: Y and J (float32), the held table (int32), start (int32)
+    assert forward_carry["bytes"] == BH * n * D * 4 + BH * nc * C * HM * 4 + nc * HM * 4 + 4
+
+    # The parallel chunk kernels: one program per (chunk, head), no chain; scores as two bf16 tiles, squaring
+    # solves (tf32x3: three tf32 products each), no integer work: the chunk's mask is loaded
+    (prepare,) = _rows(case, "chunk_prepare")
+    (rows_bwd,) = _rows(case, "chunk_rows_bwd")
+    programs = nc * BH
+    scores = programs * 2 * C * (C + HM) * D
+    pair_solve = programs * 2 * C * (log2 * C * (D + HM) + (log2 - 1) * C * C)
+    assert prepare["programs"] == programs and prepare["chain_steps"] == 0
+    assert prepare["flops"] == scores + pair_solve
+    assert prepare["work_flops"] == {"16bit": scores, "tf32": 3 * pair_solve, "fp32": 0}
+    # bf16 q, k (own and held rows) and gate, float32 LSE, OA and Yhat; per program the held table and the mask;
+    # J whole
+    assert prepare["tile_bytes"] == (rows * (2 * D * 2 + 2 + 4 + D * 4 + D * 4) + held_rows * D * 2
+                                     + programs * (HM * 4 + mask + C * HM * 4))
+    # its memory floor holds the mask table once: (n / C, C, C + HM) int8
+    floor = BH * n * (2 * D * 2 + 2 + 4 + 2 * D * 4) + nc * HM * 4 + nc * mask + BH * nc * C * HM * 4 + 4
+    assert prepare["bytes"] == floor
+    solve = programs * 2 * C * (log2 * C * D + (log2 - 1) * C * C)
+    w_y = programs * 2 * C * (C + HM) * D
+    assert rows_bwd["flops"] == scores + solve + w_y
+    assert rows_bwd["work_flops"] == {"16bit": scores, "tf32": 3 * solve + w_y, "fp32": 0}
+    hw = result["settings"]
+    compute = scores / (hw["bf16_tflops"] * 1e12) + 3 * pair_solve / (hw["tf32_tflops"] * 1e12)
+    assert math.isclose(prepare["compute_s"], compute / min(1.0, programs / hw["sms"]))
+
+    # held rows in blocks of HB < HM: T_c itself (the solve on the identity), then T_c applied to both right-hand sides
+    script = load_script("bench/roofline")
+    recorded = script.record_passes("exp2:ce", n, 1, BH, D, torch.bfloat16, case["config"])
+    (launch,) = [r for r in recorded["forward"] if r.name == "chunk_prepare_kernel"]
+    for HB, solves in ((HM, pair_solve),
+                       (HM // 2, programs * 2 * C * (log2 * C * C + (log2 - 1) * C * C + C * D + C * HM))):
+        blocked = script.launch_cost(dataclasses.replace(launch, constexprs={**launch.constexprs, "HB": HB}), "exp2:ce")
+        assert blocked["work_flops"] == {"16bit": scores, "tf32": 3 * solves, "fp32": 0}
+        assert blocked["tile_bytes"] == prepare["tile_bytes"]
+
+    # chunk_grads, per chunk: channel A's scores, dP (against x), dq, dk and dx, channel B's scores, dq, dk in bf16,
+    # B's dP against Y (float32) at tf32; each a pair of products, own rows and held rows, of 2 C (C + HM) D FLOPs
+    (grads,) = _rows(case, "chunk_grads")
+    pair = programs * 2 * C * (C + HM) * D
+    assert grads["grid"] == [nc, BH] and grads["chain_steps"] == 0
+    assert grads["flops"] == 9 * pair and grads["work_flops"] == {"16bit": 8 * pair, "tf32": pair, "fp32": 0}
+    # loads: W (float32) and the gate once; per channel the held table and the mask per program, q, k and V of
+    # the own and held rows, LSE, D; stores: dq once, dk (and dx) of own and held rows as atomic adds
+    tables = programs * (HM * 4 + mask)
+    channel_a = (tables + rows * D * 2 + (rows + held_rows) * (D * 2 + D * 2) + rows * (2 + D) * 4
+                 + (rows + held_rows) * 2 * D * 4)
+    channel_b = (tables + rows * D * 2 + (rows + held_rows) * (D * 2 + D * 4) + rows * (2 + D) * 4
+                 + (rows + held_rows) * D * 4)
+    shared = rows * (D * 4 + 2)
+    assert grads["tile_bytes"] == shared + channel_a + channel_b
+    assert grads["bytes"] == (BH * n * (5 * D * 2 + 2 * D * 4 + 2 + 4 * 4 + 5 * D * 4) + nc * HM * 4 + nc * mask + 4)
+    # tied (no channel A): channel B's four pairs alone
+    (launch,) = [r for r in recorded["backward"] if r.name == "chunk_grads_kernel"]
+    tied = script.launch_cost(dataclasses.replace(launch, constexprs={**launch.constexprs, "HAS_A": False}),
+                              "exp2:ce")
+    assert tied["work_flops"] == {"16bit": 3 * pair, "tf32": pair, "fp32": 0}
+    assert tied["tile_bytes"] == shared + channel_b
+
+    # the blocked solves of the default variant walk n / solve blocks in each direction instead
+    blocked = _variant(result, "exp2:ce", n, "default")
+    block = resolvent.get_block_config().solve
+    solves = _rows(blocked, "sparse_solve_fwd") + _rows(blocked, "sparse_solve_bwd")
+    assert [(r["kernel"], r["chain_steps"]) for r in solves] == [("sparse_solve_fwd", n // block),
+                                                                   ("sparse_solve_bwd", n // block)]
+
+
+def _dense_chunk_fwd_by_hand(nblk: int, in_flight: int) -> tuple[int, int]:
+    """(score products, P.Y products) per head of dense_chunk_fwd_kernel, walking its loops as written: block c
+    starts with the blocks before c - in_flight published."""
+    B = 1
+    scores = py = 0
+    for c in range(nblk):
+        c0, lo = c * B, 0
+        known = max(c - in_flight, 0)
+        mid = max(min(known * B, c0 - B), lo)
+        scores += len(range(lo, mid, B))  # published: scores and P.Y
+        py += len(range(lo, mid, B))
+        scores += len(range(mid, c0, B))  # the rest and the block before: scores for the normaliser
+        scores += 1  # the block's own
+        scores += len(range(mid, c0 - B, B))  # the rest again, after the normaliser, with P.Y
+        py += len(range(mid, c0 - B, B))
+        scores += 1  # the block before, once more
+        py += 1  # its P.Y after the wait
+    return scores, py
+
+
+def test_chunked_dense_solve_has_one_chain_step_per_block(tmp_path):
+    n, BH, in_flight = 512, 2, 3
+    result = _run_variants(tmp_path, "dense", str(n), "--blocks-in-flight", str(in_flight))
+    case = _variant(result, "dense", n, "chunked")
+    B = resolvent.get_block_config().chunk
+    nblk, log2 = n // B, B.bit_length() - 1
+    fwd, bwd = _rows(case, "dense_chunk_fwd") + _rows(case, "dense_chunk_bwd")
+    assert fwd["chain_steps"] == bwd["chain_steps"] == nblk
+    assert fwd["programs"] == bwd["programs"] == nblk * BH
+    scores, py = _dense_chunk_fwd_by_hand(nblk, in_flight)
+    pair_solve = 2 * B * (log2 * B * (D + B) + (log2 - 1) * B * B)
+    after_wait = 2 * 2 * B * B * D  # the chain's product and R's in-block part
+    assert fwd["work_flops"]["16bit"] == BH * scores * 2 * B * B * D
+    assert fwd["flops"] == BH * (scores * 2 * B * B * D + py * 2 * B * B * D + nblk * (pair_solve + after_wait))
+    # backward: later blocks but the next add B^T W; the next block's and the own scores; one product after the wait
+    later = sum(max(o - 1, 0) for o in range(nblk))
+    assert bwd["flops"] == BH * ((later + 2 * nblk) * 2 * B * B * D + later * 2 * B * B * D
+                                 + nblk * (pair_solve + 2 * B * B * D))
+    # the default variant's solves walk n / solve blocks
+    blocked = _variant(result, "dense", n, "default")
+    block = resolvent.get_block_config().solve
+    assert [r["chain_steps"] for r in _rows(blocked, "dense_solve_fwd") + _rows(blocked, "dense_solve_bwd")] == [
+        n // block, n // block]
+
+
+def test_atomic_backward_is_one_kernel_per_channel(tmp_path):
+    n, BH = 512, 2
+    result = _run_variants(tmp_path, "attention,dense", str(n))
+    cfg = resolvent.get_block_config()
+    # one key block per program walks the query blocks from its own: scores, dP, dK, dQ and dV once per tile
+    tiles = sum(n // cfg.atomic_m - (j * cfg.atomic_n) // cfg.atomic_m for j in range(n // cfg.atomic_n))
+    (attn,) = _variant(result, "attention", n, "chunked")["launches"]["backward"]
+    assert attn["kernel"] == "attn_bwd_atomic" and attn["grid"] == [n // cfg.atomic_n, BH]
+    assert attn["flops"] == BH * tiles * 2 * cfg.atomic_m * cfg.atomic_n * (3 * D + 2 * D)
+    assert attn["chain_steps"] == 0
+    dense_bwd = [r["kernel"] for r in _variant(result, "dense", n, "chunked")["launches"]["backward"]]
+    assert dense_bwd == ["dense_chunk_bwd", "attn_bwd_atomic", "attn_bwd_atomic"]  # channel A, then channel B
+    split = [r["kernel"] for r in _variant(result, "attention", n, "default")["launches"]["backward"]]
+    assert split == ["attn_bwd_dkdv", "attn_bwd_dq"]
+
+
+def test_variants_leave_the_default_figures_alone_and_take_their_own_measurements(tmp_path):
+    n = 256
+    measured = tmp_path / "measured.json"
+    settings = {"sparse_solver": "chunked", "dense_solver": "chunked", "attn_bwd": "atomic"}
+    rows = [{"name": "triton:exp2:ce", "config": {}, "n": n, "forward_ms": 1.0, "forward_backward_ms": 2.0},
+            {"name": f"triton:exp2:ce [{CHUNKED}]", "config": settings, "n": n, "forward_ms": 3.0,
+             "forward_backward_ms": 4.0}]
+    measured.write_text(json.dumps({"batch": 1, "heads": 2, "head_dim": D, "dtype": "bfloat16", "device": "GPU",
+                                    "rows": rows}))
+    profile = tmp_path / "profile.log"
+    profile.write_text(f"=== n={n} exp2:ce (2 steps) [attn_bwd=atomic,sparse_solver=chunked,dense_solver=chunked]\n"
+                       "                  chunk_carry_kernel         0.00%       0.000us         0.00%       0.000us "
+                       "      0.000us      30.000ms        25.32%      30.000ms      15.000ms             4\n")
+    both = _run_variants(tmp_path, "exp2:ce,dense", str(n), "--measured", str(measured), "--profile", str(profile),
+                         "--kernel-step-latency-us", "chunk_carry=5")
+    out = tmp_path / "alone.json"
+    assert load_script("bench/roofline").main(["--out", str(out), "--patterns", "exp2:ce,dense", "--lengths", str(n),
+                                               "--batch", "1", "--heads", "2", "--profile", ""]) == 0
+    alone = json.loads(out.read_text())
+    for pattern in ("exp2:ce", "dense"):
+        assert _variant(both, pattern, n, "default")["launches"] == _variant(alone, pattern, n, "default")["launches"]
+    assert {c["variant"] for c in both["cases"]} == {"default", "chunked", None}  # None: SDPA, once per length
+
+    # measured times and profiles by the variant's settings, whatever their order
+    assert _variant(both, "exp2:ce", n, "default")["forward_backward"]["measured_ms"] == 2.0
+    chunked = _variant(both, "exp2:ce", n, "chunked")
+    assert chunked["forward"]["measured_ms"] == 3.0 and chunked["forward_backward"]["measured_ms"] == 4.0
+    kernels = {k["kernel"]: k for k in chunked["kernels"]}
+    assert kernels["chunk_carry"]["profiled_ms"] == 15.0 and kernels["chunk_carry"]["launches"] == 2
+    assert kernels["chunk_carry"]["pass"] == "both" and kernels["chunk_prepare"]["pass"] == "forward"
+    assert {k["kernel"]: k["profiled_ms"] for k in _variant(both, "exp2:ce", n, "default")["kernels"]} == {
+        "sparse_direct": None, "sparse_solve_fwd": None, "sparse_solve_bwd": None, "sparse_grads": None}
+    # the per-kernel step latency applies to that kernel's chain only
+    for r in _rows(chunked, "chunk_carry"):
+        assert math.isclose(r["chain_s"], r["chain_steps"] * 5e-6)
+    (dense_fwd,) = _rows(_variant(both, "dense", n, "chunked"), "dense_chunk_fwd")
+    assert math.isclose(dense_fwd["chain_s"], dense_fwd["chain_steps"] * 2e-6)
+    # every pass against SDPA at its length, and the latency at which it would equal it
+    sdpa = _variant(both, "sdpa", n, None)["forward_backward"]["roofline_s"]
+    fb = chunked["forward_backward"]
+    assert fb["roofline_over_sdpa"] == fb["roofline_s"] / sdpa
+    assert math.isclose(fb["sdpa_step_us"], (sdpa - fb["work_s"]) / fb["chain_steps"] * 1e6)
+
+
+def test_bad_variant_and_latency_options_are_refused_with_the_fix(tmp_path, capsys):
+    script = load_script("bench/roofline")
+    for argv, said in ((["--config", "sparse_solver=fast"], "sparse_solver"),
+                       (["--config", "tile=32"], "BlockConfig field"),
+                       (["--config", "a:chunk=32", "--config", "a:chunk=16"], "share a name"),
+                       (["--kernel-step-latency-us", "chunk_carry"], "KERNEL=MICROSECONDS"),
+                       (["--blocks-in-flight", "0"], ">= 1")):
+        with pytest.raises(SystemExit) as refused:
+            script.main(["--out", str(tmp_path / "x.json"), *argv])
+        assert refused.value.code == 2
+        assert said in capsys.readouterr().err
