@@ -27,7 +27,10 @@ under those settings and named NAME (its settings without one) in the rows and t
   head, so from L2 but for its one HBM read;
 - FLOPs: 2 m n k per tensor-core product (``tl.dot``) at its tile sizes, split by the precision it runs at
   (16-bit operands; float32 operands as tf32, or tf32x3 = three tf32 products), and 2 per multiply-add of the
-  row-by-row dot products of the sparse kernels, which run on the CUDA cores in float32;
+  row-by-row dot products of the sparse kernels, which run on the CUDA cores in float32. The operands' dtype is
+  the launch's: with ``y_copy`` the dense forward solves' P.Y over earlier blocks read YREAD, the copy of Y in
+  the input dtype that the launch also stores (constexpr COPY), and channel B's attention backward takes that
+  copy as V, so those products count at the 16-bit rate and those tiles at two bytes an element;
 - roofline time: max(compute time, bytes / bandwidth) + chain steps x the per-step latency, with the compute
   time the sum over precisions of FLOPs / peak, scaled up when the grid has fewer programs than the GPU has
   SMs; integer work (the sources the row-by-row sparse kernels compute per row and slot) is left out. Beside
@@ -276,11 +279,13 @@ def dense_chunk_counts(nblk: int, in_flight: int, backward: bool) -> dict:
     Forward, block c with u of the blocks before c - 1 not yet published when it starts (``in_flight`` blocks in
     flight, c - 1 included): the scores of every earlier block and of its own once, those of the u blocks and of
     block c - 1 a second time (the first pass only builds the normaliser): c + u + 2 score products; c products
-    P.Y (one per earlier block); c + u + 2 key tiles, c solved Y tiles. Block 0 scores itself and an empty block
-    before it and runs its P.Y on zeros. Backward, block at solve position o (0 the last block): B_rc^T W_r for
-    the o - 1 later blocks but the next, the next block's scores (its rows' q, lse, gate and W loaded for o >= 1)
-    and its own: o - 1 + 2 score products and o - 1 products with W."""
-    counts = dict(scores=0, value_products=0, key_tiles=0, solved_tiles=0, later_rows=0)
+    P.Y (one per earlier block), of which the c - 1 over the blocks before c - 1 read YREAD (``read_products``,
+    one YREAD tile each) and the one with block c - 1, R's, reads Y; c + u + 2 key tiles, c solved Y tiles. Block
+    0 scores itself and an empty block before it and runs its P.Y with Y on zeros. Backward, block at solve
+    position o (0 the last block): B_rc^T W_r for the o - 1 later blocks but the next, the next block's scores
+    (its rows' q, lse, gate and W loaded for o >= 1) and its own: o - 1 + 2 score products and o - 1 products
+    with W."""
+    counts = dict(scores=0, value_products=0, read_products=0, key_tiles=0, solved_tiles=0, later_rows=0)
     for c in range(nblk):
         if backward:
             later = max(c - 1, 0)  # c is the solve position here
@@ -296,6 +301,7 @@ def dense_chunk_counts(nblk: int, in_flight: int, backward: bool) -> dict:
             u = min(in_flight, c) - 1
             counts["scores"] += c + u + 2
             counts["value_products"] += c
+            counts["read_products"] += c - 1
             counts["key_tiles"] += c + u + 2
             counts["solved_tiles"] += c
     return counts
@@ -371,6 +377,7 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             cost.move(programs * BM, width=d, elem=f32)  # DQ
             n_value_dots = 1
         cost.dot(2 * steps, BM, BN, BD, Q.dtype, c["PREC"])  # Q K^T, and dS with Q or K
+        # dO and P meet V in V's dtype: x's for channel A; for B, Y (float32, at tf32) or its 16-bit copy
         cost.dot(n_value_dots * steps, BM, BN, BE, V.dtype, c["PREC"])
     elif name == "attn_bwd_atomic":
         # One program per key block walks the query blocks from its own: scores, dP, dK and dQ once per step.
@@ -386,7 +393,8 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
         cost.move(steps * BM, width=d, elem=f32)  # DQ atomics
         cost.move(programs * BN, width=d + (e if has_dv else 0), elem=f32)  # DK, DV
         cost.dot(3 * steps, BN, BM, BD, Q.dtype, c["PREC"])  # K Q^T, dS Q for dK, dS^T K for dQ
-        cost.dot((2 if has_dv else 1) * steps, BN, BM, BE, V.dtype, c["PREC"])  # V dO^T, and P^T dO for dV
+        # V dO^T, and P^T dO for dV, in V's dtype (channel B's: Y at tf32, or its 16-bit copy)
+        cost.dot((2 if has_dv else 1) * steps, BN, BM, BE, V.dtype, c["PREC"])
     elif name in ("dense_chunk_fwd", "dense_chunk_bwd"):
         B, log2, BD, BE = c["BLOCK"], c["LOG2_BLOCK"], c["BD"], c["BE"]
         QB, KB, G, BH, d, e = a["QB"], a["KB"], a["G"], a["QB"].shape[0], a["d"], a["e"]
@@ -394,7 +402,13 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
         chain = nblk
         k = {key: v * BH for key, v in dense_chunk_counts(nblk, in_flight, name == "dense_chunk_bwd").items()}
         cost.dot(k["scores"], B, B, BD, QB.dtype, c["PREC"])
-        cost.dot(k["value_products"], B, BE, B, torch.float32, c["PREC"])  # P Y, or B^T W: float32 operands
+        if name == "dense_chunk_fwd":
+            # P Y over the blocks before c - 1 with YREAD's operands (16-bit with COPY), R's P Y_(c-1) with Y's
+            y_read = a["YREAD"]
+            cost.dot(k["read_products"], B, BE, B, y_read.dtype, c["PREC"])
+            cost.dot(k["value_products"] - k["read_products"], B, BE, B, torch.float32, c["PREC"])
+        else:
+            cost.dot(k["value_products"], B, BE, B, torch.float32, c["PREC"])  # B^T W: float32 operands
         _pair_solve(cost, programs, B, log2, BE, B, c["SOLVE_PREC"])  # the rhs and the block before's (or after's)
         cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # the product after the wait
         cost.move(programs * B, QB, d)
@@ -402,9 +416,12 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
         if name == "dense_chunk_fwd":
             cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # R's in-block part
             cost.move(k["key_tiles"] * B, KB, d)
-            cost.move(k["solved_tiles"] * B, width=e, elem=f32)  # solved Y of earlier blocks
+            cost.move(k["read_products"] * B, y_read, e)  # solved rows of the blocks before c - 1
+            cost.move((k["solved_tiles"] - k["read_products"]) * B, width=e, elem=f32)  # Y of block c - 1
             cost.move(programs * B, a["OA"], e)
             cost.move(programs * B, width=2 * e + 1, elem=f32)  # Y, R, LSEB
+            if c["COPY"]:
+                cost.move(programs * B, y_read, e)  # the copy of Y stored
         else:
             cost.move(programs * B, KB, d)
             cost.move(programs * B, a["DY"], e)
@@ -501,10 +518,15 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             cost.move(programs * B, KB, d)  # in-block keys
             cost.move(programs * B, a["OA"], e)
             cost.move(pairs * B, KB, d)
-            cost.move(pairs * B, width=e, elem=f32)  # solved Y of earlier blocks
+            # Earlier blocks' solved rows come from YREAD: Y itself, or with COPY its copy in the input dtype,
+            # which the launch also stores.
+            y_read = a["YREAD"]
+            cost.move(pairs * B, y_read, e)
             cost.move(programs * B, width=2 * e + 1, elem=f32)  # Y, R, LSEB
+            if c["COPY"]:
+                cost.move(programs * B, y_read, e)
             cost.dot(pairs + programs, B, B, BD, QB.dtype, c["PREC"])
-            cost.dot(pairs, B, BE, B, torch.float32, c["PREC"])  # P Y, float32 operands
+            cost.dot(pairs, B, BE, B, y_read.dtype, c["PREC"])  # P Y
             _solve_block(cost, programs, B, log2, BE, c["SOLVE_PREC"])
             cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # R's in-block part
         else:

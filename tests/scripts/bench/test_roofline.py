@@ -222,24 +222,25 @@ def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
                                                                    ("sparse_solve_bwd", n // block)]
 
 
-def _dense_chunk_fwd_by_hand(nblk: int, in_flight: int) -> tuple[int, int]:
-    """(score products, P.Y products) per head of dense_chunk_fwd_kernel, walking its loops as written: block c
-    starts with the blocks before c - in_flight published."""
+def _dense_chunk_fwd_by_hand(nblk: int, in_flight: int) -> tuple[int, int, int]:
+    """(score products, P.Y products that read YREAD, P.Y products with the block before's Y) per head of
+    dense_chunk_fwd_kernel, walking its loops as written: block c starts with the blocks before c - in_flight
+    published."""
     B = 1
-    scores = py = 0
+    scores = py_read = py_prev = 0
     for c in range(nblk):
         c0, lo = c * B, 0
         known = max(c - in_flight, 0)
         mid = max(min(known * B, c0 - B), lo)
         scores += len(range(lo, mid, B))  # published: scores and P.Y
-        py += len(range(lo, mid, B))
+        py_read += len(range(lo, mid, B))
         scores += len(range(mid, c0, B))  # the rest and the block before: scores for the normaliser
         scores += 1  # the block's own
         scores += len(range(mid, c0 - B, B))  # the rest again, after the normaliser, with P.Y
-        py += len(range(mid, c0 - B, B))
+        py_read += len(range(mid, c0 - B, B))
         scores += 1  # the block before, once more
-        py += 1  # its P.Y after the wait
-    return scores, py
+        py_prev += 1  # its P.Y after the wait, with Y itself
+    return scores, py_read, py_prev
 
 
 def test_chunked_dense_solve_has_one_chain_step_per_block(tmp_path):
@@ -251,7 +252,8 @@ def test_chunked_dense_solve_has_one_chain_step_per_block(tmp_path):
     fwd, bwd = _rows(case, "dense_chunk_fwd") + _rows(case, "dense_chunk_bwd")
     assert fwd["chain_steps"] == bwd["chain_steps"] == nblk
     assert fwd["programs"] == bwd["programs"] == nblk * BH
-    scores, py = _dense_chunk_fwd_by_hand(nblk, in_flight)
+    scores, py_read, py_prev = _dense_chunk_fwd_by_hand(nblk, in_flight)
+    py = py_read + py_prev
     pair_solve = 2 * B * (log2 * B * (D + B) + (log2 - 1) * B * B)
     after_wait = 2 * 2 * B * B * D  # the chain's product and R's in-block part
     assert fwd["work_flops"]["16bit"] == BH * scores * 2 * B * B * D
@@ -281,6 +283,62 @@ def test_atomic_backward_is_one_kernel_per_channel(tmp_path):
     assert dense_bwd == ["dense_chunk_bwd", "attn_bwd_atomic", "attn_bwd_atomic"]  # channel A, then channel B
     split = [r["kernel"] for r in _variant(result, "attention", n, "default")["launches"]["backward"]]
     assert split == ["attn_bwd_dkdv", "attn_bwd_dq"]
+
+
+def test_y_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp_path):
+    n, BH, in_flight = 512, 2, 3
+    result = _run_variants(tmp_path, "dense", str(n), "--blocks-in-flight", str(in_flight), "--config",
+                           "copy:y_copy=true", "--config", f"chunked+copy:{CHUNKED},y_copy=true")
+    cfg = resolvent.get_block_config()
+    case = {v: _variant(result, "dense", n, v) for v in ("default", "copy", "chunked", "chunked+copy")}
+    assert case["chunked+copy"]["config"] == {**case["chunked"]["config"], "y_copy": True}
+
+    def moved(plain, copy, flops, read_rows):
+        """``flops`` of plain's tf32 work at 16 bits in copy, the same total; ``read_rows`` of solved rows read at
+        2 bytes instead of 4."""
+        assert copy["flops"] == plain["flops"]
+        assert copy["work_flops"] == {"16bit": plain["work_flops"]["16bit"] + flops,
+                                      "tf32": plain["work_flops"]["tf32"] - flops, "fp32": 0}
+        assert copy["tile_bytes"] == plain["tile_bytes"] - read_rows * D * 2 + BH * n * D * 2  # the copy stored
+        assert copy["bytes"] == plain["bytes"] + BH * n * D * 2  # the copy, a tensor of its own
+
+    # blocked forward: every (block, earlier block) pair's P.Y, (B x B) x (B x D), reads the bf16 copy
+    B = cfg.solve
+    nblk = n // B
+    pairs = BH * nblk * (nblk - 1) // 2
+    (fwd,), (fwd_copy,) = _rows(case["default"], "dense_solve_fwd"), _rows(case["copy"], "dense_solve_fwd")
+    moved(fwd, fwd_copy, pairs * 2 * B * B * D, pairs * B)
+    # chunked forward: the P.Y over blocks before c - 1 read the copy; R's product with block c - 1 keeps Y
+    B = cfg.chunk
+    _, py_read, py_prev = _dense_chunk_fwd_by_hand(n // B, in_flight)
+    assert py_read == (n // B - 1) * (n // B - 2) // 2 and py_prev == n // B
+    (fwd,), (fwd_copy,) = _rows(case["chunked"], "dense_chunk_fwd"), _rows(case["chunked+copy"], "dense_chunk_fwd")
+    moved(fwd, fwd_copy, BH * py_read * 2 * B * B * D, BH * py_read * B)
+    assert fwd_copy["work_flops"]["tf32"] > 0  # the solves and R's products stay float32
+
+    # channel B's atomic backward: V is the copy, so dP = dO V^T per tile runs at 16 bits; channel A's is unchanged
+    tiles = sum(n // cfg.atomic_m - (j * cfg.atomic_n) // cfg.atomic_m for j in range(n // cfg.atomic_n))
+    dp = BH * tiles * 2 * cfg.atomic_m * cfg.atomic_n * D
+    (a, b), (a_copy, b_copy) = _rows(case["chunked"], "attn_bwd_atomic"), _rows(case["chunked+copy"], "attn_bwd_atomic")
+    assert a_copy == a
+    assert b["work_flops"]["tf32"] == dp and b_copy["work_flops"] == {"16bit": b["work_flops"]["16bit"] + dp,
+                                                                      "tf32": 0, "fp32": 0}
+    assert b_copy["tile_bytes"] == b["tile_bytes"] - BH * n * D * 2  # V: one key block per program, 2 bytes
+    # the split backward alike: channel B's dK/dV and dQ kernels each take one product with V per tile
+    split = [r for r in case["default"]["launches"]["backward"] if r["kernel"].startswith("attn_bwd")]
+    split_copy = [r for r in case["copy"]["launches"]["backward"] if r["kernel"].startswith("attn_bwd")]
+    assert split_copy[:2] == split[:2]
+    assert sum(r["work_flops"]["tf32"] for r in split[2:]) > 0
+    assert all(r["work_flops"]["tf32"] == 0 for r in split_copy[2:])
+    assert [r["flops"] for r in split_copy] == [r["flops"] for r in split]
+
+    # float32 inputs: the copy would be Y itself, so y_copy changes nothing
+    script = load_script("bench/roofline")
+    plain, copy = (script.record_passes("dense", n, 1, BH, D, torch.float32, settings)
+                   for settings in ({}, {"y_copy": True}))
+    for phase in ("forward", "backward"):
+        assert [script.launch_cost(launch, "dense") for launch in copy[phase]] == [
+            script.launch_cost(launch, "dense") for launch in plain[phase]]
 
 
 def test_variants_leave_the_default_figures_alone_and_take_their_own_measurements(tmp_path):
