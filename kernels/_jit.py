@@ -501,6 +501,43 @@ def _store_w_and_row_grads(W_TILE, OA_TILE, R_TILE, tile_mask, DA, DB, DG, bh, n
 
 
 @triton.jit
+def _dense_fwd_block(QB, G, START, PROGRESS, n, H, d, BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """Start of a dense forward solve program (grid (cdiv(n, BLOCK) * BH,)): its ticket (block, head, left padding,
+    solve position), index ranges, the first key block lo it reads, its rows and their masks, and its rows'
+    channel-B queries and geff."""
+    nblk = (n + BLOCK - 1) // BLOCK
+    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, False)
+    ar = tl.arange(0, BLOCK)
+    cd = tl.arange(0, BD)
+    ce = tl.arange(0, BE)
+    c0 = blk * BLOCK
+    rows = c0 + ar
+    rmask, rel, valid = _pattern_rows(rows, n, s)
+    q = _load_tile(QB, bh, n, rows, rmask, cd, d)
+    geff = _gate(G, bh, n, rows, rmask, rmask & (rel >= 1))
+    return blk, bh, s, order, ar, cd, ce, (s // BLOCK) * BLOCK, c0, rows, rmask, valid, q, geff
+
+
+@triton.jit
+def _dense_bwd_block(KB, DY, START, PROGRESS, n, H, d, e, BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """Start of a dense backward solve program (grid (cdiv(n, BLOCK) * BH,), last block first): its ticket, index
+    ranges, its columns (the block's positions) and their masks, their keys, and dY of the block as the start of
+    the right-hand side."""
+    nblk = (n + BLOCK - 1) // BLOCK
+    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, True)
+    ar = tl.arange(0, BLOCK)
+    cd = tl.arange(0, BD)
+    ce = tl.arange(0, BE)
+    c0 = blk * BLOCK
+    cols = c0 + ar
+    cmask = cols < n
+    cvalid = cmask & (cols >= s)
+    kc = _load_tile(KB, bh, n, cols, cmask, cd, d)
+    rhs = _load_tile(DY, bh, n, cols, cvalid, ce, e).to(tl.float32)
+    return nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, cvalid, cmask & (cols - s >= 1), kc, rhs
+
+
+@triton.jit
 def _dense_fwd_tile(QB_ROWS, KB, Y, bh, n, s, j0, ar, cd, d, ce, e, m, l_sum, acc, qk_scale2, PREC: tl.constexpr):
     """One earlier key block j0 of the dense forward solve: its scores, merged into the running
     softmax (m, l_sum), and its solved Y rows (float32, or their copy in the input dtype) accumulated into acc."""
@@ -531,18 +568,8 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
     products with probabilities then take 16-bit operands, as FlashAttention's P V).
     Memory beyond the inputs: O(n e) per (batch, head); nothing n x n.
     """
-    nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, False)
-    ar = tl.arange(0, BLOCK)
-    cd = tl.arange(0, BD)
-    ce = tl.arange(0, BE)
-    lo = (s // BLOCK) * BLOCK
-    c0 = blk * BLOCK
-    rows = c0 + ar
-    rmask, rel, valid = _pattern_rows(rows, n, s)
-    hasb = rmask & (rel >= 1)
-    q = _load_tile(QB, bh, n, rows, rmask, cd, d)
-    geff = _gate(G, bh, n, rows, rmask, hasb)
+    blk, bh, s, order, ar, cd, ce, lo, c0, rows, rmask, valid, q, geff = _dense_fwd_block(QB, G, START, PROGRESS, n, H,
+                                                                                        d, BLOCK, BD, BE)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     l_sum = tl.full([BLOCK], 0.0, tl.float32)
     acc = tl.full([BLOCK, BE], 0.0, tl.float32)
@@ -610,18 +637,8 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PRO
     W_c = (I - B_cc)^-T rhs with the transposed in-block solve. Also writes the row scalars of the
     attention-style gradients (``_store_w_and_row_grads``).
     """
-    nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, True)
-    ar = tl.arange(0, BLOCK)
-    cd = tl.arange(0, BD)
-    ce = tl.arange(0, BE)
-    c0 = blk * BLOCK
-    cols = c0 + ar
-    cmask = cols < n
-    cvalid = cmask & (cols >= s)
-    hasb_c = cmask & (cols - s >= 1)
-    kc = _load_tile(KB, bh, n, cols, cmask, cd, d)
-    rhs = _load_tile(DY, bh, n, cols, cvalid, ce, e).to(tl.float32)
+    nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, cvalid, hasb_c, kc, rhs = _dense_bwd_block(
+        KB, DY, START, PROGRESS, n, H, d, e, BLOCK, BD, BE)
     # Later blocks in solve order (the last block is position 0): those published at the start
     # without a check, then the rest one by one.
     known = _solved_count(PROGRESS, bh)
@@ -672,18 +689,8 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
     The P.Y products read earlier blocks from YREAD (Y, or its copy in the input dtype with COPY, as in
     ``dense_solve_fwd_kernel``); the chain product reads Y itself.
     """
-    nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, False)
-    ar = tl.arange(0, BLOCK)
-    cd = tl.arange(0, BD)
-    ce = tl.arange(0, BE)
-    lo = (s // BLOCK) * BLOCK
-    c0 = blk * BLOCK
-    rows = c0 + ar
-    rmask, rel, valid = _pattern_rows(rows, n, s)
-    hasb = rmask & (rel >= 1)
-    q = _load_tile(QB, bh, n, rows, rmask, cd, d)
-    geff = _gate(G, bh, n, rows, rmask, hasb)
+    blk, bh, s, order, ar, cd, ce, lo, c0, rows, rmask, valid, q, geff = _dense_fwd_block(QB, G, START, PROGRESS, n, H,
+                                                                                        d, BLOCK, BD, BE)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     l_sum = tl.full([BLOCK], 0.0, tl.float32)
     acc = tl.full([BLOCK, BE], 0.0, tl.float32)
@@ -744,18 +751,8 @@ def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PRO
     blocks but c + 1 (published ones first, the rest waited on one by one); T_c^T applied to that and to
     B_{c+1,c}^T in one transposed squaring solve; then the wait on block c + 1 and W_c = What_c + M'_c W_{c+1}.
     """
-    nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, True)
-    ar = tl.arange(0, BLOCK)
-    cd = tl.arange(0, BD)
-    ce = tl.arange(0, BE)
-    c0 = blk * BLOCK
-    cols = c0 + ar
-    cmask = cols < n
-    cvalid = cmask & (cols >= s)
-    hasb_c = cmask & (cols - s >= 1)
-    kc = _load_tile(KB, bh, n, cols, cmask, cd, d)
-    rhs = _load_tile(DY, bh, n, cols, cvalid, ce, e).to(tl.float32)
+    nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, cvalid, hasb_c, kc, rhs = _dense_bwd_block(
+        KB, DY, START, PROGRESS, n, H, d, e, BLOCK, BD, BE)
     # Later blocks in solve order (the last block is position 0, block c + 1 is position order - 1).
     known = _solved_count(PROGRESS, bh)
     mid = tl.maximum(tl.minimum(known, order - 1), 0)
