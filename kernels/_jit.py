@@ -619,23 +619,24 @@ def _dense_later_block(QB, LSEB, G, bh, n, s, r0, ar, cd, d, kc, cvalid, qk_scal
 def _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, r0, ar, cd, d, ce, e, kc, cvalid, rhs, qk_scale2,
                     PREC: tl.constexpr):
     """One later row block r0 of the dense backward solve: adds B_rc^T W_r to the right-hand side of
-    the columns (keys kc, valid where cvalid)."""
+    the columns (keys kc, valid where cvalid), W_r in float32 or its copy in the input dtype."""
     rows, rmask, pb = _dense_later_block(QB, LSEB, G, bh, n, s, r0, ar, cd, d, kc, cvalid, qk_scale2, PREC)
     w_later = _load_solved_tile(W, bh, n, rows, rmask, ce, e)
-    return rhs + _dot(tl.trans(pb), w_later, PREC)
+    return rhs + _dot(tl.trans(pb).to(w_later.dtype), w_later, PREC)
 
 
 @triton.jit
-def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PROGRESS, n, H, d, e, qk_scale2,
+def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, START, PROGRESS, n, H, d, e, qk_scale2,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                           PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+                           COPY: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, backward solve: W = (I - B)^-T dY by blocks, last block first.
 
     Grid (cdiv(n, BLOCK) * BH,), in ticket order, solve order from the last block. For block c
     (positions j): rhs = dY_c + sum over later blocks r of B_rc^T W_r, with
     B_rc = geff_i exp2(s2_ij - LSEB_i) recomputed from the scores (nothing n x n is stored); then
     W_c = (I - B_cc)^-T rhs with the transposed in-block solve. Also writes the row scalars of the
-    attention-style gradients (``_store_w_and_row_grads``).
+    attention-style gradients (``_store_w_and_row_grads``). Later blocks are read from WREAD: W itself, or with
+    COPY a copy of W in the input dtype that the block also writes (as ``dense_solve_fwd_kernel``'s YREAD).
     """
     nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, cvalid, hasb_c, kc, rhs = _dense_bwd_block(
         KB, DY, START, PROGRESS, n, H, d, e, BLOCK, BD, BE)
@@ -644,12 +645,12 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PRO
     known = _solved_count(PROGRESS, bh)
     mid = tl.minimum(known, order)
     for o in range(0, mid):
-        rhs = _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid, rhs,
-                              qk_scale2, PREC)
+        rhs = _dense_bwd_tile(QB, LSEB, G, WREAD, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid,
+                              rhs, qk_scale2, PREC)
     for o in range(mid, order):
         known = _wait_solved(PROGRESS, bh, o, known)
-        rhs = _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid, rhs,
-                              qk_scale2, PREC)
+        rhs = _dense_bwd_tile(QB, LSEB, G, WREAD, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid,
+                              rhs, qk_scale2, PREC)
     qc = _load_tile(QB, bh, n, cols, cmask, cd, d)
     lse_c = _load_row_scalars(LSEB, bh, n, cols, cmask)
     geff_c = _gate(G, bh, n, cols, cmask, hasb_c)
@@ -661,6 +662,8 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PRO
     _store_w_and_row_grads(_tile_ptrs(W, bh, n, cols, ce, e), _tile_ptrs(OA, bh, n, cols, ce, e),
                            _tile_ptrs(R, bh, n, cols, ce, e), _tile_mask(cmask, ce, e),
                            DA, DB, DG, bh, n, cols, cmask, w, geff_c, hasb_c)
+    if COPY:
+        tl.store(_tile_ptrs(WREAD, bh, n, cols, ce, e), w.to(WREAD.dtype.element_ty), mask=_tile_mask(cmask, ce, e))
     _publish_solved(PROGRESS, bh, order, known)
 
 
@@ -741,15 +744,16 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
 
 
 @triton.jit
-def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PROGRESS, n, H, d, e, qk_scale2,
+def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, START, PROGRESS, n, H, d, e, qk_scale2,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                           PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+                           COPY: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, backward, chunked: what ``dense_solve_bwd_kernel`` computes (W and the row scalars), with
     one product after the wait on the block after.
 
     Grid (cdiv(n, BLOCK) * BH,), ticket order from the last block. Block c: dY_c plus B_rc^T W_r of the later
     blocks but c + 1 (published ones first, the rest waited on one by one); T_c^T applied to that and to
     B_{c+1,c}^T in one transposed squaring solve; then the wait on block c + 1 and W_c = What_c + M'_c W_{c+1}.
+    The later blocks' products read WREAD (W, or its copy in the input dtype with COPY); the chain reads W itself.
     """
     nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, cvalid, hasb_c, kc, rhs = _dense_bwd_block(
         KB, DY, START, PROGRESS, n, H, d, e, BLOCK, BD, BE)
@@ -757,12 +761,12 @@ def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PRO
     known = _solved_count(PROGRESS, bh)
     mid = tl.maximum(tl.minimum(known, order - 1), 0)
     for o in range(0, mid):
-        rhs = _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid, rhs,
-                              qk_scale2, PREC)
+        rhs = _dense_bwd_tile(QB, LSEB, G, WREAD, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid,
+                              rhs, qk_scale2, PREC)
     for o in range(mid, order - 1):
         known = _wait_solved(PROGRESS, bh, o, known)
-        rhs = _dense_bwd_tile(QB, LSEB, G, W, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid, rhs,
-                              qk_scale2, PREC)
+        rhs = _dense_bwd_tile(QB, LSEB, G, WREAD, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid,
+                              rhs, qk_scale2, PREC)
     qc = _load_tile(QB, bh, n, cols, cmask, cd, d)
     lse_c = _load_row_scalars(LSEB, bh, n, cols, cmask)
     geff_c = _gate(G, bh, n, cols, cmask, hasb_c)
@@ -778,6 +782,8 @@ def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, DA, DB, DG, START, PRO
     _store_w_and_row_grads(_tile_ptrs(W, bh, n, cols, ce, e), _tile_ptrs(OA, bh, n, cols, ce, e),
                            _tile_ptrs(R, bh, n, cols, ce, e), _tile_mask(cmask, ce, e),
                            DA, DB, DG, bh, n, cols, cmask, w, geff_c, hasb_c)
+    if COPY:
+        tl.store(_tile_ptrs(WREAD, bh, n, cols, ce, e), w.to(WREAD.dtype.element_ty), mask=_tile_mask(cmask, ce, e))
     _publish_solved(PROGRESS, bh, order, known)
 
 

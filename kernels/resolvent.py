@@ -65,10 +65,11 @@ class BlockConfig:
             parallel, then a pass that carries only each chunk's held rows; kernels/README.md).
         dense_solver: how the dense pattern's solves run: ``"blocked"`` (blocks of ``solve`` rows) or
             ``"chunked"`` (blocks of ``chunk`` rows with one product left after the wait on the block before).
-        y_copy: dense pattern, 16-bit inputs: the forward also writes the solved rows Y in the input dtype, and
-            the products that read solved rows with probabilities (the forward's P.Y over earlier blocks, channel
-            B's attention backward) take that copy, at the 16-bit tensor-core rate, as FlashAttention reads V;
-            the in-block solves and the chain stay float32. With float32 inputs the copy is Y itself.
+        solved_copy: dense pattern, 16-bit inputs: the solves also write the rows they solve (Y forward, W
+            backward) in the input dtype, and the products that read solved rows with probabilities (P.Y over
+            earlier blocks, B^T W over later ones, channel B's attention backward with V = Y) take that copy, at
+            the 16-bit tensor-core rate, as FlashAttention reads V and dO; the in-block solves and the chain stay
+            float32. With float32 inputs the copy is the rows themselves.
         chunk: rows per chunk of the chunked solves.
         attn_bwd: the attention-style backward: ``"split"`` (one kernel over key blocks for dK and dV, one over
             query blocks for dQ) or ``"atomic"`` (one kernel over key blocks, dQ added atomically in float32).
@@ -92,7 +93,7 @@ class BlockConfig:
     solve_stages: int = 2
     sparse_solver: str = "blocked"
     dense_solver: str = "blocked"
-    y_copy: bool = False
+    solved_copy: bool = False
     chunk: int = 64
     attn_bwd: str = "split"
     atomic_m: int = 64
@@ -312,7 +313,7 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
             oa = x
         if plan.has_b:
             y, r, lseb = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev), new_buffer((BH, n), dev)
-            copy = cfg.y_copy and x.dtype != torch.float32
+            copy = cfg.solved_copy and x.dtype != torch.float32
             y_read = new_buffer((BH, n, e), dev, dtype=x.dtype) if copy else y
             kernel, block = _dense_solve(jit, cfg, "fwd")
             kernel[_solve_grid(n, BH, block)](
@@ -374,10 +375,12 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
         w = new_buffer((BH, n, e), dev)
         da, db, dg = new_buffer((BH, n), dev), new_buffer((BH, n), dev), new_buffer((BH, n), dev)
         if plan.dense:
+            copy = cfg.solved_copy and x.dtype != torch.float32
+            w_read = new_buffer((BH, n, e), dev, dtype=x.dtype) if copy else w
             kernel, block = _dense_solve(jit, cfg, "bwd")
             kernel[_solve_grid(n, BH, block)](
-                qb, kb, oa, r, g, lseb, dy, w, da, db, dg, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
+                qb, kb, oa, r, g, lseb, dy, w, w_read, da, db, dg, start, _progress(BH, dev), n, H, sh.db, e, qk2,
+                BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, COPY=copy, PREC=sh.prec,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         elif cfg.sparse_solver == "chunked":
             held, reads = (t.to(dev) for t in held_table(plan.pattern, n, cfg.chunk))

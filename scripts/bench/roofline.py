@@ -28,7 +28,7 @@ under those settings and named NAME (its settings without one) in the rows and t
 - FLOPs: 2 m n k per tensor-core product (``tl.dot``) at its tile sizes, split by the precision it runs at
   (16-bit operands; float32 operands as tf32, or tf32x3 = three tf32 products), and 2 per multiply-add of the
   row-by-row dot products of the sparse kernels, which run on the CUDA cores in float32. The operands' dtype is
-  the launch's: with ``y_copy`` the dense forward solves' P.Y over earlier blocks read YREAD, the copy of Y in
+  the launch's: with ``solved_copy`` the dense forward solves' P.Y over earlier blocks read YREAD, the copy of Y in
   the input dtype that the launch also stores (constexpr COPY), and channel B's attention backward takes that
   copy as V, so those products count at the 16-bit rate and those tiles at two bytes an element;
 - roofline time: max(compute time, bytes / bandwidth) + chain steps x the per-step latency, with the compute

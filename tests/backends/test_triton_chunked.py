@@ -61,16 +61,18 @@ def test_tied_variant(pattern, dtype, rel, padded):
 @pytest.mark.parametrize("dense_solver", ["blocked", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dense_solves_reading_a_copy_of_the_solved_rows(dense_solver, dtype):
-    """``y_copy``: the dense forward's P.Y over earlier blocks and channel B's attention backward read the solved rows
-    from a copy in the input dtype (rounded to bfloat16 here); forward and every gradient stay within the bfloat16
-    tolerance of the float64 reference, and float32 inputs read Y itself."""
+    """``solved_copy``: the dense solves' P.Y over earlier blocks, B^T W over later blocks and channel B's attention
+    backward read the solved rows from a copy in the input dtype (rounded to bfloat16 here); forward and every
+    gradient stay within the bfloat16 tolerance of the float64 reference, and float32 inputs read the rows
+    themselves."""
     rel = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    with kernels.block_config(dense_solver=dense_solver, y_copy=True):
+    with kernels.block_config(dense_solver=dense_solver, solved_copy=True):
         _check_mix("dense", batch=2, heads=1, n=45, d=16, e=16, dtype=dtype, rel=rel, start=torch.tensor([0, 20]))
         launches = aot.record_launches("dense", dtype=dtype, n=64, d=16, e=16)
-    solve = next(launch for launch in launches if launch.name.startswith("dense_") and "fwd" in launch.name)
-    assert solve.constexprs["COPY"] == (dtype == torch.bfloat16)
-    assert solve.args["YREAD"].dtype == dtype
+    copy = dtype == torch.bfloat16
+    for direction, read in (("fwd", "YREAD"), ("bwd", "WREAD")):
+        solve = next(launch for launch in launches if launch.name.startswith("dense_") and direction in launch.name)
+        assert solve.constexprs["COPY"] == copy and solve.args[read].dtype == dtype, direction
     channel_b = [launch for launch in launches if launch.name.startswith("attn_bwd") and launch.constexprs["STRICT"]]
     assert channel_b and all(launch.args["V"].dtype == dtype for launch in channel_b)
 

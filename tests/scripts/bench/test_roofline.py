@@ -285,13 +285,13 @@ def test_atomic_backward_is_one_kernel_per_channel(tmp_path):
     assert split == ["attn_bwd_dkdv", "attn_bwd_dq"]
 
 
-def test_y_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp_path):
+def test_solved_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp_path):
     n, BH, in_flight = 512, 2, 3
     result = _run_variants(tmp_path, "dense", str(n), "--blocks-in-flight", str(in_flight), "--config",
-                           "copy:y_copy=true", "--config", f"chunked+copy:{CHUNKED},y_copy=true")
+                           "copy:solved_copy=true", "--config", f"chunked+copy:{CHUNKED},solved_copy=true")
     cfg = resolvent.get_block_config()
     case = {v: _variant(result, "dense", n, v) for v in ("default", "copy", "chunked", "chunked+copy")}
-    assert case["chunked+copy"]["config"] == {**case["chunked"]["config"], "y_copy": True}
+    assert case["chunked+copy"]["config"] == {**case["chunked"]["config"], "solved_copy": True}
 
     def moved(plain, copy, flops, read_rows):
         """``flops`` of plain's tf32 work at 16 bits in copy, the same total; ``read_rows`` of solved rows read at
@@ -332,10 +332,10 @@ def test_y_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp_path
     assert all(r["work_flops"]["tf32"] == 0 for r in split_copy[2:])
     assert [r["flops"] for r in split_copy] == [r["flops"] for r in split]
 
-    # float32 inputs: the copy would be Y itself, so y_copy changes nothing
+    # float32 inputs: the copy would be Y itself, so solved_copy changes nothing
     script = load_script("bench/roofline")
     plain, copy = (script.record_passes("dense", n, 1, BH, D, torch.float32, settings)
-                   for settings in ({}, {"y_copy": True}))
+                   for settings in ({}, {"solved_copy": True}))
     for phase in ("forward", "backward"):
         assert [script.launch_cost(launch, "dense") for launch in copy[phase]] == [
             script.launch_cost(launch, "dense") for launch in plain[phase]]
