@@ -29,8 +29,10 @@ under those settings and named NAME (its settings without one) in the rows and t
   (16-bit operands; float32 operands as tf32, or tf32x3 = three tf32 products), and 2 per multiply-add of the
   row-by-row dot products of the sparse kernels, which run on the CUDA cores in float32. The operands' dtype is
   the launch's: with ``solved_copy`` the dense forward solves' P.Y over earlier blocks read YREAD, the copy of Y in
-  the input dtype that the launch also stores (constexpr COPY), and channel B's attention backward takes that
-  copy as V, so those products count at the 16-bit rate and those tiles at two bytes an element;
+  the input dtype that the launch also stores (constexpr COPY), the dense backward solves' B^T W over later
+  blocks read WREAD, the copy of W alike, and channel B's attention backward takes Y's copy as V, so those
+  products count at the 16-bit rate and those tiles at two bytes an element (the chunked solves' products with
+  the block next in the chain read Y or W itself);
 - roofline time: max(compute time, bytes / bandwidth) + chain steps x the per-step latency, with the compute
   time the sum over precisions of FLOPs / peak, scaled up when the grid has fewer programs than the GPU has
   SMs; integer work (the sources the row-by-row sparse kernels compute per row and slot) is left out. Beside
@@ -282,15 +284,16 @@ def dense_chunk_counts(nblk: int, in_flight: int, backward: bool) -> dict:
     P.Y (one per earlier block), of which the c - 1 over the blocks before c - 1 read YREAD (``read_products``,
     one YREAD tile each) and the one with block c - 1, R's, reads Y; c + u + 2 key tiles, c solved Y tiles. Block
     0 scores itself and an empty block before it and runs its P.Y with Y on zeros. Backward, block at solve
-    position o (0 the last block): B_rc^T W_r for the o - 1 later blocks but the next, the next block's scores
-    (its rows' q, lse, gate and W loaded for o >= 1) and its own: o - 1 + 2 score products and o - 1 products
-    with W."""
+    position o (0 the last block): B_rc^T W_r for the o - 1 later blocks but the next, each reading a WREAD tile
+    (``read_products``), the next block's scores (its rows' q, lse, gate and W itself loaded for o >= 1) and its
+    own: o - 1 + 2 score products and o - 1 products with W."""
     counts = dict(scores=0, value_products=0, read_products=0, key_tiles=0, solved_tiles=0, later_rows=0)
     for c in range(nblk):
         if backward:
             later = max(c - 1, 0)  # c is the solve position here
             counts["scores"] += later + 2
             counts["value_products"] += later
+            counts["read_products"] += later
             counts["later_rows"] += later + (c >= 1)
             counts["solved_tiles"] += later + (c >= 1)
         elif c == 0:
@@ -408,7 +411,9 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             cost.dot(k["read_products"], B, BE, B, y_read.dtype, c["PREC"])
             cost.dot(k["value_products"] - k["read_products"], B, BE, B, torch.float32, c["PREC"])
         else:
-            cost.dot(k["value_products"], B, BE, B, torch.float32, c["PREC"])  # B^T W: float32 operands
+            # B^T W over the later blocks but c + 1 with WREAD's operands (16-bit with COPY)
+            w_read = a["WREAD"]
+            cost.dot(k["read_products"], B, BE, B, w_read.dtype, c["PREC"])
         _pair_solve(cost, programs, B, log2, BE, B, c["SOLVE_PREC"])  # the rhs and the block before's (or after's)
         cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # the product after the wait
         cost.move(programs * B, QB, d)
@@ -428,9 +433,12 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             cost.move(k["later_rows"] * B, QB, d)
             cost.move(k["later_rows"] * B, G)
             cost.move(k["later_rows"] * B, width=1, elem=f32)  # LSEB of later blocks
-            cost.move(k["solved_tiles"] * B, width=e, elem=f32)  # W of later blocks
+            cost.move(k["read_products"] * B, w_read, e)  # solved rows of the later blocks but c + 1
+            cost.move((k["solved_tiles"] - k["read_products"]) * B, width=e, elem=f32)  # W of block c + 1
             cost.move(programs * B, width=1 + 2 * e, elem=f32)  # LSEB, OA, R
             cost.move(programs * B, width=e + 3, elem=f32)  # W, DA, DB, DG
+            if c["COPY"]:
+                cost.move(programs * B, w_read, e)  # the copy of W stored
     elif name in ("chunk_prepare", "chunk_rows_bwd", "chunk_carry", "chunk_grads"):
         C = c["C"]
         held = held_counts(pattern, n, C)
@@ -534,13 +542,19 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             cost.move(programs * B, a["DY"], e)
             cost.move(pairs * B, QB, d)
             cost.move(pairs * B, G)
-            cost.move(pairs * B, width=e + 1, elem=f32)  # W and LSEB of later blocks
+            cost.move(pairs * B, width=1, elem=f32)  # LSEB of later blocks
+            # Later blocks' solved rows come from WREAD: W itself, or with COPY its copy in the input dtype,
+            # which the launch also stores.
+            w_read = a["WREAD"]
+            cost.move(pairs * B, w_read, e)
             cost.move(programs * B, QB, d)
             cost.move(programs * B, G)
             cost.move(programs * B, width=1 + 2 * e, elem=f32)  # LSEB, OA, R
             cost.move(programs * B, width=e + 3, elem=f32)  # W, DA, DB, DG
+            if c["COPY"]:
+                cost.move(programs * B, w_read, e)
             cost.dot(pairs + programs, B, B, BD, QB.dtype, c["PREC"])
-            cost.dot(pairs, B, BE, B, torch.float32, c["PREC"])  # B^T W, float32 operands
+            cost.dot(pairs, B, BE, B, w_read.dtype, c["PREC"])  # B^T W
             _solve_block(cost, programs, B, log2, BE, c["SOLVE_PREC"])
     elif name in ("sparse_direct", "sparse_grads", "sparse_solve_fwd", "sparse_solve_bwd"):
         e = a["e"]

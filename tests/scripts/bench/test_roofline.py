@@ -316,6 +316,18 @@ def test_solved_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp
     moved(fwd, fwd_copy, BH * py_read * 2 * B * B * D, BH * py_read * B)
     assert fwd_copy["work_flops"]["tf32"] > 0  # the solves and R's products stay float32
 
+    # blocked backward: every (block, later block) pair's B^T W, (B x B) x (B x D), reads the bf16 copy of W
+    B = cfg.solve
+    (bwd,), (bwd_copy,) = _rows(case["default"], "dense_solve_bwd"), _rows(case["copy"], "dense_solve_bwd")
+    moved(bwd, bwd_copy, pairs * 2 * B * B * D, pairs * B)
+    # chunked backward: B^T W over the later blocks but c + 1 read the copy; the chain's product with W_(c+1)
+    # keeps W, as does the in-block solve
+    B = cfg.chunk
+    later = sum(max(o - 1, 0) for o in range(n // B))
+    (bwd,), (bwd_copy,) = _rows(case["chunked"], "dense_chunk_bwd"), _rows(case["chunked+copy"], "dense_chunk_bwd")
+    moved(bwd, bwd_copy, BH * later * 2 * B * B * D, BH * later * B)
+    assert bwd_copy["work_flops"]["tf32"] > 0
+
     # channel B's atomic backward: V is the copy, so dP = dO V^T per tile runs at 16 bits; channel A's is unchanged
     tiles = sum(n // cfg.atomic_m - (j * cfg.atomic_n) // cfg.atomic_m for j in range(n // cfg.atomic_n))
     dp = BH * tiles * 2 * cfg.atomic_m * cfg.atomic_n * D
