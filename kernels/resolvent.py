@@ -258,6 +258,13 @@ def held_table(pattern: Pattern, n: int, chunk: int) -> tuple[torch.Tensor, torc
     return table, reads
 
 
+@functools.lru_cache(maxsize=32)
+def _held_tables_on(pattern: Pattern, n: int, chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`held_table` on ``device``, copied there once: every forward and backward of the chunked solves reads
+    them, and at long lengths they are tens of megabytes."""
+    return tuple(t.to(device) for t in held_table(pattern, n, chunk))
+
+
 def _table(values: tuple[int, ...], device) -> torch.Tensor:
     return torch.tensor(values if values else (1,), dtype=torch.int32, device=device)
 
@@ -339,11 +346,12 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
             BM=cfg.sparse_m, BDA=tile_width(sh.da), BDB=tile_width(sh.db), BE=BE, CE=plan.ce, HAS_A=not tied,
             HAS_B=plan.has_b, num_warps=cfg.num_warps)
         if plan.has_b and cfg.sparse_solver == "chunked":
-            held, reads = (t.to(dev) for t in held_table(plan.pattern, n, cfg.chunk))
+            held, reads = _held_tables_on(plan.pattern, n, cfg.chunk, dev)
             y, j = new_buffer((BH, n, e), dev), new_buffer((BH, held.shape[0], cfg.chunk, held.shape[1]), dev)
             jit.chunk_prepare_kernel[(held.shape[0], BH)](
-                qb, kb, oa, g, lseb, held, reads, y, j, start, plan.f0, n, H, sh.db, e, qk2,
-                **_chunk_tiles(cfg, held, sh.db, e), PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
+                qb, kb, oa, g, lseb, held, reads, y, j, start, plan.f0, n, H, sh.db, e, qk2, **_held_tiles(cfg, held),
+                LOG2_C=int(math.log2(cfg.chunk)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC,
+                num_warps=cfg.solve_warps)
             _chunk_carry(jit, y, j, held, start, sh, cfg, reverse=False)
         elif plan.has_b:
             y, r = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev)
@@ -383,12 +391,13 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
                 BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, COPY=copy, PREC=sh.prec,
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         elif cfg.sparse_solver == "chunked":
-            held, reads = (t.to(dev) for t in held_table(plan.pattern, n, cfg.chunk))
+            held, reads = _held_tables_on(plan.pattern, n, cfg.chunk, dev)
             grad = dy.float() * valid_rows(start, heads, n)[..., None]
             _chunk_carry(jit, grad, saved["j"], held, start, sh, cfg, reverse=True)
             jit.chunk_rows_bwd_kernel[(held.shape[0], BH)](
                 qb, kb, oa, g, lseb, held, reads, y, grad, w, da, db, dg, start, plan.f0, n, H, sh.db, e, qk2,
-                **_chunk_tiles(cfg, held, sh.db, e), PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
+                **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=tile_width(sh.db), BE=BE,
+                PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
         else:
             gacc = torch.zeros(BH, n, e, device=dev)
             jit.sparse_solve_bwd_kernel[_solve_grid(n, BH, cfg.solve)](
@@ -424,9 +433,8 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
                 qa if not tied else dummy, ka if not tied else dummy, x, qb, kb, y, w, g, da, db,
                 lsea if lsea is not None else da, lseb, held, reads, dqa if dqa is not None else dummy,
                 dka if dka is not None else dummy, dx if not tied else dummy, dqb, dkb, start, plan.f0, n, H, sh.da,
-                sh.db, e, qk2, sh.scale, C=cfg.chunk, HM=held.shape[1], HB=min(held.shape[1], cfg.chunk),
-                BDA=tile_width(sh.da), BDB=tile_width(sh.db), BE=BE, HAS_A=not tied, PREC=sh.prec,
-                num_warps=cfg.solve_warps)
+                sh.db, e, qk2, sh.scale, **_held_tiles(cfg, held), BDA=tile_width(sh.da), BDB=tile_width(sh.db),
+                BE=BE, HAS_A=not tied, PREC=sh.prec, num_warps=cfg.solve_warps)
             return dqa, dka, dqb, dkb, dx, dg
         grid = (triton_cdiv(n, cfg.sparse_grads_m), BH)
         jit.sparse_grads_kernel[grid](
@@ -460,11 +468,10 @@ def _attn_bwd(jit, q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh: LaunchSh
         q, k, v, w, coef, delta, lse, dq, start, n, H, d, e, qk2, sh.scale, BM=cfg.bwd_m, BN=cfg.bwd_n, **common)
 
 
-def _chunk_tiles(cfg: BlockConfig, held: torch.Tensor, d: int, e: int) -> dict:
-    """The tile constexprs shared by the chunked solves' parallel kernels: held rows are visited HB <= chunk at a
-    time."""
-    return dict(C=cfg.chunk, LOG2_C=int(math.log2(cfg.chunk)), HM=held.shape[1], HB=min(held.shape[1], cfg.chunk),
-                BD=tile_width(d), BE=tile_width(e))
+def _held_tiles(cfg: BlockConfig, held: torch.Tensor) -> dict:
+    """The chunk and held-row tile constexprs of every chunked sparse kernel: C rows per chunk, HM held rows in the
+    table, visited HB <= C at a time."""
+    return dict(C=cfg.chunk, HM=held.shape[1], HB=min(held.shape[1], cfg.chunk))
 
 
 def _chunk_carry(jit, y, j, held, start, sh: LaunchShapes, cfg: BlockConfig, reverse: bool):
@@ -473,8 +480,7 @@ def _chunk_carry(jit, y, j, held, start, sh: LaunchShapes, cfg: BlockConfig, rev
     barrier that ends each chunk."""
     columns = 16
     jit.chunk_carry_kernel[(sh.BH, triton_cdiv(sh.e, columns))](
-        y, j, held, start, sh.n, sh.H, sh.e, C=cfg.chunk, HM=held.shape[1], HB=min(held.shape[1], cfg.chunk),
-        BES=columns, REVERSE=reverse,
+        y, j, held, start, sh.n, sh.H, sh.e, **_held_tiles(cfg, held), BES=columns, REVERSE=reverse,
         SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=1)
 
 

@@ -137,6 +137,15 @@ def test_cache_efficient_chunks_carry_few_rows():
     assert resolvent.held_table(get_pattern("exp2"), 4096, 64)[0].shape[1] >= 256
 
 
+def test_held_tables_are_copied_to_the_device_once_for_every_launch():
+    """Forward and backward, and later calls at the same length, read one device copy of the held tables."""
+    resolvent._held_tables_on.cache_clear()
+    for _ in range(2):
+        _check_mix("exp2:ce", batch=1, heads=1, n=40, d=16, e=16, dtype=torch.float32, rel=1e-4)
+    info = resolvent._held_tables_on.cache_info()
+    assert (info.misses, info.hits) == (1, 3)
+
+
 def test_held_tables_stay_on_the_cpu_whatever_the_callers_device():
     resolvent.held_table.cache_clear()
     with torch.device("meta"):
