@@ -287,6 +287,28 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, START, n, H, d, e, qk_scale2,
 
 
 @triton.jit
+def _key_block_program(K, V, START, H, n, d, e, BN: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                       VT: tl.constexpr):
+    """For a grid (cdiv(n, BN), BH) of key blocks (the attention backward's key side): the block index, head and
+    left padding, index ranges, the block's keys, which are in range and which are real, and its K and V tiles
+    (V in the dtype VT of the products that take it)."""
+    pid = tl.program_id(0)
+    bh, s = _head_and_start(START, H, 1)
+    cd = tl.arange(0, BD)
+    ce = tl.arange(0, BE)
+    keys, kmask, k, v = _load_key_block(K, V, bh, n, pid * BN, BN, cd, d, ce, e)
+    return pid, bh, s, cd, ce, keys, kmask, kmask & (keys >= s), k, v.to(VT)
+
+
+@triton.jit
+def _store_key_grads(DK, DV, dk, dv, bh, n, keys, kmask, cd, d, ce, e, HAS_DV: tl.constexpr):
+    """Stores a key block's dK (and dV with HAS_DV)."""
+    tl.store(_tile_ptrs(DK, bh, n, keys, cd, d), dk, mask=_tile_mask(kmask, cd, d))
+    if HAS_DV:
+        tl.store(_tile_ptrs(DV, bh, n, keys, ce, e), dv, mask=_tile_mask(kmask, ce, e))
+
+
+@triton.jit
 def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e, qk_scale2, scale,
                          BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                          STRICT: tl.constexpr, HAS_DV: tl.constexpr, PREC: tl.constexpr):
@@ -299,13 +321,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
     """
     DT = Q.dtype.element_ty  # q, k, dS operands: bf16 tensor cores for bf16 inputs
     VT = V.dtype.element_ty  # dO, V, P operands: float32 (tf32) when V is the solved Y
-    pid = tl.program_id(0)
-    bh, s = _head_and_start(START, H, 1)
-    cd = tl.arange(0, BD)
-    ce = tl.arange(0, BE)
-    keys, kmask, k, v = _load_key_block(K, V, bh, n, pid * BN, BN, cd, d, ce, e)
-    v = v.to(VT)
-    kvalid = kmask & (keys >= s)
+    pid, bh, s, cd, ce, keys, kmask, kvalid, k, v = _key_block_program(K, V, START, H, n, d, e, BN, BD, BE, VT)
     dk = tl.full([BN, BD], 0.0, tl.float32)
     dv = tl.full([BN, BE], 0.0, tl.float32)
     lo = ((pid * BN) // BM) * BM
@@ -322,9 +338,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, W, COEF, DELTA, LSE, DK, DV, START, n, H, d, e
         dp = _dot(do, tl.trans(v), PREC)
         ds = p * (dp - delta[:, None])
         dk += _dot(tl.trans(ds).to(DT), q, PREC)
-    tl.store(_tile_ptrs(DK, bh, n, keys, cd, d), dk * scale, mask=_tile_mask(kmask, cd, d))
-    if HAS_DV:
-        tl.store(_tile_ptrs(DV, bh, n, keys, ce, e), dv, mask=_tile_mask(kmask, ce, e))
+    _store_key_grads(DK, DV, dk * scale, dv, bh, n, keys, kmask, cd, d, ce, e, HAS_DV)
 
 
 @triton.jit
@@ -372,13 +386,7 @@ def attn_bwd_atomic_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, DK, DV, START, n, H
     """
     DT = Q.dtype.element_ty  # q, k, dS operands: bf16 tensor cores for bf16 inputs
     VT = V.dtype.element_ty  # dO, V, P operands: float32 (tf32) when V is the solved Y
-    pid = tl.program_id(0)
-    bh, s = _head_and_start(START, H, 1)
-    cd = tl.arange(0, BD)
-    ce = tl.arange(0, BE)
-    keys, kmask, k, v = _load_key_block(K, V, bh, n, pid * BN, BN, cd, d, ce, e)
-    v = v.to(VT)
-    kvalid = kmask & (keys >= s)
+    pid, bh, s, cd, ce, keys, kmask, kvalid, k, v = _key_block_program(K, V, START, H, n, d, e, BN, BD, BE, VT)
     dk = tl.full([BN, BD], 0.0, tl.float32)
     dv = tl.full([BN, BE], 0.0, tl.float32)
     # Queries from the block holding this block's first key on; a block of left padding is read by none.
@@ -399,9 +407,7 @@ def attn_bwd_atomic_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, DK, DV, START, n, H
         dk += _dot(dst.to(DT), q, PREC)
         dq = _dot(tl.trans(dst.to(DT)), k, PREC) * scale
         tl.atomic_add(_tile_ptrs(DQ, bh, n, rows, cd, d), dq, mask=_tile_mask(rmask, cd, d), sem="relaxed")
-    tl.store(_tile_ptrs(DK, bh, n, keys, cd, d), dk * scale, mask=_tile_mask(kmask, cd, d))
-    if HAS_DV:
-        tl.store(_tile_ptrs(DV, bh, n, keys, ce, e), dv, mask=_tile_mask(kmask, ce, e))
+    _store_key_grads(DK, DV, dk * scale, dv, bh, n, keys, kmask, cd, d, ce, e, HAS_DV)
 
 
 # The solves (dense and sparse): scheduling, and how a block ends.
