@@ -335,6 +335,19 @@ def _sparse_pairs(pattern: str, n: int, block: int) -> dict:
     return {"all": int(ok.sum()), "early": int(early.sum()), "inside": int((ok & ~early).sum())}
 
 
+def _key_block_traffic(cost: Cost, programs: int, steps: int, BM: int, BN: int, Q, K, V, W, d: int, e: int,
+                       has_dv: bool):
+    """Tile traffic of an attention backward over key blocks (the split dK/dV kernel, the atomic kernel): each
+    program's K and V once, the query rows' Q, W and row scalars at every step, dK (and dV) stored once."""
+    f32 = 4
+    cost.move(programs * BN, K, d)
+    cost.move(programs * BN, V, e)
+    cost.move(steps * BM, Q, d)
+    cost.move(steps * BM, W, e)
+    cost.move(steps * BM, width=3, elem=f32)  # COEF, DELTA, LSE
+    cost.move(programs * BN, width=d + (e if has_dv else 0), elem=f32)  # DK, DV
+
+
 def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT) -> dict:
     """Programs, chain steps, bytes and FLOPs of one recorded launch (see the module docstring for what counts);
     ``in_flight`` the assumption of the chunked dense forward."""
@@ -363,12 +376,7 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
         if name == "attn_bwd_dkdv":
             has_dv = c["HAS_DV"]
             steps = _query_steps_from_key_block(n, BM, BN) * BH
-            cost.move(programs * BN, K, d)
-            cost.move(programs * BN, V, e)
-            cost.move(steps * BM, Q, d)
-            cost.move(steps * BM, W, e)
-            cost.move(steps * BM, width=3, elem=f32)  # COEF, DELTA, LSE
-            cost.move(programs * BN, width=d + (e if has_dv else 0), elem=f32)  # DK, DV
+            _key_block_traffic(cost, programs, steps, BM, BN, Q, K, V, W, d, e, has_dv)
             n_value_dots = 2 if has_dv else 1  # dO V^T, and P^T dO for dV
         else:
             steps = _key_steps_causal(n, BM, BN) * BH
@@ -388,13 +396,8 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
         Q, K, V, W, BH, d, e = a["Q"], a["K"], a["V"], a["W"], a["Q"].shape[0], a["d"], a["e"]
         has_dv = c["HAS_DV"]
         steps = _query_steps_from_key_block(n, BM, BN) * BH
-        cost.move(programs * BN, K, d)
-        cost.move(programs * BN, V, e)
-        cost.move(steps * BM, Q, d)
-        cost.move(steps * BM, W, e)
-        cost.move(steps * BM, width=3, elem=f32)  # COEF, DELTA, LSE
+        _key_block_traffic(cost, programs, steps, BM, BN, Q, K, V, W, d, e, has_dv)
         cost.move(steps * BM, width=d, elem=f32)  # DQ atomics
-        cost.move(programs * BN, width=d + (e if has_dv else 0), elem=f32)  # DK, DV
         cost.dot(3 * steps, BN, BM, BD, Q.dtype, c["PREC"])  # K Q^T, dS Q for dK, dS^T K for dQ
         # V dO^T, and P^T dO for dV, in V's dtype (channel B's: Y at tf32, or its 16-bit copy)
         cost.dot((2 if has_dv else 1) * steps, BN, BM, BE, V.dtype, c["PREC"])
