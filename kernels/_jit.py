@@ -86,21 +86,22 @@ def _unit_lower_solve(L, rhs, LOG2_BLOCK: tl.constexpr, TRANS: tl.constexpr, SOL
 
 
 @triton.jit
-def _unit_lower_solve_pair(L, rhs, rhs2, LOG2_BLOCK: tl.constexpr, TRANS: tl.constexpr, SOLVE_PREC: tl.constexpr):
-    """(I - L)^-1 rhs and (I - L)^-1 rhs2, or both with (I - L)^-T under TRANS (``_unit_lower_solve``), sharing
-    the squarings of L."""
+def _unit_lower_inverse(L, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, TRANS: tl.constexpr,
+                        SOLVE_PREC: tl.constexpr):
+    """T = (I - L)^-1, or (I - L)^-T with TRANS, for a strictly lower (BLOCK, BLOCK) float32 tile L: the factors of
+    ``_unit_lower_solve`` multiplied out, T <- T + T P with P <- P P, starting from T = I + P. 2 (log2(BLOCK) - 1)
+    products, against 2 log2(BLOCK) - 1 for one right-hand side by ``_unit_lower_solve``: kernels that apply T to
+    two or more right-hand sides form it (every product non-negative, as there)."""
     if TRANS:
         P = tl.trans(L)
     else:
         P = L
-    y = rhs
-    y2 = rhs2
-    for j in tl.static_range(LOG2_BLOCK):
-        y = y + _dot(P, y, SOLVE_PREC)
-        y2 = y2 + _dot(P, y2, SOLVE_PREC)
-        if j < LOG2_BLOCK - 1:
-            P = _dot(P, P, SOLVE_PREC)
-    return y, y2
+    ar = tl.arange(0, BLOCK)
+    T = tl.where(ar[:, None] == ar[None, :], 1.0, 0.0) + P
+    for _ in tl.static_range(1, LOG2_BLOCK):
+        P = _dot(P, P, SOLVE_PREC)
+        T = T + _dot(T, P, SOLVE_PREC)
+    return T
 
 
 # ------------------------------------------------------------------------------------------------
@@ -694,7 +695,7 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
     that were published when the program started; (2) the scores of the remaining earlier blocks and of the block
     itself join the running max and sum only, which makes the row normaliser final; (3) the blocks before c - 1
     not yet published, waited on one by one, add P.Y with final probabilities; (4) T_c applied to the right-hand
-    side and to geff P_{c,c-1} in one squaring solve; (5) the wait on block c - 1 and Y_c = Yhat_c + M_c Y_{c-1}.
+    side and to geff P_{c,c-1} (T_c formed, ``_unit_lower_inverse``); (5) the wait on block c - 1 and Y_c = Yhat_c + M_c Y_{c-1}.
     The P.Y products read earlier blocks from YREAD (Y, or its copy in the input dtype with COPY, as in
     ``dense_solve_fwd_kernel``); the chain product reads Y itself.
     """
@@ -728,14 +729,14 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
         p = _exp2_where(keys[None, :] >= s, s2 - lse[:, None])
         y_read = _load_solved_tile(YREAD, bh, n, keys, None, ce, e)
         acc += _dot(p.to(y_read.dtype), y_read, PREC)
+    inverse = _unit_lower_inverse(geff[:, None] * p_in, BLOCK, LOG2_BLOCK, False, SOLVE_PREC)
     prev = c0 - BLOCK + ar
     prev_ok = (prev >= s) & (prev >= 0)
     s_prev = _dot(q, tl.trans(_load_tile(KB, bh, n, prev, prev_ok, cd, d)), PREC) * qk_scale2
     p_prev = _exp2_where(prev_ok[None, :], s_prev - lse[:, None])
+    chain = _dot(inverse, geff[:, None] * p_prev, SOLVE_PREC)
     oa = _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
-    rhs = (1.0 - geff)[:, None] * oa + geff[:, None] * acc
-    yhat, chain = _unit_lower_solve_pair(geff[:, None] * p_in, rhs, geff[:, None] * p_prev, LOG2_BLOCK, False,
-                                         SOLVE_PREC)
+    yhat = _dot(inverse, (1.0 - geff)[:, None] * oa + geff[:, None] * acc, SOLVE_PREC)
     known = _wait_solved(PROGRESS, bh, blk - 1, known)
     y_prev = _load_solved_tile(Y, bh, n, prev, prev_ok, ce, e)
     y = tl.where(valid[:, None], yhat + _dot(chain, y_prev, SOLVE_PREC), 0.0)
@@ -744,7 +745,7 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
         tl.store(_tile_ptrs(YREAD, bh, n, rows, ce, e), y.to(YREAD.dtype.element_ty), mask=_tile_mask(rmask, ce, e))
     _publish_solved(PROGRESS, bh, order, known)
     # R and LSEB are read by the backward only: off the chain, after the publication.
-    r_read = acc + _dot(p_prev, y_prev, PREC) + _dot(p_in, y, SOLVE_PREC)
+    r_read = acc + _dot(p_prev, y_prev, PREC) + _dot(p_in, y, PREC)
     tl.store(_tile_ptrs(R, bh, n, rows, ce, e), r_read, mask=_tile_mask(rmask, ce, e))
     tl.store(_row_ptrs(LSEB, bh, n, rows), lse, mask=rmask)
 
@@ -758,7 +759,7 @@ def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, STA
 
     Grid (cdiv(n, BLOCK) * BH,), ticket order from the last block. Block c: dY_c plus B_rc^T W_r of the later
     blocks but c + 1 (published ones first, the rest waited on one by one); T_c^T applied to that and to
-    B_{c+1,c}^T in one transposed squaring solve; then the wait on block c + 1 and W_c = What_c + M'_c W_{c+1}.
+    B_{c+1,c}^T (T_c^T formed, ``_unit_lower_inverse``); then the wait on block c + 1 and W_c = What_c + M'_c W_{c+1}.
     The later blocks' products read WREAD (W, or its copy in the input dtype with COPY); the chain reads W itself.
     """
     nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, cvalid, hasb_c, kc, rhs = _dense_bwd_block(
@@ -779,9 +780,11 @@ def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, STA
     s2 = _dot(qc, tl.trans(kc), PREC) * qk_scale2
     ok = (ar[None, :] < ar[:, None]) & cvalid[None, :] & hasb_c[:, None]
     lower = geff_c[:, None] * _exp2_where(ok, s2 - lse_c[:, None])
+    inverse_t = _unit_lower_inverse(lower, BLOCK, LOG2_BLOCK, True, SOLVE_PREC)
     nxt, nxt_mask, b_next = _dense_later_block(QB, LSEB, G, bh, n, s, c0 + BLOCK, ar, cd, d, kc, cvalid, qk_scale2,
                                                PREC)
-    what, chain = _unit_lower_solve_pair(lower, rhs, tl.trans(b_next), LOG2_BLOCK, True, SOLVE_PREC)
+    chain = _dot(inverse_t, tl.trans(b_next), SOLVE_PREC)
+    what = _dot(inverse_t, rhs, SOLVE_PREC)
     known = _wait_solved(PROGRESS, bh, order - 1, known)
     w_next = _load_solved_tile(W, bh, n, nxt, nxt_mask, ce, e)
     w = tl.where(cvalid[:, None], what + _dot(chain, w_next, SOLVE_PREC), 0.0)
@@ -1143,13 +1146,12 @@ def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, START, F0, n, H
                          BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Chunked sparse solve, the parallel part of the forward: Yhat_c (written to Y) and J_c for every chunk.
 
-    Grid (cdiv(n, C), BH). Yhat_c = T_c (1 - geff) OA_c and J_c = T_c geff P_held with T_c = (I - geff P_in)^-1, by
-    the in-block squaring solve of the dense kernels: on both right-hand sides at once where the held rows are one
-    block, else on the identity (T_c itself, then applied to HB held columns at a time). J (BH, cdiv(n, C), C, HM)
-    float32 is written whole (zero rows past n, zero columns past |H_c|); Y is 0 on padded rows.
+    Grid (cdiv(n, C), BH). Yhat_c = T_c (1 - geff) OA_c and J_c = T_c geff P_held with T_c = (I - geff P_in)^-1
+    formed (``_unit_lower_inverse``) and applied to the right-hand side and to HB held columns at a time.
+    J (BH, cdiv(n, C), C, HM) float32 is written whole (zero rows past n, zero columns past |H_c|); Y is 0 on
+    padded rows.
     """
     c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
-    ar = tl.arange(0, C)
     cd = tl.arange(0, BD)
     ce = tl.arange(0, BE)
     geff = _gate(G, bh, n, rows, rmask, rmask & (rel >= F0))
@@ -1157,20 +1159,12 @@ def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, START, F0, n, H
                                              C, HM, PREC)
     lower = geff[:, None] * p_in
     rhs = (1.0 - geff)[:, None] * _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
-    if HM == HB:
-        # One block of held rows (exp2:ce at any length): both right-hand sides through one squaring solve.
-        hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, 0, cd, d,
+    inverse = _unit_lower_inverse(lower, C, LOG2_C, False, SOLVE_PREC)
+    for h0 in range(0, HM, HB):
+        hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, h0, cd, d,
                                                          qk_scale2, C, HM, HB, PREC)
-        yhat, jc = _unit_lower_solve_pair(lower, rhs, geff[:, None] * p_held, LOG2_C, False, SOLVE_PREC)
-        tl.store(_chunk_j_ptrs(J, bh, n, c, 0, C, HM, HB), jc)
-    else:
-        # T_c itself, applied to the right-hand side and to each block of held rows.
-        inverse = _unit_lower_solve(lower, tl.where(ar[:, None] == ar[None, :], 1.0, 0.0), LOG2_C, False, SOLVE_PREC)
-        yhat = _dot(inverse, rhs, SOLVE_PREC)
-        for h0 in range(0, HM, HB):
-            hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, h0, cd, d,
-                                                             qk_scale2, C, HM, HB, PREC)
-            tl.store(_chunk_j_ptrs(J, bh, n, c, h0, C, HM, HB), _dot(inverse, geff[:, None] * p_held, SOLVE_PREC))
+        tl.store(_chunk_j_ptrs(J, bh, n, c, h0, C, HM, HB), _dot(inverse, geff[:, None] * p_held, SOLVE_PREC))
+    yhat = _dot(inverse, rhs, SOLVE_PREC)
     tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), yhat, mask=_tile_mask(rmask, ce, e))
     _zero_padding_rows(Y, bh, n, s, c, ce, e, C, BE)
 

@@ -257,14 +257,14 @@ def _solve_block(cost: Cost, count: int, B: int, log2: int, BE: int, solve_prec:
     cost.dot(count * (log2 - 1), B, B, B, torch.float32, solve_prec)
 
 
-def _pair_solve(cost: Cost, count: int, B: int, log2: int, BE: int, W2: int, solve_prec: str):
-    """The in-block solve of two right-hand sides (B x BE and B x W2) sharing the squarings
-    (``_unit_lower_solve_pair``): log2(B) products onto each, log2(B) - 1 squarings, float32 operands."""
+def _inverse_applied(cost: Cost, count: int, B: int, log2: int, widths: tuple, solve_prec: str):
+    """T = (I - L)^-1 formed (``_unit_lower_inverse``: 2 (log2(B) - 1) products of B x B, float32 operands), then
+    applied to right-hand sides of the given widths, one product each."""
     import torch
 
-    cost.dot(count * log2, B, BE, B, torch.float32, solve_prec)
-    cost.dot(count * log2, B, W2, B, torch.float32, solve_prec)
-    cost.dot(count * (log2 - 1), B, B, B, torch.float32, solve_prec)
+    cost.dot(count * 2 * (log2 - 1), B, B, B, torch.float32, solve_prec)
+    for width in widths:
+        cost.dot(count, B, width, B, torch.float32, solve_prec)
 
 
 def _chunk_pair(cost: Cost, count: int, C: int, HM: int, width: int, dtype, prec: str):
@@ -417,12 +417,12 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             # B^T W over the later blocks but c + 1 with WREAD's operands (16-bit with COPY)
             w_read = a["WREAD"]
             cost.dot(k["read_products"], B, BE, B, w_read.dtype, c["PREC"])
-        _pair_solve(cost, programs, B, log2, BE, B, c["SOLVE_PREC"])  # the rhs and the block before's (or after's)
+        _inverse_applied(cost, programs, B, log2, (BE, B), c["SOLVE_PREC"])  # the rhs and the block before's (after's)
         cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # the product after the wait
         cost.move(programs * B, QB, d)
         cost.move(programs * B, G)
         if name == "dense_chunk_fwd":
-            cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # R's in-block part
+            cost.dot(programs, B, BE, B, torch.float32, c["PREC"])  # R's in-block part, at R's other terms' precision
             cost.move(k["key_tiles"] * B, KB, d)
             cost.move(k["read_products"] * B, y_read, e)  # solved rows of the blocks before c - 1
             cost.move((k["solved_tiles"] - k["read_products"]) * B, width=e, elem=f32)  # Y of block c - 1
@@ -501,14 +501,8 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             _chunk_pair(cost, programs, C, HM, BD, a["QB"].dtype, c["PREC"])
             cost.move(rows, a["OA"], e)
             if name == "chunk_prepare":
-                if c["HB"] == HM:  # the held rows in one block
-                    _pair_solve(cost, programs, C, log2, BE, HM, c["SOLVE_PREC"])  # Yhat_c and J_c in one solve
-                else:
-                    # T_c itself (the solve on the C x C identity), then T_c rhs and T_c geff P_held, HB columns
-                    # at a time
-                    _solve_block(cost, programs, C, log2, C, c["SOLVE_PREC"])
-                    cost.dot(programs, C, BE, C, torch.float32, c["SOLVE_PREC"])
-                    cost.dot(programs, C, HM, C, torch.float32, c["SOLVE_PREC"])
+                # T_c, then T_c rhs and T_c geff P_held (HB columns at a time)
+                _inverse_applied(cost, programs, C, log2, (BE, HM), c["SOLVE_PREC"])
                 cost.move(rows, width=e, elem=f32)  # Y (Yhat)
                 cost.move(programs * C * HM, a["J"])  # J, whole tiles
             else:

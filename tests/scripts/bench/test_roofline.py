@@ -156,16 +156,17 @@ def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
     # its memory floor: Y and J (float32), the held table (int32), start (int32)
     assert forward_carry["bytes"] == BH * n * D * 4 + BH * nc * C * HM * 4 + nc * HM * 4 + 4
 
-    # The parallel chunk kernels: one program per (chunk, head), no chain; scores as two bf16 tiles, squaring
-    # solves (tf32x3: three tf32 products each), no integer work: the chunk's mask is loaded
+    # The parallel chunk kernels: one program per (chunk, head), no chain; scores as two bf16 tiles, T_c formed and
+    # applied (forward) or a squaring solve (backward), tf32x3: three tf32 products each; no integer work: the
+    # chunk's mask is loaded
     (prepare,) = _rows(case, "chunk_prepare")
     (rows_bwd,) = _rows(case, "chunk_rows_bwd")
     programs = nc * BH
     scores = programs * 2 * C * (C + HM) * D
-    pair_solve = programs * 2 * C * (log2 * C * (D + HM) + (log2 - 1) * C * C)
+    inverse_applied = programs * 2 * C * (2 * (log2 - 1) * C * C + C * (D + HM))
     assert prepare["programs"] == programs and prepare["chain_steps"] == 0
-    assert prepare["flops"] == scores + pair_solve
-    assert prepare["work_flops"] == {"16bit": scores, "tf32": 3 * pair_solve, "fp32": 0}
+    assert prepare["flops"] == scores + inverse_applied
+    assert prepare["work_flops"] == {"16bit": scores, "tf32": 3 * inverse_applied, "fp32": 0}
     # bf16 q, k (own and held rows) and gate, float32 LSE, OA and Yhat; per program the held table and the mask;
     # J whole
     assert prepare["tile_bytes"] == (rows * (2 * D * 2 + 2 + 4 + D * 4 + D * 4) + held_rows * D * 2
@@ -178,18 +179,15 @@ def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
     assert rows_bwd["flops"] == scores + solve + w_y
     assert rows_bwd["work_flops"] == {"16bit": scores, "tf32": 3 * solve + w_y, "fp32": 0}
     hw = result["settings"]
-    compute = scores / (hw["bf16_tflops"] * 1e12) + 3 * pair_solve / (hw["tf32_tflops"] * 1e12)
+    compute = scores / (hw["bf16_tflops"] * 1e12) + 3 * inverse_applied / (hw["tf32_tflops"] * 1e12)
     assert math.isclose(prepare["compute_s"], compute / min(1.0, programs / hw["sms"]))
 
-    # held rows in blocks of HB < HM: T_c itself (the solve on the identity), then T_c applied to both right-hand sides
+    # held rows in blocks of HB < HM: the same products, HB columns at a time
     script = load_script("bench/roofline")
     recorded = script.record_passes("exp2:ce", n, 1, BH, D, torch.bfloat16, case["config"])
     (launch,) = [r for r in recorded["forward"] if r.name == "chunk_prepare_kernel"]
-    for HB, solves in ((HM, pair_solve),
-                       (HM // 2, programs * 2 * C * (log2 * C * C + (log2 - 1) * C * C + C * D + C * HM))):
-        blocked = script.launch_cost(dataclasses.replace(launch, constexprs={**launch.constexprs, "HB": HB}), "exp2:ce")
-        assert blocked["work_flops"] == {"16bit": scores, "tf32": 3 * solves, "fp32": 0}
-        assert blocked["tile_bytes"] == prepare["tile_bytes"]
+    blocked = script.launch_cost(dataclasses.replace(launch, constexprs={**launch.constexprs, "HB": HM // 2}), "exp2:ce")
+    assert blocked["work_flops"] == prepare["work_flops"] and blocked["tile_bytes"] == prepare["tile_bytes"]
 
     # chunk_grads, per chunk: channel A's scores, dP (against x), dq, dk and dx, channel B's scores, dq, dk in bf16,
     # B's dP against Y (float32) at tf32; each a pair of products, own rows and held rows, of 2 C (C + HM) D FLOPs
@@ -254,14 +252,14 @@ def test_chunked_dense_solve_has_one_chain_step_per_block(tmp_path):
     assert fwd["programs"] == bwd["programs"] == nblk * BH
     scores, py_read, py_prev = _dense_chunk_fwd_by_hand(nblk, in_flight)
     py = py_read + py_prev
-    pair_solve = 2 * B * (log2 * B * (D + B) + (log2 - 1) * B * B)
+    inverse_applied = 2 * B * (2 * (log2 - 1) * B * B + B * (D + B))  # T_c formed, applied to rhs and chain
     after_wait = 2 * 2 * B * B * D  # the chain's product and R's in-block part
     assert fwd["work_flops"]["16bit"] == BH * scores * 2 * B * B * D
-    assert fwd["flops"] == BH * (scores * 2 * B * B * D + py * 2 * B * B * D + nblk * (pair_solve + after_wait))
+    assert fwd["flops"] == BH * (scores * 2 * B * B * D + py * 2 * B * B * D + nblk * (inverse_applied + after_wait))
     # backward: later blocks but the next add B^T W; the next block's and the own scores; one product after the wait
     later = sum(max(o - 1, 0) for o in range(nblk))
     assert bwd["flops"] == BH * ((later + 2 * nblk) * 2 * B * B * D + later * 2 * B * B * D
-                                 + nblk * (pair_solve + 2 * B * B * D))
+                                 + nblk * (inverse_applied + 2 * B * B * D))
     # the default variant's solves walk n / solve blocks
     blocked = _variant(result, "dense", n, "default")
     block = resolvent.get_block_config().solve
