@@ -79,12 +79,11 @@ def compiled():
     return compile_once
 
 
-def record(pattern: str, tied: bool = False, **settings) -> list[aot.Launch]:
+def record(pattern: str, tied: bool = False, dtype: torch.dtype = torch.bfloat16, **settings) -> list[aot.Launch]:
     """The launches of ``pattern`` at the default BlockConfig, changed by ``settings`` (variants)."""
     config = {**dataclasses.asdict(resolvent.BlockConfig()), **settings}
     with resolvent.block_config(**config):
-        return aot.record_launches(pattern, dtype=torch.bfloat16, n=N, d=WIDTH, e=WIDTH, batch=BATCH, heads=HEADS,
-                                   tied=tied)
+        return aot.record_launches(pattern, dtype=dtype, n=N, d=WIDTH, e=WIDTH, batch=BATCH, heads=HEADS, tied=tied)
 
 
 def _check_fits(launch: aot.Launch, usage: dict, spill_bound: int) -> None:
@@ -186,6 +185,22 @@ def test_atomic_attention_backward_runs_on_warpgroup_mma(pattern, compiled):
         assert set(usage["atomic_ops"]) == {"red.global.gpu.relaxed.add.v4.f32"}, where
         threads = 32 * launch.options["num_warps"]
         assert 4 * usage["atomics"] * threads == c["BM"] * c["BD"], where
+
+
+def test_float32_atomic_attention_backward_fits_at_its_fitted_tiles(compiled):
+    """float32 inputs: ``fitted_block_config`` halves both atomic tiles (rows of 256 bytes), which keeps K, V and the
+    pipelined query tiles within shared memory. The tf32x3 products split every operand in three, so the kernel
+    spills a little even so; the bound guards it (every other tile and warp count tried spills too, or loses
+    wgmma)."""
+    cfg = resolvent.fitted_block_config(torch.float32, WIDTH, resolvent.BlockConfig(attn_bwd="atomic"))
+    launches = [launch for launch in record("dense", dtype=torch.float32, attn_bwd="atomic")
+                if launch.name == "attn_bwd_atomic_kernel"]
+    assert len(launches) == 2
+    for launch in launches:
+        c, usage = launch.constexprs, compiled(launch)
+        assert (c["BM"], c["BN"]) == (cfg.atomic_m, cfg.atomic_n) == (32, 64)
+        _check_fits(launch, usage, spill_bound=104)
+        assert usage["wgmma"] > 0, (launch.constexprs, usage)
 
 
 @pytest.mark.parametrize(("kernel", "pattern", "settings", "spill_bound", "wgmma_only"), CHUNKED,
