@@ -685,7 +685,7 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, STA
 
 
 @triton.jit
-def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n, H, d, e, qk_scale2,
+def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n, H, d, e, qk_scale2, TINV,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                            COPY: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, forward, chunked: what ``dense_solve_fwd_kernel`` computes (Y, R, LSEB), with one product
@@ -695,9 +695,11 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
     that were published when the program started; (2) the scores of the remaining earlier blocks and of the block
     itself join the running max and sum only, which makes the row normaliser final; (3) the blocks before c - 1
     not yet published, waited on one by one, add P.Y with final probabilities; (4) T_c applied to the right-hand
-    side and to geff P_{c,c-1} (T_c formed, ``_unit_lower_inverse``); (5) the wait on block c - 1 and Y_c = Yhat_c + M_c Y_{c-1}.
+    side and to geff P_{c,c-1} (T_c formed, ``_unit_lower_inverse``); (5) the wait on block c - 1 and
+    Y_c = Yhat_c + M_c Y_{c-1}.
     The P.Y products read earlier blocks from YREAD (Y, or its copy in the input dtype with COPY, as in
-    ``dense_solve_fwd_kernel``); the chain product reads Y itself.
+    ``dense_solve_fwd_kernel``); the chain product reads Y itself. T_c goes to TINV (BH, cdiv(n, BLOCK), BLOCK,
+    BLOCK) float32, whole, for the backward.
     """
     blk, bh, s, order, ar, cd, ce, lo, c0, rows, rmask, valid, q, geff = _dense_fwd_block(QB, G, START, PROGRESS, n, H,
                                                                                         d, BLOCK, BD, BE)
@@ -730,6 +732,7 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
         y_read = _load_solved_tile(YREAD, bh, n, keys, None, ce, e)
         acc += _dot(p.to(y_read.dtype), y_read, PREC)
     inverse = _unit_lower_inverse(geff[:, None] * p_in, BLOCK, LOG2_BLOCK, False, SOLVE_PREC)
+    tl.store(_chunk_tile_ptrs(TINV, bh, n, blk, 0, BLOCK, BLOCK, BLOCK), inverse)
     prev = c0 - BLOCK + ar
     prev_ok = (prev >= s) & (prev >= 0)
     s_prev = _dot(q, tl.trans(_load_tile(KB, bh, n, prev, prev_ok, cd, d)), PREC) * qk_scale2
@@ -752,14 +755,14 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
 
 @triton.jit
 def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, START, PROGRESS, n, H, d, e, qk_scale2,
-                           BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                           TINV, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                            COPY: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Dense resolvent, backward, chunked: what ``dense_solve_bwd_kernel`` computes (W and the row scalars), with
     one product after the wait on the block after.
 
     Grid (cdiv(n, BLOCK) * BH,), ticket order from the last block. Block c: dY_c plus B_rc^T W_r of the later
-    blocks but c + 1 (published ones first, the rest waited on one by one); T_c^T applied to that and to
-    B_{c+1,c}^T (T_c^T formed, ``_unit_lower_inverse``); then the wait on block c + 1 and W_c = What_c + M'_c W_{c+1}.
+    blocks but c + 1 (published ones first, the rest waited on one by one); T_c^T (T_c as the forward left it in
+    TINV) applied to that and to B_{c+1,c}^T; then the wait on block c + 1 and W_c = What_c + M'_c W_{c+1}.
     The later blocks' products read WREAD (W, or its copy in the input dtype with COPY); the chain reads W itself.
     """
     nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, cvalid, hasb_c, kc, rhs = _dense_bwd_block(
@@ -774,13 +777,8 @@ def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, STA
         known = _wait_solved(PROGRESS, bh, o, known)
         rhs = _dense_bwd_tile(QB, LSEB, G, WREAD, bh, n, s, (nblk - 1 - o) * BLOCK, ar, cd, d, ce, e, kc, cvalid,
                               rhs, qk_scale2, PREC)
-    qc = _load_tile(QB, bh, n, cols, cmask, cd, d)
-    lse_c = _load_row_scalars(LSEB, bh, n, cols, cmask)
     geff_c = _gate(G, bh, n, cols, cmask, hasb_c)
-    s2 = _dot(qc, tl.trans(kc), PREC) * qk_scale2
-    ok = (ar[None, :] < ar[:, None]) & cvalid[None, :] & hasb_c[:, None]
-    lower = geff_c[:, None] * _exp2_where(ok, s2 - lse_c[:, None])
-    inverse_t = _unit_lower_inverse(lower, BLOCK, LOG2_BLOCK, True, SOLVE_PREC)
+    inverse_t = tl.trans(tl.load(_chunk_tile_ptrs(TINV, bh, n, blk, 0, BLOCK, BLOCK, BLOCK)))
     nxt, nxt_mask, b_next = _dense_later_block(QB, LSEB, G, bh, n, s, c0 + BLOCK, ar, cd, d, kc, cvalid, qk_scale2,
                                                PREC)
     chain = _dot(inverse_t, tl.trans(b_next), SOLVE_PREC)
@@ -1134,22 +1132,25 @@ def _zero_padding_rows(PTR, bh, n, s, c, cols, width, C: tl.constexpr, BW: tl.co
 
 
 @triton.jit
-def _chunk_j_ptrs(J, bh, n, c, h0, C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr):
-    """Pointers to columns h0 .. h0 + HB - 1 of J_c (C, HM) of head bh in J (BH, cdiv(n, C), C, HM)."""
+def _chunk_tile_ptrs(PTR, bh, n, c, h0, C: tl.constexpr, WIDTH: tl.constexpr, HB: tl.constexpr):
+    """Pointers to columns h0 .. h0 + HB - 1 of block c's (C, WIDTH) tile of head bh in PTR (BH, cdiv(n, C), C,
+    WIDTH): J_c (WIDTH = HM) or the block's inverse T_c (WIDTH = HB = C)."""
     nc = (n + C - 1) // C
-    return J + ((bh * nc + c) * C + tl.arange(0, C)[:, None]) * HM + h0 + tl.arange(0, HB)[None, :]
+    # The tile's start as one scalar and its offsets in int32: int64 addresses per element spilled more at the stores
+    # of the chunked kernels on sm_90.
+    return PTR + (bh * nc + c) * (C * WIDTH) + (tl.arange(0, C)[:, None] * WIDTH + h0 + tl.arange(0, HB)[None, :])
 
 
 @triton.jit
-def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, START, F0, n, H, d, e, qk_scale2,
+def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, TINV, START, F0, n, H, d, e, qk_scale2,
                          C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
                          BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Chunked sparse solve, the parallel part of the forward: Yhat_c (written to Y) and J_c for every chunk.
 
     Grid (cdiv(n, C), BH). Yhat_c = T_c (1 - geff) OA_c and J_c = T_c geff P_held with T_c = (I - geff P_in)^-1
     formed (``_unit_lower_inverse``) and applied to the right-hand side and to HB held columns at a time.
-    J (BH, cdiv(n, C), C, HM) float32 is written whole (zero rows past n, zero columns past |H_c|); Y is 0 on
-    padded rows.
+    J (BH, cdiv(n, C), C, HM) float32 is written whole (zero rows past n, zero columns past |H_c|), and so is T_c
+    into TINV (BH, cdiv(n, C), C, C) for the backward; Y is 0 on padded rows.
     """
     c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
     cd = tl.arange(0, BD)
@@ -1160,10 +1161,11 @@ def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, START, F0, n, H
     lower = geff[:, None] * p_in
     rhs = (1.0 - geff)[:, None] * _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
     inverse = _unit_lower_inverse(lower, C, LOG2_C, False, SOLVE_PREC)
+    tl.store(_chunk_tile_ptrs(TINV, bh, n, c, 0, C, C, C), inverse)
     for h0 in range(0, HM, HB):
         hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, h0, cd, d,
                                                          qk_scale2, C, HM, HB, PREC)
-        tl.store(_chunk_j_ptrs(J, bh, n, c, h0, C, HM, HB), _dot(inverse, geff[:, None] * p_held, SOLVE_PREC))
+        tl.store(_chunk_tile_ptrs(J, bh, n, c, h0, C, HM, HB), _dot(inverse, geff[:, None] * p_held, SOLVE_PREC))
     yhat = _dot(inverse, rhs, SOLVE_PREC)
     tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), yhat, mask=_tile_mask(rmask, ce, e))
     _zero_padding_rows(Y, bh, n, s, c, ce, e, C, BE)
@@ -1194,7 +1196,7 @@ def chunk_carry_kernel(Y, J, HELD, START, n, H, e, C: tl.constexpr, HM: tl.const
             grad = _load_tile(Y, bh, n, rows, rmask, cols, e)
             for h0 in range(0, HM, HB):
                 hrows, hok = _held_rows(HELD, c, s, n, h0, HM, HB)
-                jc = tl.load(_chunk_j_ptrs(J, bh, n, c, h0, C, HM, HB))
+                jc = tl.load(_chunk_tile_ptrs(J, bh, n, c, h0, C, HM, HB))
                 ptrs = _tile_ptrs(Y, bh, n, hrows, cols, e)
                 mask = _tile_mask(hok, cols, e)
                 tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + _dot(tl.trans(jc), grad, SOLVE_PREC), mask=mask)
@@ -1202,19 +1204,19 @@ def chunk_carry_kernel(Y, J, HELD, START, n, H, e, C: tl.constexpr, HM: tl.const
             acc = _load_tile(Y, bh, n, rows, rmask, cols, e)
             for h0 in range(0, HM, HB):
                 hrows, hok = _held_rows(HELD, c, s, n, h0, HM, HB)
-                jc = tl.load(_chunk_j_ptrs(J, bh, n, c, h0, C, HM, HB))
+                jc = tl.load(_chunk_tile_ptrs(J, bh, n, c, h0, C, HM, HB))
                 acc += _dot(jc, _load_tile(Y, bh, n, hrows, hok, cols, e), SOLVE_PREC)
             tl.store(_tile_ptrs(Y, bh, n, rows, cols, e), acc, mask=_tile_mask(rmask, cols, e))
         tl.debug_barrier()
 
 
 @triton.jit
-def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, GRAD, W, DA, DB, DG, START, F0, n, H, d, e,
+def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, GRAD, TINV, W, DA, DB, DG, START, F0, n, H, d, e,
                           qk_scale2, C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
                           BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """Chunked sparse solve, the parallel part of the backward: W_c = T_c^T G_c for every chunk (GRAD holds G
-    from the reverse chain), and the row scalars DA = (1 - geff) W.OA, DB = geff W.R, DG = W.(R - OA) on rows
-    with a recurrent set, as ``_store_w_and_row_grads`` writes them.
+    from the reverse chain, TINV T_c from the forward), and the row scalars DA = (1 - geff) W.OA, DB = geff W.R,
+    DG = W.(R - OA) on rows with a recurrent set, as ``_store_w_and_row_grads`` writes them.
 
     Grid (cdiv(n, C), BH). W.R_i = sum_j P_ij W_i . Y_j over the chunk's own rows and its held rows: tensor-core
     tiles W_c Y_c^T and W_c Y[H_c]^T weighted by P, so R itself is never stored.
@@ -1227,7 +1229,7 @@ def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, GRAD, W, DA, DB, 
     q, k_own, lse, p_in = _own_probabilities(QB, KB, LSEB, READS, bh, n, c, rows, rmask, cd, d, qk_scale2, False,
                                              C, HM, PREC)
     grad = _load_tile(GRAD, bh, n, rows, rmask, ce, e)
-    w = _unit_lower_solve(geff[:, None] * p_in, grad, LOG2_C, True, SOLVE_PREC)
+    w = _dot(tl.trans(tl.load(_chunk_tile_ptrs(TINV, bh, n, c, 0, C, C, C))), grad, SOLVE_PREC)
     w_r = _sum(p_in * _dot(w, tl.trans(_load_tile(Y, bh, n, rows, rmask, ce, e)), PREC), 1)
     for h0 in range(0, HM, HB):
         hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, h0, cd, d,

@@ -65,6 +65,8 @@ class BlockConfig:
             parallel, then a pass that carries only each chunk's held rows; kernels/README.md).
         dense_solver: how the dense pattern's solves run: ``"blocked"`` (blocks of ``solve`` rows) or
             ``"chunked"`` (blocks of ``chunk`` rows with one product left after the wait on the block before).
+            Both chunked solvers keep each block's inverse from the forward for the backward: one more float32
+            tensor of n x ``chunk`` per head saved for the backward.
         solved_copy: dense pattern, 16-bit inputs: the solves also write the rows they solve (Y forward, W
             backward) in the input dtype, and the products that read solved rows with probabilities (P.Y over
             earlier blocks, B^T W over later ones, channel B's attention backward with V = Y) take that copy, at
@@ -308,7 +310,7 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
     BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
     qk2 = sh.scale * LOG2E
     BE = tile_width(e)
-    oa = lsea = lseb = r = j = y_read = None
+    oa = lsea = lseb = r = j = y_read = inverses = None
     if plan.dense:
         if not tied:
             oa, lsea = new_buffer((BH, n, e), dev), new_buffer((BH, n), dev)
@@ -323,10 +325,13 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
             copy = cfg.solved_copy and x.dtype != torch.float32
             y_read = new_buffer((BH, n, e), dev, dtype=x.dtype) if copy else y
             kernel, block = _dense_solve(jit, cfg, "fwd")
+            if cfg.dense_solver == "chunked":
+                inverses = _block_inverses(BH, n, block, dev)
             kernel[_solve_grid(n, BH, block)](
                 qb, kb, oa, g, y, y_read, r, lseb, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, COPY=copy, PREC=sh.prec,
-                SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
+                **_inverses_arg(inverses), BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db),
+                BE=BE, COPY=copy, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps,
+                num_stages=cfg.solve_stages)
         else:
             y = oa
     else:
@@ -348,10 +353,11 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
         if plan.has_b and cfg.sparse_solver == "chunked":
             held, reads = _held_tables_on(plan.pattern, n, cfg.chunk, dev)
             y, j = new_buffer((BH, n, e), dev), new_buffer((BH, held.shape[0], cfg.chunk, held.shape[1]), dev)
+            inverses = _block_inverses(BH, n, cfg.chunk, dev)
             jit.chunk_prepare_kernel[(held.shape[0], BH)](
-                qb, kb, oa, g, lseb, held, reads, y, j, start, plan.f0, n, H, sh.db, e, qk2, **_held_tiles(cfg, held),
-                LOG2_C=int(math.log2(cfg.chunk)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC,
-                num_warps=cfg.solve_warps)
+                qb, kb, oa, g, lseb, held, reads, y, j, inverses, start, plan.f0, n, H, sh.db, e, qk2,
+                **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
+                SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
             _chunk_carry(jit, y, j, held, start, sh, cfg, reverse=False)
         elif plan.has_b:
             y, r = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev)
@@ -361,7 +367,7 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
                 SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
-    return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r, j=j, y_read=y_read)
+    return y, dict(oa=oa, lsea=lsea, lseb=lseb, y=y, r=r, j=j, y_read=y_read, inverses=inverses)
 
 
 def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: LaunchShapes, cfg: BlockConfig, tied: bool):
@@ -388,14 +394,16 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
             kernel, block = _dense_solve(jit, cfg, "bwd")
             kernel[_solve_grid(n, BH, block)](
                 qb, kb, oa, r, g, lseb, dy, w, w_read, da, db, dg, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, COPY=copy, PREC=sh.prec,
-                SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
+                **_inverses_arg(saved["inverses"]), BLOCK=block, LOG2_BLOCK=int(math.log2(block)),
+                BD=tile_width(sh.db), BE=BE, COPY=copy, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps,
+                num_stages=cfg.solve_stages)
         elif cfg.sparse_solver == "chunked":
             held, reads = _held_tables_on(plan.pattern, n, cfg.chunk, dev)
             grad = dy.float() * valid_rows(start, heads, n)[..., None]
             _chunk_carry(jit, grad, saved["j"], held, start, sh, cfg, reverse=True)
             jit.chunk_rows_bwd_kernel[(held.shape[0], BH)](
-                qb, kb, oa, g, lseb, held, reads, y, grad, w, da, db, dg, start, plan.f0, n, H, sh.db, e, qk2,
+                qb, kb, oa, g, lseb, held, reads, y, grad, saved["inverses"], w, da, db, dg, start, plan.f0, n, H,
+                sh.db, e, qk2,
                 **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=tile_width(sh.db), BE=BE,
                 PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
         else:
@@ -497,6 +505,19 @@ def _dense_solve(jit, cfg: BlockConfig, direction: str):
     return getattr(jit, f"dense_solve_{direction}_kernel"), cfg.solve
 
 
+def _block_inverses(BH: int, n: int, block: int, device) -> torch.Tensor:
+    """The chunked solves' in-block inverses T_c = (I - B_cc)^-1, (BH, cdiv(n, block), block, block) float32: the
+    forward forms them and writes them whole, the backward applies their transposes instead of forming them again
+    (one more float32 tensor of n x block per head saved for the backward, against 2 (log2(block) - 1) in-block
+    products per block)."""
+    return new_buffer((BH, triton_cdiv(n, block), block, block), device)
+
+
+def _inverses_arg(inverses: torch.Tensor | None) -> dict:
+    """The dense chunked kernels' TINV argument; the blocked dense kernels have none."""
+    return {} if inverses is None else {"TINV": inverses}
+
+
 def _progress(BH: int, device) -> torch.Tensor:
     """The solves' schedule (``_jit._claim_block``): blocks published per (batch x head), then the ticket."""
     return torch.zeros(BH + 1, dtype=torch.int32, device=device)
@@ -533,7 +554,7 @@ class _MixFunction(torch.autograd.Function):
         flat = [_flat(t, dtype) for t in (qa, ka, qb, kb, x)] + [_flat(g)]
         start = start.to(device=x.device, dtype=torch.int32).contiguous()
         y, saved = launch_forward(*flat, start, plan, sh, cfg, tied)
-        keys = ("oa", "lsea", "lseb", "y", "r", "j", "y_read")
+        keys = ("oa", "lsea", "lseb", "y", "r", "j", "y_read", "inverses")
         ctx.save_for_backward(*flat, start, *(saved[k] for k in keys))
         ctx.meta = (plan, sh, cfg, tied, keys, [None if t is None else t.dtype for t in (qa, ka, qb, kb, x, g)])
         out = y.view(batch, heads, n, e)

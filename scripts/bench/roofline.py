@@ -263,6 +263,13 @@ def _inverse_applied(cost: Cost, count: int, B: int, log2: int, widths: tuple, s
     import torch
 
     cost.dot(count * 2 * (log2 - 1), B, B, B, torch.float32, solve_prec)
+    _applied(cost, count, B, widths, solve_prec)
+
+
+def _applied(cost: Cost, count: int, B: int, widths: tuple, solve_prec: str):
+    """A formed B x B inverse applied to right-hand sides of the given widths, one float32 product each."""
+    import torch
+
     for width in widths:
         cost.dot(count, B, width, B, torch.float32, solve_prec)
 
@@ -285,13 +292,13 @@ def dense_chunk_counts(nblk: int, in_flight: int, backward: bool) -> dict:
     one YREAD tile each) and the one with block c - 1, R's, reads Y; c + u + 2 key tiles, c solved Y tiles. Block
     0 scores itself and an empty block before it and runs its P.Y with Y on zeros. Backward, block at solve
     position o (0 the last block): B_rc^T W_r for the o - 1 later blocks but the next, each reading a WREAD tile
-    (``read_products``), the next block's scores (its rows' q, lse, gate and W itself loaded for o >= 1) and its
-    own: o - 1 + 2 score products and o - 1 products with W."""
+    (``read_products``), and the next block's scores (its rows' q, lse, gate and W itself loaded for o >= 1): o - 1
+    + 1 score products and o - 1 products with W (the block's own scores are in T_c, which the forward saved)."""
     counts = dict(scores=0, value_products=0, read_products=0, key_tiles=0, solved_tiles=0, later_rows=0)
     for c in range(nblk):
         if backward:
             later = max(c - 1, 0)  # c is the solve position here
-            counts["scores"] += later + 2
+            counts["scores"] += later + 1
             counts["value_products"] += later
             counts["read_products"] += later
             counts["later_rows"] += later + (c >= 1)
@@ -417,11 +424,16 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             # B^T W over the later blocks but c + 1 with WREAD's operands (16-bit with COPY)
             w_read = a["WREAD"]
             cost.dot(k["read_products"], B, BE, B, w_read.dtype, c["PREC"])
-        _inverse_applied(cost, programs, B, log2, (BE, B), c["SOLVE_PREC"])  # the rhs and the block before's (after's)
-        cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # the product after the wait
-        cost.move(programs * B, QB, d)
-        cost.move(programs * B, G)
+        # T_c (formed forward, loaded backward) applied to the rhs and to the block before's (after's) probabilities
         if name == "dense_chunk_fwd":
+            _inverse_applied(cost, programs, B, log2, (BE, B), c["SOLVE_PREC"])
+        else:
+            _applied(cost, programs, B, (BE, B), c["SOLVE_PREC"])
+        cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # the product after the wait
+        cost.move(programs * B, G)
+        cost.move(programs * B, a["TINV"], B)  # T_c, stored forward and loaded backward
+        if name == "dense_chunk_fwd":
+            cost.move(programs * B, QB, d)
             cost.dot(programs, B, BE, B, torch.float32, c["PREC"])  # R's in-block part, at R's other terms' precision
             cost.move(k["key_tiles"] * B, KB, d)
             cost.move(k["read_products"] * B, y_read, e)  # solved rows of the blocks before c - 1
@@ -438,7 +450,7 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             cost.move(k["later_rows"] * B, width=1, elem=f32)  # LSEB of later blocks
             cost.move(k["read_products"] * B, w_read, e)  # solved rows of the later blocks but c + 1
             cost.move((k["solved_tiles"] - k["read_products"]) * B, width=e, elem=f32)  # W of block c + 1
-            cost.move(programs * B, width=1 + 2 * e, elem=f32)  # LSEB, OA, R
+            cost.move(programs * B, width=2 * e, elem=f32)  # OA, R
             cost.move(programs * B, width=e + 3, elem=f32)  # W, DA, DB, DG
             if c["COPY"]:
                 cost.move(programs * B, w_read, e)  # the copy of W stored
@@ -503,10 +515,12 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             if name == "chunk_prepare":
                 # T_c, then T_c rhs and T_c geff P_held (HB columns at a time)
                 _inverse_applied(cost, programs, C, log2, (BE, HM), c["SOLVE_PREC"])
+                cost.move(programs * C, a["TINV"], C)  # T_c, for the backward
                 cost.move(rows, width=e, elem=f32)  # Y (Yhat)
                 cost.move(programs * C * HM, a["J"])  # J, whole tiles
             else:
-                _solve_block(cost, programs, C, log2, BE, c["SOLVE_PREC"])  # W_c = T_c^T G_c
+                _applied(cost, programs, C, (BE,), c["SOLVE_PREC"])  # W_c = T_c^T G_c, T_c as the forward saved it
+                cost.move(programs * C, a["TINV"], C)
                 cost.move(rows, a["GRAD"], e)
                 cost.move(rows + held_rows, a["Y"], e)
                 _chunk_pair(cost, programs, C, HM, BE, torch.float32, c["PREC"])  # W_c Y_c^T and W_c Y[H_c]^T

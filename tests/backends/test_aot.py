@@ -45,16 +45,16 @@ SPILL_BOUND = {
 # Each is checked in every launch of the mixer (the tied mixer runs the same tiles). Extend it as chunked kernels
 # come and change.
 CHUNKED = [
-    ("chunk_prepare_kernel", "exp2:ce", {"sparse_solver": "chunked"}, 200, True),
+    ("chunk_prepare_kernel", "exp2:ce", {"sparse_solver": "chunked"}, 160, True),
     ("chunk_carry_kernel", "exp2:ce", {"sparse_solver": "chunked"}, 0, False),
-    ("chunk_rows_bwd_kernel", "exp2:ce", {"sparse_solver": "chunked"}, 200, True),
+    ("chunk_rows_bwd_kernel", "exp2:ce", {"sparse_solver": "chunked"}, 0, True),
     ("chunk_grads_kernel", "exp2:ce", {"sparse_solver": "chunked"}, 0, False),
     # A plain f-pattern holds more rows per chunk than one tile (exp2 at n = 1024: 256): T_c is formed and the held
     # rows are visited a tile at a time, so shared memory stays that of one tile.
-    ("chunk_prepare_kernel", "exp2", {"sparse_solver": "chunked"}, 168, True),
+    ("chunk_prepare_kernel", "exp2", {"sparse_solver": "chunked"}, 144, True),
     ("chunk_grads_kernel", "exp2", {"sparse_solver": "chunked"}, 56, False),
     ("dense_chunk_fwd_kernel", "dense", {"dense_solver": "chunked"}, 320, True),
-    ("dense_chunk_bwd_kernel", "dense", {"dense_solver": "chunked"}, 328, True),
+    ("dense_chunk_bwd_kernel", "dense", {"dense_solver": "chunked"}, 0, True),
 ]
 
 # What each kind of atomic instruction in these kernels is for (see the PTX names in ``aot.ptx_counts``).

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_resolvent.backends.triton import aot, resolvent
-from test_triton import _check_mix, _check_tied, interpreter  # noqa: F401 (interpreter: autouse fixture)
+from test_triton import _check_mix, _check_tied, _inputs, interpreter  # noqa: F401 (interpreter: autouse fixture)
 
 from hf_resolvent.backends import triton as kernels
+from hf_resolvent.ops.reference import mixer_matrices
 from hf_resolvent.patterns import get_pattern
 
 CHUNK = 16
@@ -105,6 +106,35 @@ def test_every_block_of_a_chunked_dense_solve_is_claimed_once_and_published(patt
     assert len(schedules) == (2 if pattern == "dense" else 0)
     for progress in schedules:
         assert progress.tolist() == [nblk] * BH + [nblk * BH]
+
+
+@pytest.mark.parametrize(("pattern", "start"), [("dense", [0, 20]), ("exp2:ce", [0, 21]), ("square:ce", None)])
+def test_the_forward_saves_each_blocks_inverse_for_the_backward(pattern, start, monkeypatch):
+    """The backward applies T_c^T as the forward left it, so what the forward saves must be T_c = (I - B_cc)^-1
+    of the pattern's B, for every block of every head: the dense blocks at fixed positions, the sparse chunks
+    counted from the first real token; the identity on rows past n and in the padding."""
+    saved = []
+    real = resolvent._block_inverses
+    monkeypatch.setattr(resolvent, "_block_inverses", lambda *args: saved.append(real(*args)) or saved[-1])
+    batch, n = 2, 45
+    qa, ka, qb, kb, x, g, _ = _inputs(batch, 1, n, 16, 16, seed=3)
+    start = None if start is None else torch.tensor(start)
+    kernels.triton_mix(qa, ka, qb, kb, x, g, pattern, start=start)
+    (inverses,) = saved
+    nc = -(-n // CHUNK)
+    assert inverses.shape == (batch, nc, CHUNK, CHUNK)
+    _, b = mixer_matrices(*(t.double() for t in (qa, ka, qb, kb, g)), pattern, start=start)
+    for i in range(batch):
+        first = 0 if pattern == "dense" or start is None else int(start[i])
+        for c in range(nc):
+            rows = torch.arange(first + c * CHUNK, first + (c + 1) * CHUNK)
+            real_rows = rows < n
+            block = torch.zeros(CHUNK, CHUNK, dtype=torch.float64)
+            inside = torch.nonzero(real_rows).flatten()
+            block[inside[:, None], inside[None, :]] = b[i, 0][rows[inside][:, None], rows[inside][None, :]]
+            want = torch.linalg.inv(torch.eye(CHUNK, dtype=torch.float64) - block)
+            torch.testing.assert_close(inverses[i, c].double(), want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, i=i, c=c: f"sequence {i}, block {c}: {m}")
 
 
 @pytest.mark.parametrize("pattern", SPARSE_RECURRENT)

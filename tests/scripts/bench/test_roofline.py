@@ -157,7 +157,7 @@ def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
     assert forward_carry["bytes"] == BH * n * D * 4 + BH * nc * C * HM * 4 + nc * HM * 4 + 4
 
     # The parallel chunk kernels: one program per (chunk, head), no chain; scores as two bf16 tiles, T_c formed and
-    # applied (forward) or a squaring solve (backward), tf32x3: three tf32 products each; no integer work: the
+    # applied (forward) or loaded and applied (backward), tf32x3: three tf32 products each; no integer work: the
     # chunk's mask is loaded
     (prepare,) = _rows(case, "chunk_prepare")
     (rows_bwd,) = _rows(case, "chunk_rows_bwd")
@@ -168,16 +168,16 @@ def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
     assert prepare["flops"] == scores + inverse_applied
     assert prepare["work_flops"] == {"16bit": scores, "tf32": 3 * inverse_applied, "fp32": 0}
     # bf16 q, k (own and held rows) and gate, float32 LSE, OA and Yhat; per program the held table and the mask;
-    # J whole
+    # J and T_c whole
     assert prepare["tile_bytes"] == (rows * (2 * D * 2 + 2 + 4 + D * 4 + D * 4) + held_rows * D * 2
-                                     + programs * (HM * 4 + mask + C * HM * 4))
+                                     + programs * (HM * 4 + mask + C * HM * 4 + C * C * 4))
     # its memory floor holds the mask table once: (n / C, C, C + HM) int8
-    floor = BH * n * (2 * D * 2 + 2 + 4 + 2 * D * 4) + nc * HM * 4 + nc * mask + BH * nc * C * HM * 4 + 4
+    floor = BH * n * (2 * D * 2 + 2 + 4 + 2 * D * 4) + nc * HM * 4 + nc * mask + BH * nc * C * (HM + C) * 4 + 4
     assert prepare["bytes"] == floor
-    solve = programs * 2 * C * (log2 * C * D + (log2 - 1) * C * C)
+    applied = programs * 2 * C * C * D  # T_c^T G_c
     w_y = programs * 2 * C * (C + HM) * D
-    assert rows_bwd["flops"] == scores + solve + w_y
-    assert rows_bwd["work_flops"] == {"16bit": scores, "tf32": 3 * solve + w_y, "fp32": 0}
+    assert rows_bwd["flops"] == scores + applied + w_y
+    assert rows_bwd["work_flops"] == {"16bit": scores, "tf32": 3 * applied + w_y, "fp32": 0}
     hw = result["settings"]
     compute = scores / (hw["bf16_tflops"] * 1e12) + 3 * inverse_applied / (hw["tf32_tflops"] * 1e12)
     assert math.isclose(prepare["compute_s"], compute / min(1.0, programs / hw["sms"]))
@@ -256,10 +256,12 @@ def test_chunked_dense_solve_has_one_chain_step_per_block(tmp_path):
     after_wait = 2 * 2 * B * B * D  # the chain's product and R's in-block part
     assert fwd["work_flops"]["16bit"] == BH * scores * 2 * B * B * D
     assert fwd["flops"] == BH * (scores * 2 * B * B * D + py * 2 * B * B * D + nblk * (inverse_applied + after_wait))
-    # backward: later blocks but the next add B^T W; the next block's and the own scores; one product after the wait
+    # backward: later blocks but the next add B^T W; the next block's scores; T_c as the forward saved it, applied
+    # to the rhs and the chain; one product after the wait
     later = sum(max(o - 1, 0) for o in range(nblk))
-    assert bwd["flops"] == BH * ((later + 2 * nblk) * 2 * B * B * D + later * 2 * B * B * D
-                                 + nblk * (inverse_applied + 2 * B * B * D))
+    applied = 2 * B * B * (D + B)
+    assert bwd["flops"] == BH * ((later + nblk) * 2 * B * B * D + later * 2 * B * B * D
+                                 + nblk * (applied + 2 * B * B * D))
     # the default variant's solves walk n / solve blocks
     blocked = _variant(result, "dense", n, "default")
     block = resolvent.get_block_config().solve
