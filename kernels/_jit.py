@@ -474,18 +474,35 @@ def _load_solved_tile(PTR, bh, n, rows, row_ok, cols, width):
 
 
 @triton.jit
-def _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier,
-                         LOG2_BLOCK: tl.constexpr, SOLVE_PREC: tl.constexpr):
+def _as_read(y, YREAD, COPY: tl.constexpr):
+    """Solved rows y as the products that read them with probabilities see them: rounded to the dtype of their
+    copy YREAD under COPY (``solved_copy``), else y itself."""
+    if COPY:
+        return y.to(YREAD.dtype.element_ty)
+    return y
+
+
+@triton.jit
+def _solve_forward_block(OA, Y, YREAD, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier,
+                         LOG2_BLOCK: tl.constexpr, COPY: tl.constexpr, PREC: tl.constexpr,
+                         SOLVE_PREC: tl.constexpr):
     """Solves one block of the forward recurrence and writes its rows of Y and R.
 
     (I - geff Bt) Y_c = (1 - geff) OA_c + geff earlier, with Bt the block's strictly lower in-block
-    probabilities and ``earlier`` what its rows read from earlier blocks; R_c = earlier + Bt Y_c.
+    probabilities and ``earlier`` what its rows read from earlier blocks; R_c = earlier + Bt Y_c. Under COPY,
+    ``earlier`` read the copy of the earlier rows, and R's in-block term reads Y_c as rounded to it: R is then
+    the read of the rows that channel B's attention backward sees (V = the copy), and its row term
+    geff W.R cancels that backward's dP exactly.
     """
     oa = _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
     rhs = (1.0 - geff)[:, None] * oa + geff[:, None] * earlier
     y = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, False, SOLVE_PREC)
     y = tl.where(valid[:, None], y, 0.0)
-    r_read = earlier + _dot(bt, y, SOLVE_PREC)
+    if COPY:
+        y_read = _as_read(y, YREAD, COPY)
+        r_read = earlier + _dot(bt.to(y_read.dtype), y_read, PREC)
+    else:
+        r_read = earlier + _dot(bt, y, SOLVE_PREC)
     tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), y, mask=_tile_mask(rmask, ce, e))
     tl.store(_tile_ptrs(R, bh, n, rows, ce, e), r_read, mask=_tile_mask(rmask, ce, e))
     return y
@@ -600,7 +617,8 @@ def dense_solve_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
     inv_l = tl.where(has, 1.0 / tl.where(has, l_sum, 1.0), 0.0)
     earlier = acc * inv_l[:, None]
     bt = p * inv_l[:, None]
-    y = _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
+    y = _solve_forward_block(OA, Y, YREAD, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, COPY,
+                             PREC, SOLVE_PREC)
     if COPY:
         tl.store(_tile_ptrs(YREAD, bh, n, rows, ce, e), y.to(YREAD.dtype.element_ty), mask=_tile_mask(rmask, ce, e))
     tl.store(_row_ptrs(LSEB, bh, n, rows), _log_sum_exp2(m, l_sum), mask=rmask)
@@ -748,7 +766,10 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
         tl.store(_tile_ptrs(YREAD, bh, n, rows, ce, e), y.to(YREAD.dtype.element_ty), mask=_tile_mask(rmask, ce, e))
     _publish_solved(PROGRESS, bh, order, known)
     # R and LSEB are read by the backward only: off the chain, after the publication.
-    r_read = acc + _dot(p_prev, y_prev, PREC) + _dot(p_in, y, PREC)
+    # Under COPY, R reads every row as rounded to the copy, as channel B's attention backward does (see
+    # ``_solve_forward_block``).
+    y_prev_read, y_read = _as_read(y_prev, YREAD, COPY), _as_read(y, YREAD, COPY)
+    r_read = acc + _dot(p_prev.to(y_prev_read.dtype), y_prev_read, PREC) + _dot(p_in.to(y_read.dtype), y_read, PREC)
     tl.store(_tile_ptrs(R, bh, n, rows, ce, e), r_read, mask=_tile_mask(rmask, ce, e))
     tl.store(_row_ptrs(LSEB, bh, n, rows), lse, mask=rmask)
 
@@ -927,7 +948,8 @@ def sparse_solve_fwd_kernel(QB, KB, OA, G, LSEB, Y, R, START, OFFS, STEPS, NSLOT
             earlier += tl.where(early, p, 0.0)[:, None] * yk
             inside = ok & (src >= c0)
             bt += tl.where((ar[None, :] == (src - c0)[:, None]) & inside[:, None], p[:, None], 0.0)
-        _solve_forward_block(OA, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, SOLVE_PREC)
+        _solve_forward_block(OA, Y, Y, R, bh, n, rows, rmask, valid, ce, e, geff, bt, earlier, LOG2_BLOCK, False,
+                             SOLVE_PREC, SOLVE_PREC)
         # Later blocks of this program read these rows of Y back from global memory.
         tl.debug_barrier()
 

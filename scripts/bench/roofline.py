@@ -416,10 +416,10 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
         k = {key: v * BH for key, v in dense_chunk_counts(nblk, in_flight, name == "dense_chunk_bwd").items()}
         cost.dot(k["scores"], B, B, BD, QB.dtype, c["PREC"])
         if name == "dense_chunk_fwd":
-            # P Y over the blocks before c - 1 with YREAD's operands (16-bit with COPY), R's P Y_(c-1) with Y's
+            # P Y over every earlier block with YREAD's operands (16-bit with COPY): the blocks before c - 1 read
+            # YREAD, R's P Y_(c-1) reads Y rounded alike
             y_read = a["YREAD"]
-            cost.dot(k["read_products"], B, BE, B, y_read.dtype, c["PREC"])
-            cost.dot(k["value_products"] - k["read_products"], B, BE, B, torch.float32, c["PREC"])
+            cost.dot(k["value_products"], B, BE, B, y_read.dtype, c["PREC"])
         else:
             # B^T W over the later blocks but c + 1 with WREAD's operands (16-bit with COPY)
             w_read = a["WREAD"]
@@ -434,7 +434,7 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
         cost.move(programs * B, a["TINV"], B)  # T_c, stored forward and loaded backward
         if name == "dense_chunk_fwd":
             cost.move(programs * B, QB, d)
-            cost.dot(programs, B, BE, B, torch.float32, c["PREC"])  # R's in-block part, at R's other terms' precision
+            cost.dot(programs, B, BE, B, y_read.dtype, c["PREC"])  # R's in-block part, as R's other terms
             cost.move(k["key_tiles"] * B, KB, d)
             cost.move(k["read_products"] * B, y_read, e)  # solved rows of the blocks before c - 1
             cost.move((k["solved_tiles"] - k["read_products"]) * B, width=e, elem=f32)  # Y of block c - 1
@@ -547,7 +547,8 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             cost.dot(pairs + programs, B, B, BD, QB.dtype, c["PREC"])
             cost.dot(pairs, B, BE, B, y_read.dtype, c["PREC"])  # P Y
             _solve_block(cost, programs, B, log2, BE, c["SOLVE_PREC"])
-            cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # R's in-block part
+            # R's in-block part: Y rounded to its copy with COPY, as R's other terms read it
+            cost.dot(programs, B, BE, B, y_read.dtype, c["PREC"] if c["COPY"] else c["SOLVE_PREC"])
         else:
             cost.move(programs * B, KB, d)
             cost.move(programs * B, a["DY"], e)

@@ -109,6 +109,15 @@ def test_dry_run_under_a_variant_runs_its_kernels(tmp_path, monkeypatch):
         gpu_check.parse_args(["--config", "chunk=48"])
 
 
+@pytest.mark.parametrize("config", ["solved_copy=true", "dense_solver=chunked,solved_copy=true"])
+def test_dry_run_passes_with_the_copies_of_the_solved_rows(tmp_path, config):
+    """``solved_copy``: channel B's attention backward reads the bfloat16 copy of Y, so its row term (geff W.R) must
+    read the same copy, or dP - D loses its cancellation and the gradients of qb and kb leave the tolerance."""
+    proc, result = _run(tmp_path, "--config", config, "--patterns", "dense", "--dtypes", "bfloat16", "--kinds", "mix")
+    assert proc.returncode == 0 and result["passed"], [r for r in result["cases"] if r["status"] != "PASS"]
+    assert [r["id"] for r in result["cases"]] == ["mix/dense/bfloat16/tiny"]
+
+
 def test_compare_catches_nan_and_wrong_values():
     want = torch.randn(3, 4, 5, dtype=torch.float64)
     tol = (1e-4, 1e-5)
