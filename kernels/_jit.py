@@ -489,20 +489,17 @@ def _solve_forward_block(OA, Y, YREAD, R, bh, n, rows, rmask, valid, ce, e, geff
     """Solves one block of the forward recurrence and writes its rows of Y and R.
 
     (I - geff Bt) Y_c = (1 - geff) OA_c + geff earlier, with Bt the block's strictly lower in-block
-    probabilities and ``earlier`` what its rows read from earlier blocks; R_c = earlier + Bt Y_c. Under COPY,
-    ``earlier`` read the copy of the earlier rows, and R's in-block term reads Y_c as rounded to it: R is then
-    the read of the rows that channel B's attention backward sees (V = the copy), and its row term
-    geff W.R cancels that backward's dP exactly.
+    probabilities and ``earlier`` what its rows read from earlier blocks; R_c = earlier + Bt Y_c, its in-block term
+    at ``earlier``'s precision PREC. Under COPY, ``earlier`` read the copy of the earlier rows, and R's in-block
+    term reads Y_c as rounded to it: R is then the read of the rows that channel B's attention backward sees
+    (V = the copy), and its row term geff W.R cancels that backward's dP exactly.
     """
     oa = _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
     rhs = (1.0 - geff)[:, None] * oa + geff[:, None] * earlier
     y = _unit_lower_solve(geff[:, None] * bt, rhs, LOG2_BLOCK, False, SOLVE_PREC)
     y = tl.where(valid[:, None], y, 0.0)
-    if COPY:
-        y_read = _as_read(y, YREAD, COPY)
-        r_read = earlier + _dot(bt.to(y_read.dtype), y_read, PREC)
-    else:
-        r_read = earlier + _dot(bt, y, SOLVE_PREC)
+    y_read = _as_read(y, YREAD, COPY)
+    r_read = earlier + _dot(bt.to(y_read.dtype), y_read, PREC)
     tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), y, mask=_tile_mask(rmask, ce, e))
     tl.store(_tile_ptrs(R, bh, n, rows, ce, e), r_read, mask=_tile_mask(rmask, ce, e))
     return y

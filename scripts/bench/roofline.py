@@ -547,8 +547,7 @@ def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT)
             cost.dot(pairs + programs, B, B, BD, QB.dtype, c["PREC"])
             cost.dot(pairs, B, BE, B, y_read.dtype, c["PREC"])  # P Y
             _solve_block(cost, programs, B, log2, BE, c["SOLVE_PREC"])
-            # R's in-block part: Y rounded to its copy with COPY, as R's other terms read it
-            cost.dot(programs, B, BE, B, y_read.dtype, c["PREC"] if c["COPY"] else c["SOLVE_PREC"])
+            cost.dot(programs, B, BE, B, y_read.dtype, c["PREC"])  # R's in-block part, as R's other terms
         else:
             cost.move(programs * B, KB, d)
             cost.move(programs * B, a["DY"], e)

@@ -293,23 +293,22 @@ def test_solved_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp
     case = {v: _variant(result, "dense", n, v) for v in ("default", "copy", "chunked", "chunked+copy")}
     assert case["chunked+copy"]["config"] == {**case["chunked"]["config"], "solved_copy": True}
 
-    def moved(plain, copy, flops, read_rows, tf32=None):
-        """``flops`` of plain's products at 16 bits in copy (``tf32`` of its tf32 work, default ``flops``: tf32x3
-        counts three), the same total; ``read_rows`` of solved rows read at 2 bytes instead of 4."""
+    def moved(plain, copy, flops, read_rows):
+        """``flops`` of plain's tf32 work at 16 bits in copy, the same total; ``read_rows`` of solved rows read at
+        2 bytes instead of 4."""
         assert copy["flops"] == plain["flops"]
         assert copy["work_flops"] == {"16bit": plain["work_flops"]["16bit"] + flops,
-                                      "tf32": plain["work_flops"]["tf32"] - (flops if tf32 is None else tf32),
-                                      "fp32": 0}
+                                      "tf32": plain["work_flops"]["tf32"] - flops, "fp32": 0}
         assert copy["tile_bytes"] == plain["tile_bytes"] - read_rows * D * 2 + BH * n * D * 2  # the copy stored
         assert copy["bytes"] == plain["bytes"] + BH * n * D * 2  # the copy, a tensor of its own
 
     # blocked forward: every (block, earlier block) pair's P.Y, (B x B) x (B x D), reads the bf16 copy, and R's
-    # in-block product (tf32x3 without the copy) reads Y rounded alike
+    # in-block product reads Y rounded alike
     B = cfg.solve
     nblk = n // B
-    pairs, in_block = BH * nblk * (nblk - 1) // 2, BH * nblk * 2 * B * B * D
+    pairs = BH * nblk * (nblk - 1) // 2
     (fwd,), (fwd_copy,) = _rows(case["default"], "dense_solve_fwd"), _rows(case["copy"], "dense_solve_fwd")
-    moved(fwd, fwd_copy, pairs * 2 * B * B * D + in_block, pairs * B, tf32=pairs * 2 * B * B * D + 3 * in_block)
+    moved(fwd, fwd_copy, (pairs + BH * nblk) * 2 * B * B * D, pairs * B)
     # chunked forward: the P.Y over blocks before c - 1 read the copy; R's products with block c - 1 and with the
     # block itself read Y rounded alike; R's product with block c - 1 still loads Y (the chain needs it)
     B = cfg.chunk
