@@ -166,6 +166,28 @@ def test_atomics_are_where_the_kernels_use_them(compiled):
         assert {ATOMIC_ROLES[op] for op in ops} == expected.get(launch.name, set()), (launch.name, ops)
 
 
+@pytest.mark.parametrize(("pattern", "tied"), [("exp2:ce", False), ("exp2:ce", True), ("exp2", False), ("dense", False)])
+def test_chunked_solves_take_atomics_per_tile(pattern, tied, compiled):
+    """The chunked solves: no atomics in the chunk kernels but the gradients, and there float32 tile adds, once per
+    chunk onto its own rows and once per tile of held rows (the static count of 4-wide adds is exactly those tiles'
+    elements over the threads), where ``sparse_grads`` adds per (row, slot); the dense ones keep the ticket
+    schedule's two atomics."""
+    launches = [launch for launch in record(pattern, tied=tied, sparse_solver="chunked", dense_solver="chunked")
+                if "chunk" in launch.name]
+    assert launches
+    for launch in launches:
+        c, usage = launch.constexprs, compiled(launch)
+        roles = {ATOMIC_ROLES[op] for op in usage["atomic_ops"]}
+        if launch.name == "chunk_grads_kernel":
+            widths = (c["BDA"] + c["BE"]) * c["HAS_A"] + c["BDB"]  # dk and dx of channel A, dk of channel B
+            assert roles == {"f32 sum"}, (launch.name, usage["atomic_ops"])
+            assert 4 * usage["atomics"] * 32 * launch.options["num_warps"] == (c["C"] + c["HB"]) * widths
+        elif launch.name.startswith("dense_chunk"):
+            assert roles == {"ticket", "publish"} and usage["atomics"] == 2, (launch.name, usage["atomic_ops"])
+        else:
+            assert usage["atomics"] == 0, (launch.name, usage["atomic_ops"])
+
+
 @pytest.mark.parametrize("pattern", ["attention", "dense"])
 def test_atomic_attention_backward_runs_on_warpgroup_mma(pattern, compiled):
     """``attn_bwd="atomic"``: one kernel per channel, every product a wgmma at its default tiles, no spills, and
