@@ -53,7 +53,8 @@ class BlockConfig:
         attn_m, attn_n: query rows per program and keys per inner step of the attention forward.
         bwd_m, bwd_n: query rows and keys per tile of the attention-style backward kernels.
         solve: rows per block of the sequential solves (dense and sparse); the in-block system is
-            solve x solve and is inverted with 2 (log2(solve) - 1) products of that size.
+            solve x solve, solved with log2(solve) - 1 squarings of that size and log2(solve) products onto the
+            right-hand side.
         sparse_m, sparse_grads_m: rows per program of the parallel sparse forward / gradient kernels.
         decode: cache rows per inner step of the decode kernel.
         num_warps: warps of the parallel kernels; solve_warps, solve_stages: warps and software
