@@ -702,7 +702,8 @@ def dense_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, STA
 @triton.jit
 def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n, H, d, e, qk_scale2, TINV,
                            BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                           COPY: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+                           COPY: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+                           SAVE_INVERSE: tl.constexpr):
     """Dense resolvent, forward, chunked: what ``dense_solve_fwd_kernel`` computes (Y, R, LSEB), with one product
     after the wait on the block before.
 
@@ -713,8 +714,8 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
     side and to geff P_{c,c-1} (T_c formed, ``_unit_lower_inverse``); (5) the wait on block c - 1 and
     Y_c = Yhat_c + M_c Y_{c-1}.
     The P.Y products read earlier blocks from YREAD (Y, or its copy in the input dtype with COPY, as in
-    ``dense_solve_fwd_kernel``); the chain product reads Y itself. T_c goes to TINV (BH, cdiv(n, BLOCK), BLOCK,
-    BLOCK) float32, whole, for the backward.
+    ``dense_solve_fwd_kernel``); the chain product reads Y itself. With SAVE_INVERSE, T_c goes to TINV (BH,
+    cdiv(n, BLOCK), BLOCK, BLOCK) float32, whole, for the backward.
     """
     blk, bh, s, order, ar, cd, ce, lo, c0, rows, rmask, valid, q, geff = _dense_fwd_block(QB, G, START, PROGRESS, n, H,
                                                                                         d, BLOCK, BD, BE)
@@ -747,7 +748,8 @@ def dense_chunk_fwd_kernel(QB, KB, OA, G, Y, YREAD, R, LSEB, START, PROGRESS, n,
         y_read = _load_solved_tile(YREAD, bh, n, keys, None, ce, e)
         acc += _dot(p.to(y_read.dtype), y_read, PREC)
     inverse = _unit_lower_inverse(geff[:, None] * p_in, BLOCK, LOG2_BLOCK, False, SOLVE_PREC)
-    tl.store(_chunk_tile_ptrs(TINV, bh, n, blk, 0, BLOCK, BLOCK, BLOCK), inverse)
+    if SAVE_INVERSE:
+        tl.store(_chunk_tile_ptrs(TINV, bh, n, blk, 0, BLOCK, BLOCK, BLOCK), inverse)
     prev = c0 - BLOCK + ar
     prev_ok = (prev >= s) & (prev >= 0)
     s_prev = _dot(q, tl.trans(_load_tile(KB, bh, n, prev, prev_ok, cd, d)), PREC) * qk_scale2
@@ -1161,15 +1163,16 @@ def _chunk_tile_ptrs(PTR, bh, n, c, h0, C: tl.constexpr, WIDTH: tl.constexpr, HB
 
 
 @triton.jit
-def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, TINV, START, F0, n, H, d, e, qk_scale2,
+def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, START, F0, n, H, d, e, qk_scale2, TINV,
                          C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
-                         BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+                         BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+                         SAVE_INVERSE: tl.constexpr):
     """Chunked sparse solve, the parallel part of the forward: Yhat_c (written to Y) and J_c for every chunk.
 
     Grid (cdiv(n, C), BH). Yhat_c = T_c (1 - geff) OA_c and J_c = T_c geff P_held with T_c = (I - geff P_in)^-1
     formed (``_unit_lower_inverse``) and applied to the right-hand side and to HB held columns at a time.
     J (BH, cdiv(n, C), C, HM) float32 is written whole (zero rows past n, zero columns past |H_c|), and so is T_c
-    into TINV (BH, cdiv(n, C), C, C) for the backward; Y is 0 on padded rows.
+    into TINV (BH, cdiv(n, C), C, C) for the backward with SAVE_INVERSE; Y is 0 on padded rows.
     """
     c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
     cd = tl.arange(0, BD)
@@ -1180,7 +1183,8 @@ def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, TINV, START, F0
     lower = geff[:, None] * p_in
     rhs = (1.0 - geff)[:, None] * _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
     inverse = _unit_lower_inverse(lower, C, LOG2_C, False, SOLVE_PREC)
-    tl.store(_chunk_tile_ptrs(TINV, bh, n, c, 0, C, C, C), inverse)
+    if SAVE_INVERSE:
+        tl.store(_chunk_tile_ptrs(TINV, bh, n, c, 0, C, C, C), inverse)
     for h0 in range(0, HM, HB):
         hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, h0, cd, d,
                                                          qk_scale2, C, HM, HB, PREC)

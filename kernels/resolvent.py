@@ -304,8 +304,10 @@ class LaunchShapes:
     prec: str
 
 
-def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cfg: BlockConfig, tied: bool):
-    """Run the forward kernels. Returns (y, saved) with y (BH, n, e) float32."""
+def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cfg: BlockConfig, tied: bool,
+                   for_backward: bool = True):
+    """Run the forward kernels. Returns (y, saved) with y (BH, n, e) float32; without ``for_backward`` the chunked
+    solves keep no block inverses in ``saved`` (no backward will read them)."""
     jit = jit_module()
     dev = x.device
     BH, H, n, e = sh.BH, sh.H, sh.n, sh.e
@@ -326,13 +328,14 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
             copy = cfg.solved_copy and x.dtype != torch.float32
             y_read = new_buffer((BH, n, e), dev, dtype=x.dtype) if copy else y
             kernel, block = _dense_solve(jit, cfg, "fwd")
-            if cfg.dense_solver == "chunked":
+            chunked = cfg.dense_solver == "chunked"
+            if chunked and for_backward:
                 inverses = _block_inverses(BH, n, block, dev)
             kernel[_solve_grid(n, BH, block)](
                 qb, kb, oa, g, y, y_read, r, lseb, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                **_inverses_arg(inverses), BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db),
-                BE=BE, COPY=copy, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps,
-                num_stages=cfg.solve_stages)
+                **(_inverses_args(inverses, y) if chunked else {}), BLOCK=block, LOG2_BLOCK=int(math.log2(block)),
+                BD=tile_width(sh.db), BE=BE, COPY=copy, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC,
+                num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         else:
             y = oa
     else:
@@ -354,11 +357,12 @@ def launch_forward(qa, ka, qb, kb, x, g, start, plan: Plan, sh: LaunchShapes, cf
         if plan.has_b and cfg.sparse_solver == "chunked":
             held, reads = _held_tables_on(plan.pattern, n, cfg.chunk, dev)
             y, j = new_buffer((BH, n, e), dev), new_buffer((BH, held.shape[0], cfg.chunk, held.shape[1]), dev)
-            inverses = _block_inverses(BH, n, cfg.chunk, dev)
+            if for_backward:
+                inverses = _block_inverses(BH, n, cfg.chunk, dev)
             jit.chunk_prepare_kernel[(held.shape[0], BH)](
-                qb, kb, oa, g, lseb, held, reads, y, j, inverses, start, plan.f0, n, H, sh.db, e, qk2,
-                **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=tile_width(sh.db), BE=BE, PREC=sh.prec,
-                SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
+                qb, kb, oa, g, lseb, held, reads, y, j, start, plan.f0, n, H, sh.db, e, qk2,
+                **_inverses_args(inverses, y), **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)),
+                BD=tile_width(sh.db), BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
             _chunk_carry(jit, y, j, held, start, sh, cfg, reverse=False)
         elif plan.has_b:
             y, r = new_buffer((BH, n, e), dev), new_buffer((BH, n, e), dev)
@@ -395,9 +399,9 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
             kernel, block = _dense_solve(jit, cfg, "bwd")
             kernel[_solve_grid(n, BH, block)](
                 qb, kb, oa, r, g, lseb, dy, w, w_read, da, db, dg, start, _progress(BH, dev), n, H, sh.db, e, qk2,
-                **_inverses_arg(saved["inverses"]), BLOCK=block, LOG2_BLOCK=int(math.log2(block)),
-                BD=tile_width(sh.db), BE=BE, COPY=copy, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps,
-                num_stages=cfg.solve_stages)
+                **({"TINV": saved["inverses"]} if cfg.dense_solver == "chunked" else {}), BLOCK=block,
+                LOG2_BLOCK=int(math.log2(block)), BD=tile_width(sh.db), BE=BE, COPY=copy, PREC=sh.prec,
+                SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
         elif cfg.sparse_solver == "chunked":
             held, reads = _held_tables_on(plan.pattern, n, cfg.chunk, dev)
             grad = dy.float() * valid_rows(start, heads, n)[..., None]
@@ -514,9 +518,10 @@ def _block_inverses(BH: int, n: int, block: int, device) -> torch.Tensor:
     return new_buffer((BH, triton_cdiv(n, block), block, block), device)
 
 
-def _inverses_arg(inverses: torch.Tensor | None) -> dict:
-    """The dense chunked kernels' TINV argument; the blocked dense kernels have none."""
-    return {} if inverses is None else {"TINV": inverses}
+def _inverses_args(inverses: torch.Tensor | None, placeholder: torch.Tensor) -> dict:
+    """The chunked forward kernels' TINV and SAVE_INVERSE arguments: the inverses, or a placeholder pointer
+    they do not write when there are none to keep."""
+    return dict(TINV=placeholder if inverses is None else inverses, SAVE_INVERSE=inverses is not None)
 
 
 def _progress(BH: int, device) -> torch.Tensor:
@@ -554,7 +559,9 @@ class _MixFunction(torch.autograd.Function):
         cfg = fitted_block_config(dtype, max(sh.da, sh.db, e))
         flat = [_flat(t, dtype) for t in (qa, ka, qb, kb, x)] + [_flat(g)]
         start = start.to(device=x.device, dtype=torch.int32).contiguous()
-        y, saved = launch_forward(*flat, start, plan, sh, cfg, tied)
+        # A backward may follow only where an input needs its gradient (under torch.no_grad an input that requires
+        # grad still counts: the inverses are kept for nothing then, never missed).
+        y, saved = launch_forward(*flat, start, plan, sh, cfg, tied, for_backward=any(ctx.needs_input_grad[:6]))
         keys = ("oa", "lsea", "lseb", "y", "r", "j", "y_read", "inverses")
         ctx.save_for_backward(*flat, start, *(saved[k] for k in keys))
         ctx.meta = (plan, sh, cfg, tied, keys, [None if t is None else t.dtype for t in (qa, ka, qb, kb, x, g)])

@@ -119,7 +119,7 @@ def test_the_forward_saves_each_blocks_inverse_for_the_backward(pattern, start, 
     batch, n = 2, 45
     qa, ka, qb, kb, x, g, _ = _inputs(batch, 1, n, 16, 16, seed=3)
     start = None if start is None else torch.tensor(start)
-    kernels.triton_mix(qa, ka, qb, kb, x, g, pattern, start=start)
+    kernels.triton_mix(qa, ka, qb, kb, x.requires_grad_(), g, pattern, start=start)
     (inverses,) = saved
     nc = -(-n // CHUNK)
     assert inverses.shape == (batch, nc, CHUNK, CHUNK)
@@ -135,6 +135,22 @@ def test_the_forward_saves_each_blocks_inverse_for_the_backward(pattern, start, 
             want = torch.linalg.inv(torch.eye(CHUNK, dtype=torch.float64) - block)
             torch.testing.assert_close(inverses[i, c].double(), want, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, i=i, c=c: f"sequence {i}, block {c}: {m}")
+
+
+@pytest.mark.parametrize("pattern", ["dense", "exp2:ce"])
+def test_a_forward_without_gradients_keeps_no_inverses(pattern, monkeypatch):
+    """Where no input needs a gradient (inference, or torch.no_grad on activations), no backward can follow: the
+    forward keeps no block inverses, and its output is the same to the bit."""
+    saved = []
+    real = resolvent._block_inverses
+    monkeypatch.setattr(resolvent, "_block_inverses", lambda *args: saved.append(real(*args)) or saved[-1])
+    qa, ka, qb, kb, x, g, _ = _inputs(2, 1, 45, 16, 16, seed=4)
+    start = torch.tensor([0, 20])
+    y = kernels.triton_mix(qa, ka, qb, kb, x, g, pattern, start=start)
+    assert saved == []
+    y_training = kernels.triton_mix(qa, ka, qb, kb, x.clone().requires_grad_(), g, pattern, start=start)
+    assert len(saved) == 1
+    assert torch.equal(y, y_training.detach())
 
 
 @pytest.mark.parametrize("pattern", SPARSE_RECURRENT)
