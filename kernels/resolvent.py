@@ -66,8 +66,8 @@ class BlockConfig:
             parallel, then a pass that carries only each chunk's held rows; kernels/README.md).
         dense_solver: how the dense pattern's solves run: ``"blocked"`` (blocks of ``solve`` rows) or
             ``"chunked"`` (blocks of ``chunk`` rows with one product left after the wait on the block before).
-            Both chunked solvers keep each block's inverse from the forward for the backward: one more float32
-            tensor of n x ``chunk`` per head saved for the backward.
+            Both chunked solvers keep each block's inverse from the forward for the backward, where an input needs
+            its gradient: one more float32 tensor of n x ``chunk`` per head saved for the backward.
         solved_copy: dense pattern, 16-bit inputs: the solves also write the rows they solve (Y forward, W
             backward) in the input dtype, and the products that read solved rows with probabilities (P.Y over
             earlier blocks, B^T W over later ones, channel B's attention backward with V = Y) take that copy, at
@@ -408,9 +408,8 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
             _chunk_carry(jit, grad, saved["j"], held, start, sh, cfg, reverse=True)
             jit.chunk_rows_bwd_kernel[(held.shape[0], BH)](
                 qb, kb, oa, g, lseb, held, reads, y, grad, saved["inverses"], w, da, db, dg, start, plan.f0, n, H,
-                sh.db, e, qk2,
-                **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=tile_width(sh.db), BE=BE,
-                PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
+                sh.db, e, qk2, **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=tile_width(sh.db),
+                BE=BE, PREC=sh.prec, SOLVE_PREC=SOLVE_PREC, num_warps=cfg.solve_warps)
         else:
             gacc = torch.zeros(BH, n, e, device=dev)
             jit.sparse_solve_bwd_kernel[_solve_grid(n, BH, cfg.solve)](
