@@ -522,18 +522,26 @@ def _store_w_and_row_grads(W_TILE, OA_TILE, R_TILE, tile_mask, DA, DB, DG, bh, n
 
 
 @triton.jit
-def _dense_fwd_block(QB, G, START, PROGRESS, n, H, d, BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
-    """Start of a dense forward solve program (grid (cdiv(n, BLOCK) * BH,)): its ticket (block, head, left padding,
-    solve position), index ranges, the first key block lo it reads, its rows and their masks, and its rows'
-    channel-B queries and geff."""
+def _claimed_block(START, PROGRESS, n, H, BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                   REVERSE: tl.constexpr):
+    """Start of a ticket-ordered solve program (grid (cdiv(n, BLOCK) * BH,)): the blocks per head, its ticket
+    (block, head, left padding, solve position; ``_claim_block``), index ranges, the block's first position, its
+    positions and their masks (``_pattern_rows``)."""
     nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, False)
+    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, REVERSE)
     ar = tl.arange(0, BLOCK)
-    cd = tl.arange(0, BD)
-    ce = tl.arange(0, BE)
     c0 = blk * BLOCK
     rows = c0 + ar
     rmask, rel, valid = _pattern_rows(rows, n, s)
+    return nblk, blk, bh, s, order, ar, tl.arange(0, BD), tl.arange(0, BE), c0, rows, rmask, rel, valid
+
+
+@triton.jit
+def _dense_fwd_block(QB, G, START, PROGRESS, n, H, d, BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """Start of a dense forward solve program (``_claimed_block``, first block first): also the first key block lo
+    it reads and its rows' channel-B queries and geff."""
+    _, blk, bh, s, order, ar, cd, ce, c0, rows, rmask, rel, valid = _claimed_block(START, PROGRESS, n, H, BLOCK, BD,
+                                                                                    BE, False)
     q = _load_tile(QB, bh, n, rows, rmask, cd, d)
     geff = _gate(G, bh, n, rows, rmask, rmask & (rel >= 1))
     return blk, bh, s, order, ar, cd, ce, (s // BLOCK) * BLOCK, c0, rows, rmask, valid, q, geff
@@ -541,21 +549,13 @@ def _dense_fwd_block(QB, G, START, PROGRESS, n, H, d, BLOCK: tl.constexpr, BD: t
 
 @triton.jit
 def _dense_bwd_block(KB, DY, START, PROGRESS, n, H, d, e, BLOCK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
-    """Start of a dense backward solve program (grid (cdiv(n, BLOCK) * BH,), last block first): its ticket, index
-    ranges, its columns (the block's positions) and their masks, their keys, and dY of the block as the start of
-    the right-hand side."""
-    nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, True)
-    ar = tl.arange(0, BLOCK)
-    cd = tl.arange(0, BD)
-    ce = tl.arange(0, BE)
-    c0 = blk * BLOCK
-    cols = c0 + ar
-    cmask = cols < n
-    cvalid = cmask & (cols >= s)
+    """Start of a dense backward solve program (``_claimed_block``, last block first): its columns are the block's
+    positions; also their keys, and dY of the block as the start of the right-hand side."""
+    nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, rel, cvalid = _claimed_block(START, PROGRESS, n, H, BLOCK,
+                                                                                        BD, BE, True)
     kc = _load_tile(KB, bh, n, cols, cmask, cd, d)
     rhs = _load_tile(DY, bh, n, cols, cvalid, ce, e).to(tl.float32)
-    return nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, cvalid, cmask & (cols - s >= 1), kc, rhs
+    return nblk, blk, bh, s, order, ar, cd, ce, c0, cols, cmask, cvalid, cmask & (rel >= 1), kc, rhs
 
 
 @triton.jit
@@ -967,14 +967,8 @@ def sparse_solve_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, GACC, W, DA, DB, DG, STA
     every later block to be published, and its right-hand side is dY_c + GACC_c, with
     W_c = (I - B_cc)^-T rhs. Row scalars DA, DB, DG as in the dense backward solve.
     """
-    nblk = (n + BLOCK - 1) // BLOCK
-    blk, bh, s, order = _claim_block(PROGRESS, START, H, nblk, True)
-    ar = tl.arange(0, BLOCK)
-    cd = tl.arange(0, BD)
-    ce = tl.arange(0, BE)
-    c0 = blk * BLOCK
-    rows = c0 + ar
-    rmask, rel, valid = _pattern_rows(rows, n, s)
+    _, blk, bh, s, order, ar, cd, ce, c0, rows, rmask, rel, valid = _claimed_block(START, PROGRESS, n, H, BLOCK, BD,
+                                                                                    BE, True)
     hasb = valid & (rel >= F0)
     q, lse, geff = _load_channel_b_rows(QB, LSEB, G, bh, n, rows, rmask, hasb, cd, d)
     # One (int64) offset tile serves the block's five (rows, e) tiles: dY, GACC, W, OA, R.
