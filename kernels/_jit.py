@@ -476,9 +476,10 @@ def _load_solved_tile(PTR, bh, n, rows, row_ok, cols, width):
 @triton.jit
 def _as_read(y, YREAD, COPY: tl.constexpr):
     """Solved rows y as the products that read them with probabilities see them: rounded to the dtype of their
-    copy YREAD under COPY (``solved_copy``), else y itself."""
+    copy YREAD under COPY (``solved_copy``), else y itself. One return: Triton 3.6 refuses returns of two dtypes
+    even where a constexpr decides between them."""
     if COPY:
-        return y.to(YREAD.dtype.element_ty)
+        y = y.to(YREAD.dtype.element_ty)
     return y
 
 

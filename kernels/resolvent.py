@@ -133,7 +133,9 @@ def fitted_block_config(dtype: torch.dtype, width: int, cfg: BlockConfig | None 
       memory with 64-key steps, over the 227 KiB a block may have;
     - the atomic backward's tiles, set for rows of 128 bytes (16-bit inputs, head width 64), divided by the row's
       size over 128 bytes: a program's K and V and its pipelined query tiles sit in shared memory, and the defaults
-      then fit sm_80 and sm_90."""
+      then fit sm_80 and sm_90;
+    - the chunked solves' chunk divided by the row's size over 256 bytes: ``chunk_grads`` holds (chunk, width) tiles
+      of both channels, and at float32 and head width 128 it asked for 288 KiB on sm_90 with chunks of 64."""
     cfg = _CONFIG if cfg is None else cfg
     elem, BW = torch.empty((), dtype=dtype).element_size(), tile_width(width)
 
@@ -144,7 +146,8 @@ def fitted_block_config(dtype: torch.dtype, width: int, cfg: BlockConfig | None 
 
     shrink = max(1, elem * BW // 128)
     return replace(cfg, attn_n=fitted(cfg.attn_n), bwd_n=fitted(cfg.bwd_n),
-                   atomic_m=max(16, cfg.atomic_m // shrink), atomic_n=max(16, cfg.atomic_n // shrink))
+                   atomic_m=max(16, cfg.atomic_m // shrink), atomic_n=max(16, cfg.atomic_n // shrink),
+                   chunk=max(16, cfg.chunk // max(1, elem * BW // 256)))
 
 
 @contextlib.contextmanager

@@ -411,6 +411,32 @@ def test_float32_attention_at_width_128_fits_a_blocks_shared_memory():
             aot.compile_launch(dataclasses.replace(launches[0], constexprs=unfitted), arch=90)
 
 
+def test_float32_chunked_solves_at_width_128_fit_a_blocks_shared_memory():
+    """The chunked solves at float32 and head width 128 compile within sm_90's shared memory per block.
+
+    On an H200 (Triton 3.6) ``chunk_grads`` asked for 288 KiB there with chunks of 64 (diagonal) and failed at
+    launch; ``fitted_block_config`` halves the chunk for rows over 256 bytes."""
+    import dataclasses
+
+    from hf_resolvent.backends.triton import aot, resolvent
+
+    defaults = dataclasses.asdict(resolvent.BlockConfig(sparse_solver="chunked", dense_solver="chunked"))
+    with kernels.block_config(**defaults):
+        assert resolvent.fitted_block_config(torch.bfloat16, 128).chunk == resolvent.BlockConfig().chunk == 64
+        assert resolvent.fitted_block_config(torch.float32, 64).chunk == 64
+        assert resolvent.fitted_block_config(torch.float32, 128).chunk == 32
+        for pattern in ("diagonal", "dense"):
+            launches = aot.record_launches(pattern, dtype=torch.float32, n=256, d=128, e=128, batch=1, heads=1)
+            names = {launch.name for launch in launches}
+            assert names >= ({"chunk_grads_kernel", "chunk_prepare_kernel"} if pattern == "diagonal"
+                             else {"dense_chunk_fwd_kernel", "dense_chunk_bwd_kernel"})
+            for launch in launches:
+                if "chunk" in launch.name:
+                    assert aot.compile_launch(launch, arch=90)["shared"] <= aot.SHARED_MEMORY_LIMIT[90], launch.name
+                if launch.name.startswith("chunk_"):
+                    assert launch.constexprs["C"] == 32, launch.name  # the fitted chunk, in every chunked kernel
+
+
 def test_model_decodes_through_the_triton_step(monkeypatch):
     """``config.mixer_impl="triton"``: generate() prefills with ``triton_mix`` and decodes every token through the
     Triton decode kernels, reached from the model's cache code, with the tokens of the PyTorch path."""
