@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--config", action="append", default=None, metavar="NAME=VALUE[,NAME=VALUE...]",
                    help="BlockConfig settings of one series of the triton candidates; repeat it to compare variants "
                         "(default: one series at the defaults)")
+    p.add_argument("--skip", action="append", default=[], metavar="NAME",
+                   help="leave out the candidate of this name (e.g. 'triton:dense [dense_solver=chunked]'); repeatable")
     p.add_argument("--compile-check", action="store_true", help="compile every kernel for GPU targets, no GPU needed")
     p.add_argument("--arch", default="80,90", help="compute capabilities for --compile-check")
     p.add_argument("--extra-cases", action=argparse.BooleanOptionalAction, default=True,
@@ -164,14 +166,14 @@ def bench(args) -> int:
     tiles = contextlib.nullcontext()
     if args.dry_run:  # 16-row tiles, as the interpreter tests: every length spans several blocks
         tiles = block_config(**DRY_TILES)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with tiles:
         for n in (int(v) for v in args.lengths.split(",")):
             results["rows"] += bench_length(args, n, dtype)
             if not args.dry_run:
                 torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+            with open(args.out + ".json", "w") as f:  # after every length: a run stopped early keeps its rows
+                json.dump(results, f, indent=1)
     plot(results, args.out + ".png")
     print(f"wrote {args.out}.json and {args.out}.png")
     return 0
@@ -233,9 +235,12 @@ def bench_length(args, n, dtype) -> list[dict]:
         candidates.append(("fla:gated_deltanet", None, _gated_deltanet(B, H, n, d, dtype, gen, leaves)))
     rows = []
     for name, settings, fn in candidates:
+        if name in args.skip:
+            continue
         row = {"name": name, "config": settings or {}, "n": n}
         try:
             with block_config(**(settings or {})):
+                row["first_call_ms"] = first_call(fn, leaves, grad, args.dry_run)
                 fwd, fwd_bwd = timed(fn, backward=False), timed(fn, backward=True)
         except Exception as err:  # a candidate that cannot run (fla missing or failing) is reported, not fatal
             print(f"n={n:6d} {name:24s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
@@ -243,8 +248,23 @@ def bench_length(args, n, dtype) -> list[dict]:
                          "error": f"{type(err).__name__}: {err}"[:500]})
             continue
         rows.append({**row, "forward_ms": fwd, "forward_backward_ms": fwd_bwd})
-        print(f"n={n:6d} {name:24s} fwd {_fmt(fwd)} ms  fwd+bwd {_fmt(fwd_bwd)} ms", flush=True)
+        print(f"n={n:6d} {name:24s} fwd {_fmt(fwd)} ms  fwd+bwd {_fmt(fwd_bwd)} ms  "
+              f"(first call {row['first_call_ms']:.0f} ms)", flush=True)
     return rows
+
+
+def first_call(fn, leaves, grad, dry_run: bool) -> float:
+    """Wall time (ms) of the candidate's first forward + backward in this process: Triton's compile (or its load from
+    the on-disk cache) and the launch set-up, which the steady times of do_bench leave out."""
+    import torch
+
+    for t in leaves:
+        t.grad = None
+    t0 = time.perf_counter()
+    fn().backward(grad)
+    if not dry_run:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _time_once(step, leaves) -> float:

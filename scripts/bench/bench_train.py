@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hf_resolvent.backends.triton import aot, block_config
 from hf_resolvent.configuration_resolvent import PRESETS
 from hf_resolvent.training.memory import keep_freed_memory
 from hf_resolvent.training.metrics import write_result
@@ -47,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
+    p.add_argument("--config", action="append", default=None, metavar="NAME=VALUE[,NAME=VALUE...]",
+                   help="Triton kernel variant (BlockConfig settings) to train every mixer under; repeat it to time "
+                        "the variants side by side, each model named 'MIXER [SETTINGS]' (default: one, the defaults)")
+    p.add_argument("--skip", action="append", default=[], metavar="NAME",
+                   help="leave out the model of this name (e.g. 'exp2:ce [attn_bwd=split]'); repeatable")
     return p
 
 
@@ -60,8 +66,8 @@ def make_model(name: str, preset: str, vocab: int, seq_len: int):
 class Trainee:
     """One model with its optimizer, so that models can take turns step by step."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, bf16: bool):
-        self.model, self.device = model, device
+    def __init__(self, model: torch.nn.Module, device: torch.device, bf16: bool, settings: dict):
+        self.model, self.device, self.settings = model, device, settings
         self.opt = build_optimizer(model, 1e-4)  # pretrain.py's optimizer (fused AdamW)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
@@ -70,10 +76,10 @@ class Trainee:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with self.autocast:
+        with block_config(**self.settings), self.autocast:  # the kernels read it at launch, backward included
             logits = self.model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
-        loss.backward()
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -89,14 +95,18 @@ def run(args) -> dict:
     if device.type == "cpu":
         keep_freed_memory()  # as pretrain.py does: no fresh pages for the 100 MB blocks of every step
     seq_len = args.seq_len or PRESETS[args.preset]["n_positions"]
-    names = ["gpt2", *args.mixers]
+    # (name, mixer, settings): GPT-2 once, every mixer once per kernel variant
+    models = [("gpt2", "gpt2", {})] + [(m + (f" [{aot.config_label(c)}]" if c else ""), m, c)
+                                       for c in args.configs for m in args.mixers]
+    models = [model for model in models if model[0] not in args.skip]
+    names = [name for name, _, _ in models]
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, args.vocab, (args.batch, seq_len + 1), generator=gen).to(device)
     trainees = []
-    for name in names:
+    for _, mixer, settings in models:
         torch.manual_seed(0)
-        model = make_model(name, args.preset, args.vocab, seq_len).to(device).train()
-        trainees.append(Trainee(model, device, args.bf16))
+        model = make_model(mixer, args.preset, args.vocab, seq_len).to(device).train()
+        trainees.append(Trainee(model, device, args.bf16, settings))
         trainees[-1].step(batch)  # warm-up: allocates the optimizer state, first-call caches
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -108,7 +118,7 @@ def run(args) -> dict:
     tokens = args.batch * seq_len
     base, base_params = times["gpt2"], count_parameters(trainees[0].model)
     rows = []
-    for name, t in zip(names, trainees):
+    for (name, mixer, settings), t in zip(models, trainees):
         step = statistics.median(times[name])
         params = count_parameters(t.model)
         ratios = [a / b for a, b in zip(times[name], base)]
@@ -116,7 +126,7 @@ def run(args) -> dict:
         rows.append({"model": name, "tokens_per_s": tokens / step, "step_ms": step * 1000,
                      "ratio_to_gpt2": statistics.median(ratios), "ratio_quartiles": [q1, q3],
                      "params": params, "params_ratio_to_gpt2": params / base_params,
-                     "complexity": complexity_of(name)})
+                     "complexity": complexity_of(mixer), "mixer": mixer, "config": settings})
     return {"rows": rows, "shape": {**PRESETS[args.preset], "seq_len": seq_len, "vocab": args.vocab},
             "batch": args.batch, "rounds": args.rounds, "device": str(device),
             "threads": torch.get_num_threads() if device.type == "cpu" else None, "bf16": args.bf16,
@@ -155,7 +165,12 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.configs = [aot.parse_config(text) for text in args.config or [""]]
+    except ValueError as err:
+        parser.error(f"--config: {err}")
     result = run(args)
     png = write_result(args.out, result, plot)
     print(markdown(result))

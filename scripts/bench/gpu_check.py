@@ -21,7 +21,8 @@ max |kernel - oracle| / max |oracle| <= MAX (a wrong row or block shows here) an
     python scripts/bench/gpu_check.py --dry-run --out /tmp/gpu_check        # any machine: interpreter, tiny shapes
     python scripts/bench/gpu_check.py --config sparse_solver=chunked,attn_bwd=atomic --out runs/gpu_check_variants
 
-``--shapes full`` runs n = 512..16k, d = 64 and 128, H = 8-16, batch 1-8; ``quick`` one mid-size shape;
+``--shapes full`` runs n = 512..16k, d = 64 and 128, H = 8-16, batch 1-8; ``variants`` n = 512..4k (no decode);
+``quick`` one mid-size shape;
 ``--dry-run`` the same code on CPU under TRITON_INTERPRET=1 at n <= 64 with 16-row tiles. ``--config`` runs every
 case under BlockConfig settings (``NAME=VALUE[,NAME=VALUE...]``: a kernel variant such as ``sparse_solver=chunked``
 or ``attn_bwd=atomic``, or tiles), recorded in the JSON (``config``, ``block_config``). On a GPU the
@@ -71,6 +72,12 @@ SHAPES = {
         ("cache-d128", 2, 8, 16384, 128, False, "recurrent", ("decode",)),
         ("long-d128", 1, 8, 8192, 128, True, "parallel", ("mix",)),
         ("xlong", 1, 8, 16384, 64, False, "parallel", ("mix",)),
+    ],
+    # The kernel variants (scripts/bench/gpu_measure.py): d 64 and 128, padding, the tied forms, 8 to 64 chunks.
+    "variants": [
+        ("train", 8, 16, 512, 64, True, "reference", ("mix", "tied")),
+        ("d128", 2, 8, 2048, 128, True, "reference", ("mix",)),
+        ("long", 2, 8, 4096, 64, False, "parallel", ("mix", "tied")),
     ],
     "quick": [
         ("quick", 2, 8, 1024, 64, True, "reference", ("mix", "tied")),
@@ -427,6 +434,8 @@ def warm_up(args, cases: list[Case]) -> dict:
     for c in cases:
         keys.setdefault(c.compile_key, c)
     jobs = min(args.jobs, len(keys))
+    # Within --budget-s the warm-up takes at most 60% of it: the cases left compile as they run.
+    limit = min(WARM_LIMIT_S, 0.6 * args.budget_s) if args.budget_s else WARM_LIMIT_S
     print(f"warm-up: compiling the kernels of {len(keys)} case groups in {jobs} processes", flush=True)
     t0 = time.time()
     base = [sys.executable, os.path.abspath(__file__), "--shapes", args.shapes, "--kinds", args.kinds,
@@ -440,11 +449,11 @@ def warm_up(args, cases: list[Case]) -> dict:
     failed = 0
     for k, proc in enumerate(procs):
         try:
-            out, _ = proc.communicate(timeout=max(1.0, WARM_LIMIT_S - (time.time() - t0)))
+            out, _ = proc.communicate(timeout=max(1.0, limit - (time.time() - t0)))
         except subprocess.TimeoutExpired:  # a stuck worker must not stall the run: the cases compile anyway
             proc.kill()
             out, _ = proc.communicate()
-            out += f"\nstopped after {WARM_LIMIT_S} s"
+            out += f"\nstopped after {limit:.0f} s"
         if proc.returncode != 0:
             failed += 1
             print(f"  warm-up worker {k} exited with {proc.returncode} (its cases still run below):\n"
@@ -460,12 +469,16 @@ def warm_worker(args, runner: Runner, cases: list[Case]) -> int:
     for c in cases:
         keys.setdefault(c.compile_key, c)
     mine = list(keys.values())[k::jobs]
-    t0 = time.time()
+    t0, failed = time.time(), 0
     for case in mine:
-        runner.run(case, warm=True)
+        try:
+            runner.run(case, warm=True)
+        except Exception as err:  # this case reports it when it runs; the worker goes on compiling the others
+            failed += 1
+            print(f"warm-up worker {k}/{jobs}: {case.id}: {type(err).__name__}: {str(err)[:300]}", flush=True)
         runner.free()
     print(f"warm-up worker {k}/{jobs}: {len(mine)} case groups in {time.time() - t0:.0f} s", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 def run_pytest(args, out: Path) -> dict:

@@ -5,7 +5,9 @@ a pattern before changing one.
 
 Inputs as in ``bench_kernels.py`` (B4 H16 d64, bfloat16 by default). For each (n, pattern): two warm-up steps,
 then ``--steps`` profiled ones; prints torch.profiler's table (CUDA time per kernel, summed over the steps) and
-writes ``<out>.json`` (per kernel: calls and total CUDA ms). Needs a CUDA GPU: without one it says so and exits 2.
+writes ``<out>.json`` (per kernel: calls and total CUDA ms), rewritten after every case. Needs a CUDA GPU: without
+one it says so and exits 2; ``--dry-run`` runs the same code on CPU through Triton's interpreter at tiny shapes
+and 16-row tiles (CPU time per operator: a check of the script, its times mean nothing).
 
 Each ``--config NAME=VALUE[,NAME=VALUE...]`` (BlockConfig settings, e.g. ``sparse_solver=chunked``) profiles every
 case again under those settings, so the kernels of two variants show side by side:
@@ -18,7 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+# --dry-run: tiny shapes and the interpreter tests' 16-row tiles (bench_kernels.py's DRY_TILES)
+DRY = dict(lengths="32", batch=1, heads=2, head_dim=16, steps=1)
+DRY_TILES = dict(attn_m=16, attn_n=16, bwd_m=16, bwd_n=16, solve=16, sparse_m=16, sparse_grads_m=16, decode=16,
+                 chunk=16, atomic_m=16, atomic_n=16)
 
 
 def parse_args(argv=None):
@@ -33,7 +41,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="profiled forward + backward steps per case")
     p.add_argument("--config", action="append", default=None, metavar="NAME=VALUE[,NAME=VALUE...]",
                    help="BlockConfig settings to profile every case under; repeat it to compare variants")
+    p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes (checks the script)")
     args = p.parse_args(argv)
+    if args.dry_run:
+        for name, value in DRY.items():
+            setattr(args, name, value)
     from hf_resolvent.backends.triton import aot
 
     try:
@@ -51,51 +63,62 @@ def profile_case(args, n: int, pattern: str, label: str = "") -> list[dict]:
 
     B, H, d = args.batch, args.heads, args.head_dim
     dtype = getattr(torch, args.dtype)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    qa, ka, qb, kb, x = (torch.randn(B, H, n, d, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    dev, activity = ("cpu", ProfilerActivity.CPU) if args.dry_run else ("cuda", ProfilerActivity.CUDA)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    qa, ka, qb, kb, x = (torch.randn(B, H, n, d, device=dev, dtype=dtype, generator=gen).requires_grad_()
                          for _ in range(5))
-    g = torch.rand(B, H, n, device="cuda", generator=gen).to(dtype).requires_grad_()
-    grad = torch.randn(B, H, n, d, device="cuda", dtype=dtype, generator=gen)
+    g = torch.rand(B, H, n, device=dev, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(B, H, n, d, device=dev, dtype=dtype, generator=gen)
 
     def step():
         resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl="triton").backward(grad)
 
+    def sync():
+        if not args.dry_run:
+            torch.cuda.synchronize()
+
     for _ in range(2):  # compile and warm up outside the profile
         step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[activity]) as prof:
         for _ in range(args.steps):
             step()
-        torch.cuda.synchronize()
+        sync()
+    sort = "cpu_time_total" if args.dry_run else "cuda_time_total"
     print(f"=== n={n} {pattern} ({args.steps} steps)" + (f" [{label}]" if label else ""), flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40), flush=True)
-    rows = [{"kernel": e.key, "calls": e.count, "cuda_ms": e.device_time_total / 1e3} for e in prof.key_averages()
-            if e.device_time_total > 0]
+    print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=40), flush=True)
+    total = (lambda e: e.cpu_time_total) if args.dry_run else (lambda e: e.device_time_total)
+    rows = [{"kernel": e.key, "calls": e.count, "cuda_ms": total(e) / 1e3} for e in prof.key_averages()
+            if total(e) > 0]
     return sorted(rows, key=lambda r: -r["cuda_ms"])
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first loaded
     import torch
 
-    if not torch.cuda.is_available():
-        print("profile_kernels: no CUDA GPU here; it times the Triton kernels on a GPU (see docs/GPU.md)",
-              file=sys.stderr)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("profile_kernels: no CUDA GPU here; it times the Triton kernels on a GPU (see docs/GPU.md); "
+              "--dry-run runs the script through Triton's interpreter", file=sys.stderr)
         return 2
     from hf_resolvent.backends.triton import aot, block_config
 
+    device = "cpu (Triton interpreter)" if args.dry_run else torch.cuda.get_device_name()
+    meta = {"device": device, "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim,
+            "dtype": args.dtype, "dry_run": args.dry_run}
     results = []
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for settings in args.configs:
-        with block_config(**settings):
+        with block_config(**{**(DRY_TILES if args.dry_run else {}), **settings}):
             for n in (int(v) for v in args.lengths.split(",")):
                 for pattern in args.patterns.split(","):
                     kernels = profile_case(args, n, pattern, aot.config_label(settings))
                     results.append({"n": n, "pattern": pattern, "config": settings, "steps": args.steps,
                                     "kernels": kernels})
-    meta = {"device": torch.cuda.get_device_name(), "batch": args.batch, "heads": args.heads,
-            "head_dim": args.head_dim, "dtype": args.dtype}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+                    with open(args.out + ".json", "w") as f:  # after every case: a run stopped early keeps them
+                        json.dump({"meta": meta, "results": results}, f, indent=1)
     print(f"wrote {args.out}.json")
     return 0
 
