@@ -10,6 +10,11 @@ installed hf_resolvent if the folder lacks them) and the model card ``README.md`
 (rendered from hf_resolvent/training/model_card.md when the folder has none). ``--dry-run [DIR]`` stops there and leaves
 exactly what would be uploaded in DIR (default ``FOLDER.hub-upload``) with a manifest; without ``--dry-run`` the
 staged folder is uploaded with ``huggingface_hub`` (needs a token: ``hf auth login`` or ``HF_TOKEN``, and network).
+
+Before anything is staged, what would be uploaded is checked: ``config.json`` parses, and every weight file opens
+and holds finite values. DIR is only ever replaced when this tool made it (it holds the file
+``.push_to_hub-staging``): an existing folder with other files in it, the model folder itself, a folder inside it
+or above it is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from hf_resolvent.training.card import render_model_card
 from hf_resolvent.training.models import mixer_slug
 
 EXCLUDE_DIRS = {"checkpoints", "logs", "eval", "__pycache__", ".git"}
+STAGING_MARK = ".push_to_hub-staging"  # in every --dry-run folder this tool made, so that it replaces only those
 EXCLUDE_FILES = re.compile(r"(^\.|\.tmp|\.lock$|^random_states_.*\.pkl$|^optimizer\.bin$)")
 
 
@@ -51,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_folder(folder: Path) -> dict:
+    """The folder's config, once the folder is a model folder whose config parses and whose weights are whole."""
     if not (folder / "config.json").exists():
         raise HubError(f"{folder} is not a model folder (no config.json); pass the --output-dir of a finished "
                        f"scripts/pretrain.py run")
@@ -59,7 +66,74 @@ def _check_folder(folder: Path) -> dict:
         raise HubError(f"{folder} has no model weights (model.safetensors); did the training run finish?")
     if not (folder / "tokenizer_config.json").exists():
         raise HubError(f"{folder} has no tokenizer (tokenizer_config.json); save one with tokenizer.save_pretrained")
-    return json.loads((folder / "config.json").read_text())
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HubError(f"{folder / 'config.json'} is not valid JSON ({err}); the folder is damaged: save the model "
+                       f"again (model.save_pretrained) or use a checkpoint of the run") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise HubError(f"{folder / 'config.json'} is not a model config (no model_type); save the model again with "
+                       f"model.save_pretrained")
+    _check_weights(folder)
+    return config
+
+
+def _check_weights(folder: Path) -> None:
+    """Every weight file of ``folder`` (the shards of an index too) opens and holds finite values, tensor by tensor."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise HubError(f"{index} is not a weight index ({type(err).__name__}: {err}); save the model again "
+                           f"with model.save_pretrained") from None
+    else:
+        shards = [f for f in ("model.safetensors", "pytorch_model.bin") if (folder / f).exists()]
+    for name in shards:
+        path = folder / name
+        if not path.is_file():
+            raise HubError(f"{path} is listed in {index.name} but missing; the folder is incomplete: save the "
+                           f"model again with model.save_pretrained")
+        try:
+            if name.endswith(".bin"):
+                tensors = torch.load(path, map_location="cpu", weights_only=True).items()
+            else:
+                handle = safe_open(str(path), framework="pt")
+                tensors = ((key, handle.get_tensor(key)) for key in handle.keys())
+            for key, tensor in tensors:
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise HubError(f"{path} holds NaN or infinite values in {key}: the weights are not worth "
+                                   f"uploading; use an earlier checkpoint of the run")
+        except HubError:
+            raise
+        except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as err:
+            raise HubError(f"{path} cannot be read ({type(err).__name__}: {err}); the file is damaged or cut short: "
+                           f"save the model again (model.save_pretrained) or use a checkpoint of the run") from None
+
+
+def prepare_staging(dest: Path, folder: Path) -> None:
+    """Make ``dest`` an empty folder marked as this tool's, replacing it only when this tool made it: a path whose
+    removal could take a user's files (the model folder, one inside it or above it, a folder of other files, a
+    link) is refused."""
+    d, f = dest.resolve(), folder.resolve()
+    if d == f or d in f.parents:
+        raise HubError(f"--dry-run {dest} holds the model folder {folder}; stage the upload in a folder of its own "
+                       f"(default: {folder.name}.hub-upload beside the model)")
+    if f in d.parents:
+        raise HubError(f"--dry-run {dest} is inside the model folder {folder}, whose files it would copy; name a "
+                       f"folder outside it (default: {folder.name}.hub-upload beside the model)")
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise HubError(f"--dry-run {dest} exists and is not a folder; name a new folder")
+    if dest.is_dir() and any(dest.iterdir()):
+        if not (dest / STAGING_MARK).is_file():
+            raise HubError(f"--dry-run {dest} is a folder with files this tool did not stage; name a new folder "
+                           f"(it is replaced on later runs), or empty this one yourself")
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / STAGING_MARK).write_text(f"staged by scripts/push_to_hub.py from {folder}; replaced by its next run\n")
 
 
 def _code_modules(config: dict) -> list[str]:
@@ -73,12 +147,10 @@ def _code_modules(config: dict) -> list[str]:
     return sorted(names)
 
 
-def stage(folder: Path, repo_id: str, dest: Path, log=print) -> list[dict]:
-    """Build the upload in ``dest`` (emptied first); returns the manifest (path, bytes, sha256 per file)."""
-    config = _check_folder(folder)
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
+def stage(folder: Path, repo_id: str, dest: Path, config: dict, log=print) -> list[dict]:
+    """Build the upload of a checked ``folder`` in ``dest``, an empty folder (its staging mark aside); returns the
+    manifest (path, bytes, sha256 per file)."""
+    dest.mkdir(parents=True, exist_ok=True)
     for src in sorted(folder.rglob("*")):
         rel = src.relative_to(folder)
         if any(part in EXCLUDE_DIRS for part in rel.parts) or not src.is_file() or EXCLUDE_FILES.search(src.name):
@@ -114,11 +186,19 @@ def stage(folder: Path, repo_id: str, dest: Path, log=print) -> list[dict]:
         text = text.replace(", trust_remote_code=True", "")
     card.write_text(text)
     manifest = []
-    for f in sorted(p for p in dest.rglob("*") if p.is_file()):
+    for f in sorted(p for p in dest.rglob("*") if p.is_file() and p.name != STAGING_MARK):
         data = f.read_bytes()
         manifest.append({"path": f.relative_to(dest).as_posix(), "bytes": len(data),
                          "sha256": hashlib.sha256(data).hexdigest()})
     return manifest
+
+
+def _is_manifest(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and set(data) == {"repo_id", "files"}
 
 
 def upload(dest: Path, repo_id: str, token: str | None, private: bool, revision: str | None, message: str) -> str:
@@ -148,11 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --repo-id must look like namespace/name, got {args.repo_id!r}", file=sys.stderr)
         return 2
     try:
+        config = _check_folder(folder)
         if args.dry_run is not None:
             dest = Path(args.dry_run) if args.dry_run else folder.with_name(folder.name + ".hub-upload")
-            manifest = stage(folder, args.repo_id, dest)
-            (dest.parent / (dest.name + ".manifest.json")).write_text(json.dumps(
-                {"repo_id": args.repo_id, "files": manifest}, indent=2) + "\n")
+            listing = dest.parent / (dest.name + ".manifest.json")
+            if listing.exists() and not _is_manifest(listing):
+                raise HubError(f"{listing} exists and is not a manifest this tool wrote; move it, or name another "
+                               f"--dry-run folder")
+            prepare_staging(dest, folder)
+            manifest = stage(folder, args.repo_id, dest, config)
+            listing.write_text(json.dumps({"repo_id": args.repo_id, "files": manifest}, indent=2) + "\n")
             total = sum(m["bytes"] for m in manifest)
             for m in manifest:
                 print(f"  {m['bytes']:>12,}  {m['path']}")
@@ -161,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         with tempfile.TemporaryDirectory() as tmp:
             dest = Path(tmp) / "upload"
-            manifest = stage(folder, args.repo_id, dest)
+            manifest = stage(folder, args.repo_id, dest, config)
             url = upload(dest, args.repo_id, args.token, args.private, args.revision, args.commit_message)
         print(f"[push] uploaded {len(manifest)} files to https://huggingface.co/{args.repo_id} ({url})")
     except HubError as err:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -42,6 +43,8 @@ def test_dry_run_writes_exactly_the_upload(model_folder, tmp_path, capsys):
     assert push.main([str(model_folder), "--repo-id", "someone/resolvent-test", "--dry-run", str(dest)]) == 0
     printed = capsys.readouterr().out
     files = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    assert push.STAGING_MARK in files  # the mark that lets a later dry run replace this folder, not uploaded
+    files.remove(push.STAGING_MARK)
     manifest = json.loads((tmp_path / "upload.manifest.json").read_text())
     assert [m["path"] for m in manifest["files"]] == files and manifest["repo_id"] == "someone/resolvent-test"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
@@ -88,3 +91,73 @@ def test_bad_inputs(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert push.main([str(tmp_path), "--repo-id", "not a repo"]) == 2
     assert "namespace/name" in capsys.readouterr().err
+
+
+def _copy(folder, tmp_path, name="model"):
+    import shutil
+
+    return Path(shutil.copytree(folder, tmp_path / name))
+
+
+def _files(path):
+    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("where", ["the model folder", "the folder above it", "a folder inside it"])
+def test_dry_run_never_stages_over_the_model_or_a_folder_around_it(model_folder, tmp_path, capsys, where):
+    parent = tmp_path / "work"
+    model = _copy(model_folder, parent)
+    (parent / "notes.txt").write_text("mine")
+    before = _files(parent)
+    dest = {"the model folder": model, "the folder above it": parent, "a folder inside it": model / "up"}[where]
+    assert push.main([str(model), "--repo-id", "someone/x", "--dry-run", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert ("holds the model folder" if where != "a folder inside it" else "inside the model folder") in err
+    assert _files(parent) == before and "Traceback" not in err
+
+
+def test_dry_run_replaces_only_a_folder_it_made(model_folder, tmp_path, capsys):
+    dest = tmp_path / "upload"
+    dest.mkdir()
+    (dest / "thesis.tex").write_text("years of work")
+    assert push.main([str(model_folder), "--repo-id", "someone/x", "--dry-run", str(dest)]) == 2
+    assert "files this tool did not stage" in capsys.readouterr().err
+    assert _files(dest) == ["thesis.tex"] and not (tmp_path / "upload.manifest.json").exists()
+    (dest / "thesis.tex").unlink()  # an empty folder is used, and the tool's own staging is replaced on a rerun
+    for _ in range(2):
+        assert push.main([str(model_folder), "--repo-id", "someone/x", "--dry-run", str(dest)]) == 0
+    manifest = json.loads((tmp_path / "upload.manifest.json").read_text())
+    assert [m["path"] for m in manifest["files"]] == [f for f in _files(dest) if f != push.STAGING_MARK]
+    (tmp_path / "other.manifest.json").write_text("my notes")  # a file where the manifest would go is kept
+    assert push.main([str(model_folder), "--repo-id", "someone/x", "--dry-run", str(tmp_path / "other")]) == 2
+    assert "not a manifest this tool wrote" in capsys.readouterr().err
+    assert (tmp_path / "other.manifest.json").read_text() == "my notes" and not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "NaN weights", "broken config", "missing shard"])
+def test_a_damaged_model_is_refused_before_anything_is_staged(model_folder, tmp_path, capsys, damage):
+    from safetensors.torch import load_file, save_file
+
+    model = _copy(model_folder, tmp_path)
+    weights = model / "model.safetensors"
+    if damage == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "NaN weights":
+        tensors = load_file(weights)
+        name = next(iter(tensors))
+        tensors[name][0] = float("nan")
+        save_file(tensors, weights, metadata={"format": "pt"})
+    elif damage == "broken config":
+        (model / "config.json").write_text('{"model_type": "resolvent", ')
+    else:
+        weights.unlink()
+        (model / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    dest = tmp_path / "upload"
+    for extra in (["--dry-run", str(dest)], ["--token", "hf_dummy"]):  # dry run or not
+        assert push.main([str(model), "--repo-id", "someone/x", *extra]) == 2
+        err = capsys.readouterr().err
+        expected = {"truncated weights": "cannot be read", "NaN weights": "NaN or infinite values",
+                    "broken config": "is not valid JSON", "missing shard": "listed in"}[damage]
+        assert expected in err and "Traceback" not in err, err
+    assert not dest.exists() and not (tmp_path / "upload.manifest.json").exists()
