@@ -162,6 +162,33 @@ def parse_config(text: str) -> dict:
     return settings
 
 
+# The BlockConfig fields that choose which kernels run (the others are tiles): what a measurement records, so that
+# its figures stay attached to the kernels it timed when the defaults change.
+KERNEL_FIELDS = ("sparse_solver", "dense_solver", "solved_copy", "attn_bwd")
+
+
+def kernel_choice(cfg) -> dict:
+    """{field: value} of ``cfg``'s KERNEL_FIELDS."""
+    return {k: getattr(cfg, k) for k in KERNEL_FIELDS}
+
+
+def relevant(settings: dict, pattern: str) -> dict:
+    """The settings among ``settings`` that change the kernels ``pattern`` runs (resolvent.py's table): the
+    attention backward for attention and dense, the dense solver and its copy for dense, the sparse solver for
+    the other patterns with a B term; the chunk for either chunked solver."""
+    from hf_resolvent.patterns import get_pattern
+
+    pat = get_pattern(pattern)
+    keys = set()
+    if pat.is_dense or pattern == "attention":
+        keys |= {"attn_bwd", "atomic_m", "atomic_n", "atomic_warps"}
+    if pat.is_dense and pat.has_recurrence:
+        keys |= {"dense_solver", "solved_copy", "chunk"}
+    elif pat.has_recurrence:
+        keys |= {"sparse_solver", "chunk"}
+    return {k: v for k, v in settings.items() if k in keys}
+
+
 def config_label(settings: dict) -> str:
     """``name=value,...`` of some BlockConfig settings, the inverse of :func:`parse_config` ("" for none)."""
     return ",".join(f"{k}={v}" for k, v in settings.items())

@@ -239,7 +239,8 @@ def bench_length(args, n, dtype) -> list[dict]:
             continue
         row = {"name": name, "config": settings or {}, "n": n}
         try:
-            with block_config(**(settings or {})):
+            with block_config(**(settings or {})) as cfg:
+                row["kernels"] = aot.kernel_choice(cfg)  # what it ran, whatever the defaults of the day
                 row["first_call_ms"] = first_call(fn, leaves, grad, args.dry_run)
                 fwd, fwd_bwd = timed(fn, backward=False), timed(fn, backward=True)
         except Exception as err:  # a candidate that cannot run (fla missing or failing) is reported, not fatal

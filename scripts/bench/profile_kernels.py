@@ -111,10 +111,12 @@ def main(argv=None) -> int:
     results = []
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for settings in args.configs:
-        with block_config(**{**(DRY_TILES if args.dry_run else {}), **settings}):
+        with block_config(**{**(DRY_TILES if args.dry_run else {}), **settings}) as cfg:
+            # the case line names the kernels it ran, whatever the defaults of the day (roofline.py reads it)
+            label = aot.config_label({**aot.kernel_choice(cfg), **settings})
             for n in (int(v) for v in args.lengths.split(",")):
                 for pattern in args.patterns.split(","):
-                    kernels = profile_case(args, n, pattern, aot.config_label(settings))
+                    kernels = profile_case(args, n, pattern, label)
                     results.append({"n": n, "pattern": pattern, "config": settings, "steps": args.steps,
                                     "kernels": kernels})
                     with open(args.out + ".json", "w") as f:  # after every case: a run stopped early keeps them

@@ -85,6 +85,10 @@ DEFAULT_MEASURED = "bench/gpu/kernels_h100.json"
 DEFAULT_PROFILE = "bench/gpu/profile_h100_lookback.log"
 SDPA = "sdpa"
 DEFAULT_VARIANT = "default"
+# A measurement names the kernels it timed by aot.KERNEL_FIELDS; files written before they recorded them
+# (bench_kernels rows without "kernels", profile logs whose case lines name only what they changed) meant the
+# defaults of their day, LEGACY_DEFAULTS, which the measured kernels later replaced.
+LEGACY_DEFAULTS = {"sparse_solver": "blocked", "dense_solver": "blocked", "solved_copy": False, "attn_bwd": "split"}
 # How many tf32 products a tl.dot does per precision of its float32 operands.
 TF32_PASSES = {"tf32": 1, "tf32x3": 3}
 
@@ -701,16 +705,38 @@ def load_measured(path: str, args) -> dict:
         for r in data["rows"]:
             if r.get("forward_ms") is not None:
                 rows.append({"name": r["name"].split(" [")[0], "config": r.get("config") or {}, "n": r["n"],
+                             "defaults": r.get("kernels") or LEGACY_DEFAULTS,
                              "forward_ms": r["forward_ms"], "forward_backward_ms": r.get("forward_backward_ms")})
     return {"rows": rows, "source": path, "device": data.get("device"), "shapes_match": same}
 
 
 def measured_times(measured: dict, name: str, settings: dict, n: int) -> dict:
-    """The measured row of candidate ``name`` under BlockConfig ``settings`` at length n ({} if none)."""
+    """The measured row of candidate ``name`` on the kernels BlockConfig ``settings`` runs today, at length n ({} if
+    none)."""
+    pattern = name.split(":", 1)[-1]
+    want = _kernels_key(settings, current_defaults(), pattern)
     for r in measured["rows"]:
-        if (r["name"], r["config"], r["n"]) == (name, settings, n):
+        if (r["name"], r["n"]) == (name, n) and _kernels_key(r["config"], r["defaults"], pattern) == want:
             return r
     return {}
+
+
+def current_defaults() -> dict:
+    from hf_resolvent.backends.triton import aot, resolvent
+
+    return aot.kernel_choice(resolvent.BlockConfig())
+
+
+def _kernels_key(settings: dict, defaults: dict, pattern: str) -> tuple:
+    """What ``pattern`` runs under ``settings`` on top of the kernel choice ``defaults``, as sorted (field, value)
+    pairs: the kernel-choosing fields that matter to the pattern, and the other settings (tiles) as given."""
+    from hf_resolvent.backends.triton import aot
+
+    if pattern == SDPA:
+        return ()
+    full = {**defaults, **settings}
+    choice = aot.relevant({k: full[k] for k in aot.KERNEL_FIELDS}, pattern)
+    return _settings_key({**choice, **{k: v for k, v in settings.items() if k not in aot.KERNEL_FIELDS}})
 
 
 _CASE = re.compile(r"^=== n=(\d+) (\S+) \((\d+) steps\)(?: \[(.*)\])?")
@@ -722,9 +748,10 @@ def _settings_key(settings: dict) -> tuple:
 
 
 def parse_profile(text: str) -> dict:
-    """{(pattern, n, settings): {kernel: ms per forward + backward step}} from a profile_kernels.py log: the Self
-    CUDA column of each ``*_kernel`` row of torch.profiler's table, divided by the case's steps; settings (sorted
-    (field, value) pairs) from the `` [settings]`` of the case's line, () for the defaults."""
+    """{(pattern, n, kernels): {kernel: ms per forward + backward step}} from a profile_kernels.py log: the Self
+    CUDA column of each ``*_kernel`` row of torch.profiler's table, divided by the case's steps; kernels (sorted
+    (field, value) pairs) from the `` [settings]`` of the case's line over LEGACY_DEFAULTS (profile_kernels.py
+    names every kernel-choosing field there)."""
     from hf_resolvent.backends.triton import aot
 
     cases, current, steps = {}, None, 1
@@ -732,7 +759,7 @@ def parse_profile(text: str) -> dict:
         head = _CASE.match(line)
         if head:
             try:
-                settings = _settings_key(aot.parse_config(head.group(4) or ""))
+                settings = _kernels_key(aot.parse_config(head.group(4) or ""), LEGACY_DEFAULTS, head.group(2))
             except ValueError:  # settings this code does not know: a case no variant matches
                 settings = (("unknown", head.group(4)),)
             current, steps = (head.group(2), int(head.group(1)), settings), int(head.group(3))
@@ -802,7 +829,7 @@ def model_case(pattern: str, n: int, args, hw: dict, measured: dict, profile: di
     forward_backward["measured_ms"] = times.get("forward_backward_ms")
     for total in (forward, forward_backward):
         total["measured_over_roofline"] = _ratio(total["measured_ms"], total["roofline_s"])
-    profiled = profile.get((pattern, n, _settings_key(settings)), {})
+    profiled = profile.get((pattern, n, _kernels_key(settings, current_defaults(), pattern)), {})
     kernels = {}
     for phase in ("forward", "backward"):
         for row in launches[phase]:

@@ -4,7 +4,7 @@ Every launch of a forward, backward and decode step is recorded from the real la
 ``BlockConfig``, bfloat16, head width 64, n = 1024, 2 x 12 heads (GPT-2 small's), and compiled with Triton's
 compiler and ptxas, specialised on its arguments as a launch on the GPU would be. The tests check what decides
 whether a kernel runs, and runs at speed, on the H100: shared memory within the 227 KiB a block may hold,
-registers within 255, spills within each kernel's bound (none for the default kernels), and which tensor-core
+registers within 255, spills within each kernel's bound (SPILL_BOUND), and which tensor-core
 instructions the products compile to (static counts in the PTX text: see ``aot.ptx_counts``). A product of a 64-row tile on 4 warps (one warpgroup) may compile to
 Hopper's ``wgmma`` (one m64nNk16 instruction per 16 of its inner dimension, k8 for tf32); a product of fewer
 rows falls back to the older warp-level ``mma.sync``.
@@ -23,7 +23,10 @@ from hf_resolvent.backends.triton import aot, resolvent
 
 N, WIDTH, BATCH, HEADS = 1024, 64, 2, 12
 ARCH = 90
-CASES = [("attention", False), ("dense", False), ("exp2:ce", False), ("dense", True)]
+# The kernels the defaults replaced (the split attention backward, the blocked dense solves), still selectable.
+REPLACED = {"attn_bwd": "split", "dense_solver": "blocked", "solved_copy": False}
+CASES = [("attention", False, {}), ("dense", False, {}), ("exp2:ce", False, {}), ("dense", True, {}),
+         ("attention", False, REPLACED), ("dense", False, REPLACED), ("dense", True, REPLACED)]
 
 # Spill stack (bytes per thread) of each kernel at the default tiles: a regression guard, the values the kernels
 # have. A kernel that spills reads and writes its registers through local memory inside its loops.
@@ -31,6 +34,9 @@ SPILL_BOUND = {
     "attn_fwd_kernel": 0,
     "attn_bwd_dkdv_kernel": 0,
     "attn_bwd_dq_kernel": 0,
+    "attn_bwd_atomic_kernel": 0,
+    "dense_chunk_fwd_kernel": 336,  # tf32x3 in-block inverse at 255 registers, under the 16-bit copy
+    "dense_chunk_bwd_kernel": 0,
     "dense_solve_fwd_kernel": 0,
     "dense_solve_bwd_kernel": 0,
     "sparse_direct_kernel": 0,
@@ -53,8 +59,10 @@ CHUNKED = [
     # rows are visited a tile at a time, so shared memory stays that of one tile.
     ("chunk_prepare_kernel", "exp2", {"sparse_solver": "chunked"}, 144, True),
     ("chunk_grads_kernel", "exp2", {"sparse_solver": "chunked"}, 56, False),
-    ("dense_chunk_fwd_kernel", "dense", {"dense_solver": "chunked"}, 320, True),
-    ("dense_chunk_bwd_kernel", "dense", {"dense_solver": "chunked"}, 0, True),
+    ("dense_chunk_fwd_kernel", "dense", {"dense_solver": "chunked", "solved_copy": False}, 320, True),
+    ("dense_chunk_bwd_kernel", "dense", {"dense_solver": "chunked", "solved_copy": False}, 0, True),
+    ("dense_chunk_fwd_kernel", "dense", {"dense_solver": "chunked", "solved_copy": True}, 336, True),
+    ("dense_chunk_bwd_kernel", "dense", {"dense_solver": "chunked", "solved_copy": True}, 0, True),
 ]
 
 # What each kind of atomic instruction in these kernels is for (see the PTX names in ``aot.ptx_counts``).
@@ -115,10 +123,11 @@ def test_ptx_counts_reads_instructions_not_names():
         "atomic_ops": {"atom.global.gpu.relaxed.add.u32": 1, "red.global.gpu.relaxed.add.v4.f32": 1}}
 
 
-@pytest.mark.parametrize(("pattern", "tied"), CASES, ids=[p + (" tied" if t else "") for p, t in CASES])
-def test_default_tiles_fit_an_h100(pattern, tied, compiled):
+@pytest.mark.parametrize(("pattern", "tied", "settings"), CASES,
+                         ids=[p + (" tied" if t else "") + (" replaced" if s else "") for p, t, s in CASES])
+def test_default_tiles_fit_an_h100(pattern, tied, settings, compiled):
     """Every launch compiles within sm_90's shared memory per block, 255 registers, and its spill bound."""
-    launches = record(pattern, tied)
+    launches = record(pattern, tied, **settings)
     unknown = {launch.name for launch in launches} - set(SPILL_BOUND)
     assert not unknown, f"kernels {sorted(unknown)} have no spill bound: add them to SPILL_BOUND"
     for launch in launches:
@@ -134,8 +143,11 @@ def test_products_compile_to_the_tensor_core_path_their_tiles_allow(compiled):
       dimension bwd_m) are wgmma, bwd_m / 16 instructions each; its query-side products (bwd_m = 32 rows: S and
       dP) and every product of the dQ kernel (32 query rows) are below a warpgroup's 64 rows and run on mma.sync.
     - The blocked solves (32-row blocks) run every product on mma.sync.
+
+    The split backward and the blocked dense solves are the kernels the defaults replaced (``REPLACED``); the
+    atomic backward and the chunked solves have tests of their own below.
     """
-    launches = record("dense") + record("exp2:ce")
+    launches = record("dense", **REPLACED) + record("exp2:ce")
     seen = set()
     for launch in launches:
         c, usage = launch.constexprs, compiled(launch)
@@ -158,8 +170,11 @@ def test_atomics_are_where_the_kernels_use_them(compiled):
     """Tickets and publication in the ticket-ordered solves, float32 sums where gradients gather from several
     programs (the sparse backward solve, the sparse gradients), and no atomic anywhere else."""
     expected = {"dense_solve_fwd_kernel": {"ticket", "publish"}, "dense_solve_bwd_kernel": {"ticket", "publish"},
-                "sparse_solve_bwd_kernel": {"ticket", "publish", "f32 sum"}, "sparse_grads_kernel": {"f32 sum"}}
-    for launch in record("dense") + record("exp2:ce") + record("attention"):
+                "dense_chunk_fwd_kernel": {"ticket", "publish"}, "dense_chunk_bwd_kernel": {"ticket", "publish"},
+                "sparse_solve_bwd_kernel": {"ticket", "publish", "f32 sum"}, "sparse_grads_kernel": {"f32 sum"},
+                "attn_bwd_atomic_kernel": {"f32 sum"}}
+    for launch in (record("dense") + record("exp2:ce") + record("attention") + record("dense", **REPLACED)
+                   + record("attention", **REPLACED)):
         ops = compiled(launch)["atomic_ops"]
         unknown = set(ops) - set(ATOMIC_ROLES)
         assert not unknown, f"{launch.name}: atomic instructions {sorted(unknown)} of no known role"

@@ -53,7 +53,7 @@ def interpreter():
         mp.setenv("TRITON_INTERPRET", "1")
         old = kernels.set_nan_fill(True)
         with kernels.block_config(attn_m=BLOCK, attn_n=BLOCK, bwd_m=BLOCK, bwd_n=BLOCK, solve=BLOCK, sparse_m=BLOCK,
-                                  sparse_grads_m=BLOCK, decode=BLOCK, atomic_m=BLOCK, atomic_n=BLOCK):
+                                  sparse_grads_m=BLOCK, decode=BLOCK, atomic_m=BLOCK, atomic_n=BLOCK, chunk=BLOCK):
             yield
         kernels.set_nan_fill(old)
 
@@ -184,7 +184,33 @@ def _check_tied(pattern, dtype, rel, padded):
 
 
 # --------------------------------------------------------------------------------------------------
-# The attention-style backward in one kernel, dQ added atomically (BlockConfig.attn_bwd = "atomic")
+# The kernels the defaults replaced (the split attention backward, the blocked dense solves without the 16-bit
+# copy): still selectable, so still checked on the cases above that reach them.
+
+REPLACED = dict(attn_bwd="split", dense_solver="blocked", solved_copy=False)
+
+
+@pytest.mark.parametrize(("pattern", "dtype", "padded"), [
+    ("attention", torch.float32, True),
+    ("dense", torch.float32, True),
+    ("attention", torch.bfloat16, False),
+    ("dense", torch.bfloat16, False),
+])
+def test_replaced_kernels(pattern, dtype, padded):
+    rel = 1e-4 if dtype == torch.float32 else 3e-2
+    start = torch.tensor([0, 7, 18]) if padded else None
+    with kernels.block_config(**REPLACED):
+        _check_mix(pattern, batch=3, heads=1, n=37, d=16, e=24, dtype=dtype, rel=rel, start=start)
+
+
+@pytest.mark.parametrize(("dtype", "rel", "padded"), [(torch.float32, 1e-4, True), (torch.bfloat16, 3e-2, False)])
+def test_replaced_kernels_tied(dtype, rel, padded):
+    with kernels.block_config(**REPLACED):
+        _check_tied("dense", dtype, rel, padded)
+
+
+# --------------------------------------------------------------------------------------------------
+# The attention-style backward in one kernel, dQ added atomically (BlockConfig.attn_bwd = "atomic", the default)
 #
 # Only the dense kinds run it (attention, and the dense pattern's channels A and B); local attention and the
 # sparse patterns go through sparse_grads whatever attn_bwd says.
@@ -228,7 +254,8 @@ def test_atomic_attention_backward_launches_one_kernel_per_channel():
         return [launch for launch in aot.record_launches(pattern, dtype=torch.float32, n=40, d=16, e=16, **kw)
                 if launch.name.startswith("attn_bwd")]
 
-    split = {pattern: bwd(pattern) for pattern in ("attention", "dense")}
+    with kernels.block_config(attn_bwd="split"):
+        split = {pattern: bwd(pattern) for pattern in ("attention", "dense")}
     assert [launch.name for launch in split["dense"]] == ["attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"] * 2
     with kernels.block_config(attn_bwd="atomic"):
         attention, dense, tied = bwd("attention"), bwd("dense"), bwd("dense", tied=True)
@@ -362,10 +389,10 @@ def test_decode_step_tied_and_bfloat16():
 # GPU lowering (no GPU needed)
 
 
-@pytest.mark.parametrize(("pattern", "dtype", "attn_bwd"), [("dense", torch.bfloat16, "split"),
-                                                            ("dense", torch.float32, "atomic"),
-                                                            ("exp2:ce", torch.float32, "split")])
-def test_kernels_compile_for_a_gpu(pattern, dtype, attn_bwd):
+@pytest.mark.parametrize(("pattern", "dtype", "replaced"), [("dense", torch.bfloat16, True),
+                                                            ("dense", torch.float32, False),
+                                                            ("exp2:ce", torch.float32, False)])
+def test_kernels_compile_for_a_gpu(pattern, dtype, replaced):
     """Every launch of a forward, backward and decode step compiles to a cubin for sm_90.
 
     The interpreter runs kernels as Python and would accept code that Triton cannot lower to a GPU;
@@ -374,13 +401,12 @@ def test_kernels_compile_for_a_gpu(pattern, dtype, attn_bwd):
     """
     from hf_resolvent.backends.triton import aot
 
-    with kernels.block_config(attn_bwd=attn_bwd):
+    with kernels.block_config(**(REPLACED if replaced else {})):
         launches = aot.record_launches(pattern, dtype=dtype, n=40, d=16, e=16, batch=1, heads=2)
     names = {launch.name for launch in launches}
-    attn_bwd_kernels = {"split": {"attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"},
-                        "atomic": {"attn_bwd_atomic_kernel"}}[attn_bwd]
-    expected = {"dense": {"attn_fwd_kernel", "dense_solve_fwd_kernel", "dense_solve_bwd_kernel", "decode_step_kernel"}
-                | attn_bwd_kernels,
+    dense = ({"dense_solve_fwd_kernel", "dense_solve_bwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
+             if replaced else {"dense_chunk_fwd_kernel", "dense_chunk_bwd_kernel", "attn_bwd_atomic_kernel"})
+    expected = {"dense": {"attn_fwd_kernel", "decode_step_kernel"} | dense,
                 "exp2:ce": {"sparse_direct_kernel", "sparse_solve_fwd_kernel", "sparse_solve_bwd_kernel",
                             "sparse_grads_kernel", "decode_step_kernel"}}[pattern]
     assert names == expected
@@ -398,7 +424,7 @@ def test_float32_attention_at_width_128_fits_a_blocks_shared_memory():
 
     from hf_resolvent.backends.triton import aot, resolvent
 
-    defaults = dataclasses.asdict(resolvent.BlockConfig())
+    defaults = dataclasses.asdict(resolvent.BlockConfig(attn_bwd="split"))  # the atomic backward: test_aot.py
     with kernels.block_config(**defaults):
         assert resolvent.fitted_block_config(torch.bfloat16, 128).attn_n == resolvent.BlockConfig().attn_n == 64
         assert resolvent.fitted_block_config(torch.float32, 128).attn_n == 32

@@ -78,7 +78,7 @@ def test_dense_solves_reading_a_copy_of_the_solved_rows(dense_solver, dtype):
     assert channel_b and all(launch.args["V"].dtype == dtype for launch in channel_b)
 
 
-def test_the_chunked_solvers_run_the_chunk_kernels_and_the_defaults_do_not():
+def test_the_chunked_solvers_run_the_chunk_kernels_and_the_blocked_ones_do_not():
     chunked = [launch.name for launch in aot.record_launches("exp2:ce", n=64, d=16, e=16)]
     assert chunked == ["sparse_direct_kernel", "chunk_prepare_kernel", "chunk_carry_kernel", "chunk_carry_kernel",
                        "chunk_rows_bwd_kernel", "chunk_grads_kernel", "decode_step_kernel"]

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from conftest import load_script
-from hf_resolvent.backends.triton import resolvent
+from hf_resolvent.backends.triton import aot, resolvent
 
 B, H, D = 4, 16, 64
 PROFILE_LOG = """=== n=64 dense (2 steps)
@@ -26,7 +26,7 @@ def _run(tmp_path, lengths: str, **flags) -> dict:
     profile = tmp_path / "profile.log"
     profile.write_text(PROFILE_LOG)
     argv = ["--out", str(out), "--patterns", "attention,dense,exp2:ce", "--lengths", lengths,
-            "--profile", str(profile)]
+            "--profile", str(profile), "--config", f"blocked:{BLOCKED}"]
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     assert load_script("bench/roofline").main(argv) == 0
@@ -57,7 +57,8 @@ def test_roofline_counts_follow_the_launches_and_measured_times_are_attached(tmp
     solves = [r for r in dense["launches"]["forward"] + dense["launches"]["backward"] if "solve" in r["kernel"]]
     assert [r["kernel"] for r in solves] == ["dense_solve_fwd", "dense_solve_bwd"]
     assert all(r["chain_steps"] == 4096 // block for r in solves)
-    recorded = load_script("bench/roofline").record_passes("dense", 4096, B, H, D, torch.bfloat16)
+    with resolvent.block_config(**aot.parse_config(BLOCKED)):
+        recorded = load_script("bench/roofline").record_passes("dense", 4096, B, H, D, torch.bfloat16)
     for phase in ("forward", "backward"):
         assert [r["programs"] for r in dense["launches"][phase]] == [
             torch.Size(launch.grid).numel() for launch in recorded[phase]]
@@ -102,13 +103,17 @@ def test_roofline_without_measurements_says_not_measured(tmp_path, capsys):
     assert "not measured" in capsys.readouterr().out
 
 
-CHUNKED = "sparse_solver=chunked,dense_solver=chunked,attn_bwd=atomic"
+CHUNKED = "sparse_solver=chunked,dense_solver=chunked,attn_bwd=atomic,solved_copy=false"
+# The kernels the defaults replaced: the split attention backward and the blocked dense solves without the copy.
+BLOCKED = "attn_bwd=split,dense_solver=blocked,solved_copy=false"
 
 
-def _run_variants(tmp_path, patterns: str, lengths: str, *extra: str, batch: int = 1, heads: int = 2) -> dict:
+def _run_variants(tmp_path, patterns: str, lengths: str, *extra: str, batch: int = 1, heads: int = 2,
+                  configs=(f"blocked:{BLOCKED}", f"chunked:{CHUNKED}")) -> dict:
     out = tmp_path / "variants.json"
     argv = ["--out", str(out), "--patterns", patterns, "--lengths", lengths, "--batch", str(batch),
-            "--heads", str(heads), "--profile", "", "--config", "default", "--config", f"chunked:{CHUNKED}", *extra]
+            "--heads", str(heads), "--profile", ""]
+    argv += [arg for config in configs for arg in ("--config", config)] + list(extra)
     assert load_script("bench/roofline").main(argv) == 0
     return json.loads(out.read_text())
 
@@ -126,7 +131,8 @@ def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
     n, BH = 256, 2
     result = _run_variants(tmp_path, "exp2:ce", str(n))
     case = _variant(result, "exp2:ce", n, "chunked")
-    assert case["config"] == {"sparse_solver": "chunked", "dense_solver": "chunked", "attn_bwd": "atomic"}
+    assert case["config"] == {"sparse_solver": "chunked", "dense_solver": "chunked", "attn_bwd": "atomic",
+                              "solved_copy": False}
     assert [r["kernel"] for r in case["launches"]["forward"]] == ["sparse_direct", "chunk_prepare", "chunk_carry"]
     assert [r["kernel"] for r in case["launches"]["backward"]] == ["chunk_carry", "chunk_rows_bwd", "chunk_grads"]
 
@@ -212,8 +218,8 @@ def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
     assert tied["work_flops"] == {"16bit": 3 * pair, "tf32": pair, "fp32": 0}
     assert tied["tile_bytes"] == shared + channel_b
 
-    # the blocked solves of the default variant walk n / solve blocks in each direction instead
-    blocked = _variant(result, "exp2:ce", n, "default")
+    # the blocked solves (the default for the sparse patterns) walk n / solve blocks in each direction instead
+    blocked = _variant(result, "exp2:ce", n, "blocked")
     block = resolvent.get_block_config().solve
     solves = _rows(blocked, "sparse_solve_fwd") + _rows(blocked, "sparse_solve_bwd")
     assert [(r["kernel"], r["chain_steps"]) for r in solves] == [("sparse_solve_fwd", n // block),
@@ -262,8 +268,8 @@ def test_chunked_dense_solve_has_one_chain_step_per_block(tmp_path):
     applied = 2 * B * B * (D + B)
     assert bwd["flops"] == BH * ((later + nblk) * 2 * B * B * D + later * 2 * B * B * D
                                  + nblk * (applied + 2 * B * B * D))
-    # the default variant's solves walk n / solve blocks
-    blocked = _variant(result, "dense", n, "default")
+    # the blocked variant's solves walk n / solve blocks
+    blocked = _variant(result, "dense", n, "blocked")
     block = resolvent.get_block_config().solve
     assert [r["chain_steps"] for r in _rows(blocked, "dense_solve_fwd") + _rows(blocked, "dense_solve_bwd")] == [
         n // block, n // block]
@@ -281,16 +287,16 @@ def test_atomic_backward_is_one_kernel_per_channel(tmp_path):
     assert attn["chain_steps"] == 0
     dense_bwd = [r["kernel"] for r in _variant(result, "dense", n, "chunked")["launches"]["backward"]]
     assert dense_bwd == ["dense_chunk_bwd", "attn_bwd_atomic", "attn_bwd_atomic"]  # channel A, then channel B
-    split = [r["kernel"] for r in _variant(result, "attention", n, "default")["launches"]["backward"]]
+    split = [r["kernel"] for r in _variant(result, "attention", n, "blocked")["launches"]["backward"]]
     assert split == ["attn_bwd_dkdv", "attn_bwd_dq"]
 
 
 def test_solved_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp_path):
     n, BH, in_flight = 512, 2, 3
     result = _run_variants(tmp_path, "dense", str(n), "--blocks-in-flight", str(in_flight), "--config",
-                           "copy:solved_copy=true", "--config", f"chunked+copy:{CHUNKED},solved_copy=true")
+                           f"copy:{BLOCKED},solved_copy=true", "--config", f"chunked+copy:{CHUNKED},solved_copy=true")
     cfg = resolvent.get_block_config()
-    case = {v: _variant(result, "dense", n, v) for v in ("default", "copy", "chunked", "chunked+copy")}
+    case = {v: _variant(result, "dense", n, v) for v in ("blocked", "copy", "chunked", "chunked+copy")}
     assert case["chunked+copy"]["config"] == {**case["chunked"]["config"], "solved_copy": True}
 
     def moved(plain, copy, flops, read_rows):
@@ -307,7 +313,7 @@ def test_solved_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp
     B = cfg.solve
     nblk = n // B
     pairs = BH * nblk * (nblk - 1) // 2
-    (fwd,), (fwd_copy,) = _rows(case["default"], "dense_solve_fwd"), _rows(case["copy"], "dense_solve_fwd")
+    (fwd,), (fwd_copy,) = _rows(case["blocked"], "dense_solve_fwd"), _rows(case["copy"], "dense_solve_fwd")
     moved(fwd, fwd_copy, (pairs + BH * nblk) * 2 * B * B * D, pairs * B)
     # chunked forward: the P.Y over blocks before c - 1 read the copy; R's products with block c - 1 and with the
     # block itself read Y rounded alike; R's product with block c - 1 still loads Y (the chain needs it)
@@ -320,7 +326,7 @@ def test_solved_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp
 
     # blocked backward: every (block, later block) pair's B^T W, (B x B) x (B x D), reads the bf16 copy of W
     B = cfg.solve
-    (bwd,), (bwd_copy,) = _rows(case["default"], "dense_solve_bwd"), _rows(case["copy"], "dense_solve_bwd")
+    (bwd,), (bwd_copy,) = _rows(case["blocked"], "dense_solve_bwd"), _rows(case["copy"], "dense_solve_bwd")
     moved(bwd, bwd_copy, pairs * 2 * B * B * D, pairs * B)
     # chunked backward: B^T W over the later blocks but c + 1 read the copy; the chain's product with W_(c+1)
     # keeps W, as does the in-block solve
@@ -339,7 +345,7 @@ def test_solved_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp
                                                                       "tf32": 0, "fp32": 0}
     assert b_copy["tile_bytes"] == b["tile_bytes"] - BH * n * D * 2  # V: one key block per program, 2 bytes
     # the split backward alike: channel B's dK/dV and dQ kernels each take one product with V per tile
-    split = [r for r in case["default"]["launches"]["backward"] if r["kernel"].startswith("attn_bwd")]
+    split = [r for r in case["blocked"]["launches"]["backward"] if r["kernel"].startswith("attn_bwd")]
     split_copy = [r for r in case["copy"]["launches"]["backward"] if r["kernel"].startswith("attn_bwd")]
     assert split_copy[:2] == split[:2]
     assert sum(r["work_flops"]["tf32"] for r in split[2:]) > 0
@@ -369,7 +375,7 @@ def test_variants_leave_the_default_figures_alone_and_take_their_own_measurement
                        "                  chunk_carry_kernel         0.00%       0.000us         0.00%       0.000us "
                        "      0.000us      30.000ms        25.32%      30.000ms      15.000ms             4\n")
     both = _run_variants(tmp_path, "exp2:ce,dense", str(n), "--measured", str(measured), "--profile", str(profile),
-                         "--kernel-step-latency-us", "chunk_carry=5")
+                         "--kernel-step-latency-us", "chunk_carry=5", configs=("default", f"chunked:{CHUNKED}"))
     out = tmp_path / "alone.json"
     assert load_script("bench/roofline").main(["--out", str(out), "--patterns", "exp2:ce,dense", "--lengths", str(n),
                                                "--batch", "1", "--heads", "2", "--profile", ""]) == 0
