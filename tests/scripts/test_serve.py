@@ -4,12 +4,15 @@ server does not implement is refused by name; a folder that is not a model stops
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import openai
@@ -124,3 +127,155 @@ def test_a_folder_without_a_model_stops_with_one_message(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "not a saved model folder (no config.json)" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------------------------
+# Faults: a client that goes away, requests past the limits, a full queue, text that is not text, Ctrl-C
+
+
+def _start(model_folder, log, *flags):
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "hf_resolvent.serve", str(model_folder), "--host", "127.0.0.1",
+                                 "--port", str(port), "--served-model-name", "tiny", "--device", "cpu",
+                                 "--log-level", "warning", *flags], env=env, stdout=out, stderr=subprocess.STDOUT)
+    _wait_until_ready(proc, f"http://127.0.0.1:{port}/health", log)
+    return proc, f"http://127.0.0.1:{port}/v1/completions"
+
+
+def _stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+ENDLESS = 1_000_000  # tokens: minutes of generation for the tiny model, unless it is stopped
+ENDLESS_PROMPT = "def f"  # the streamer sends text at word ends: this prompt's continuation has spaces early
+
+
+@pytest.fixture(scope="module")
+def limited(model_folder, tmp_path_factory):
+    """A server allowing long generations, prompts of 64 tokens and one waiting request; its completions URL."""
+    proc, url = _start(model_folder, tmp_path_factory.mktemp("limited") / "server.log", "--max-tokens", str(ENDLESS),
+                       "--max-prompt-tokens", "64", "--max-queue", "1")
+    try:
+        yield url
+    finally:
+        _stop(proc)
+
+
+class _Answer:
+    """Status, headers and JSON body of one HTTP answer."""
+
+    def __init__(self, response):
+        self.status_code, self.headers = response.status, {k.lower(): v for k, v in response.getheaders()}
+        self.text = response.read().decode()
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def _connect(url, timeout):
+    """An HTTP connection to the server of ``url`` and the path (the standard library's client: no proxies)."""
+    parts = urllib.parse.urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout), parts.path
+
+
+def _send(url, content: str, timeout=30) -> _Answer:
+    connection, path = _connect(url, timeout)
+    try:
+        connection.request("POST", path, body=content.encode("utf-8", "surrogatepass"),
+                           headers={"Content-Type": "application/json"})
+        return _Answer(connection.getresponse())
+    finally:
+        connection.close()
+
+
+def _post(url, timeout=30, **body) -> _Answer:
+    return _send(url, json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, **body}),
+                 timeout)
+
+
+def _start_endless_stream(url):
+    """An endless streamed completion whose first event has arrived: the connection, to close."""
+    connection, path = _connect(url, 30)
+    connection.request("POST", path, body=json.dumps({"model": "tiny", "prompt": ENDLESS_PROMPT, "max_tokens": ENDLESS,
+                                                      "temperature": 0, "stream": True}),
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    while not response.fp.readline().startswith(b"data: "):
+        pass
+    return connection
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_the_model(limited, stream):
+    if stream:
+        _start_endless_stream(limited).close()
+    else:
+        with pytest.raises(TimeoutError):  # the client gives up after 2 s, mid-generation
+            _post(limited, timeout=2, max_tokens=ENDLESS)
+    t0 = time.monotonic()
+    answer = _post(limited, timeout=30)  # waits for the model: freed at the abandoned generation's next token
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] <= 2
+    assert time.monotonic() - t0 < 20
+
+
+def test_requests_past_the_limits_are_refused_by_name(limited):
+    answer = _post(limited, max_tokens=ENDLESS + 1)
+    assert answer.status_code == 400 and "--max-tokens" in answer.json()["error"]["message"]
+    t0 = time.monotonic()
+    answer = _post(limited, prompt="x" * 10_000_000)  # 10 MB: refused before it is tokenized
+    assert answer.status_code == 400 and "--max-prompt-tokens" in answer.json()["error"]["message"]
+    assert time.monotonic() - t0 < 10
+    answer = _post(limited, prompt=PROMPT * 8)  # within the characters, over the 64 tokens
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 400 and "tokens" in message and "--max-prompt-tokens" in message
+
+
+def test_a_full_queue_answers_503_at_once(limited):
+    import concurrent.futures
+
+    holder = _start_endless_stream(limited)  # holds the model
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(_post, limited)  # the one request the queue takes
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            refused = _post(limited)
+            assert refused.status_code == 503 and time.monotonic() - t0 < 5
+            assert refused.headers["retry-after"] == "1" and "--max-queue" in refused.json()["error"]["message"]
+            holder.close()  # the endless stream goes away: the waiting request runs
+            assert waiting.result(timeout=30).status_code == 200
+    finally:
+        holder.close()
+
+
+def test_text_that_is_not_text_gets_openais_error_body(limited):
+    answer = _send(limited, '{"model": "tiny", "prompt": "\\ud800abc", "max_tokens": 2}')  # valid JSON
+    assert answer.status_code == 400, answer.text
+    assert "lone surrogate" in answer.json()["error"]["message"]
+    answer = _send(limited, '{"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": NaN}')
+    assert answer.status_code == 422 and "finite number" in answer.json()["error"]["message"]
+
+
+def test_ctrl_c_stops_the_server_during_a_generation(model_folder, tmp_path):
+    import signal
+
+    proc, url = _start(model_folder, tmp_path / "server.log", "--max-tokens", str(ENDLESS))
+    try:
+        stream = _start_endless_stream(url)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 30
+        stream.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
