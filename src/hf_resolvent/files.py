@@ -100,7 +100,8 @@ def _free_space(path: Path) -> str:
 
 def write_problem(err: BaseException, path: str | os.PathLike) -> tuple[int, str] | None:
     """(errno, a sentence naming the problem and the fix) when ``err`` is a write into ``path`` that the
-    filesystem refused (a full device, a read-only or forbidden folder); None for any other error."""
+    filesystem refused (a full device, a read-only or forbidden folder, a file over the size limit); None for any
+    other error."""
     code = _errno_of(err)
     path = Path(path)
     if code in NO_SPACE:
@@ -108,6 +109,10 @@ def write_problem(err: BaseException, path: str | os.PathLike) -> tuple[int, str
         return code, f"no space left on the device holding {path} ({quota}{_free_space(path)}): free some space there"
     if code in NOT_WRITABLE:
         return code, f"cannot write to {path} ({os.strerror(code)}): make it writable"
+    if code == errno.EFBIG:
+        return code, (f"a file under {path} grew past the largest file allowed there ({os.strerror(code)}: a FAT32 "
+                      f"drive holds files of at most 4 GiB, and `ulimit -f` may set a lower limit): write to another "
+                      f"filesystem or raise the limit")
     return None
 
 

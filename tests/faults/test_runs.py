@@ -405,7 +405,9 @@ def test_writing_names_refused_writes_and_passes_other_errors_on(tmp_path, monke
         RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
                      "data/0: file write failed"),
         SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")],
-        "cannot write to": [OSError(errno.EROFS, "Read-only file system"), PermissionError(errno.EACCES, "denied")]}
+        "cannot write to": [OSError(errno.EROFS, "Read-only file system"), PermissionError(errno.EACCES, "denied")],
+        "a file under": [OSError(errno.EFBIG, "File too large"),
+                         SafetensorError("Error while serializing: I/O error: File too large (os error 27)")]}
     for said, errors in full.items():
         for error in errors:
             with pytest.raises(files.WriteError, match=f"^{said} {tmp_path}.*, or pass another --out$"):
@@ -423,6 +425,27 @@ def test_writing_names_refused_writes_and_passes_other_errors_on(tmp_path, monke
     with pytest.raises(files.WriteError, match="no space left"), files.writing(tmp_path):
         files.atomic_write_json(tmp_path / "x.json", {"a": 1})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_size_limit_while_saving_is_a_clear_error(tmp_path):
+    """A real limit on file size (``ulimit -f``, as a FAT32 drive's 4 GiB): safetensors fails with EFBIG, which is
+    named like a full device."""
+    code = (
+        "import resource, sys, torch\n"
+        "from safetensors.torch import save_file\n"
+        "from hf_resolvent import files\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))\n"
+        "try:\n"
+        f"    with files.writing({str(tmp_path)!r}, 'or pass another --output-dir'):\n"
+        f"        save_file({{'w': torch.zeros(1 << 18)}}, {str(tmp_path / 'model.safetensors')!r})\n"
+        "except files.WriteError as err:\n"
+        "    print(err)\n"
+        "    sys.exit(2)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"a file under {tmp_path} grew past the largest file allowed there (File too large")
+    assert "ulimit -f" in proc.stdout and proc.stdout.rstrip().endswith("or pass another --output-dir")
 
 
 # --------------------------------------------------------------- round two, item 9: a folder without its tokenizer
