@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_resolvent import files
+from hf_resolvent.training import cli
 from hf_resolvent.training import data as hdata
 from hf_resolvent.training.config import RunError, recorded_data_dir, training_budget
 from hf_resolvent.training.models import COMPLEXITY_ORDER, complexity_of, count_parameters
@@ -304,7 +305,9 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.check(parser, device=args.device, folders=[("--out", args.out)])
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     results = []
     try:

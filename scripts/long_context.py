@@ -71,7 +71,8 @@ def _load_script(name: str):
 sweep = _load_script("sweep")
 synthetic = _load_script("synthetic")
 
-from hf_resolvent.training import synthetic as S  # noqa: E402 - after the scripts that import the package
+from hf_resolvent.training import cli  # noqa: E402 - after the scripts that import the package
+from hf_resolvent.training import synthetic as S  # noqa: E402
 
 SCALINGS = ("linear", "dynamic", "yarn")
 LOSS_TASKS = ("loss", *(f"loss:{s}" for s in SCALINGS))
@@ -577,7 +578,9 @@ def long_context(args, argv: list[str], log=print) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.check(parser, device=args.device, folders=[("--out", args.out), ("--runs-dir", args.runs_dir)])
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     try:
         long_context(args, argv, log)

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hf_resolvent.training import cli
+
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "scripts" / "pretrain.py"
 
@@ -409,7 +411,9 @@ def sweep(args, argv: list[str], log=print) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.check(parser, device=args.device, folders=[("--out", args.out)])
     try:
         sweep(args, argv)
     except SweepError as err:

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hf_resolvent.training import models
+from hf_resolvent.training import cli, models
 from hf_resolvent.training import synthetic as S
 from hf_resolvent.training.optim import build_optimizer, lr_at
 
@@ -359,7 +359,9 @@ def summarize(paths: list[str], out: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.check(parser, device=args.device, files=[("--out", args.out)])
     if args.summary:
         return summarize(args.summary, args.out)
     try:

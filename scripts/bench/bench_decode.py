@@ -41,6 +41,7 @@ from transformers import DynamicCache
 
 import hf_resolvent as hr
 from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's argument name in this transformers
+from hf_resolvent.training import cli
 from hf_resolvent.training.metrics import log_axes, write_result
 from hf_resolvent.training.models import build_model
 
@@ -67,7 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the real-prefill bytes check")
     p.add_argument("--compiled", action="store_true",
                    help="also time each mixer's decode step compiled (fullgraph, inductor) on a static cache")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    cli.check(p, files=[("--out", args.out)])
+    return args
 
 
 def contexts(lo: int, hi: int) -> list[int]:

@@ -105,6 +105,7 @@ from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList, Ma
 import hf_resolvent as hr
 from hf_resolvent.cache_resolvent import ResolventCacheLayer
 from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's argument name in this transformers
+from hf_resolvent.training import cli
 from hf_resolvent.training.metrics import log_axes, write_result
 from hf_resolvent.training.models import build_model
 
@@ -181,6 +182,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--new-tokens must be at least 2 (decode speed is measured between the first and the last)")
     if args.max_gib is None:
         args.max_gib = round(0.8 * mem_available() / 2**30, 2)
+    cli.check(p, files=[("--out", args.out)])
     return args
 
 

@@ -80,11 +80,13 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     from hf_resolvent.backends.triton import aot
+    from hf_resolvent.training import cli
 
     try:
         args.configs = [aot.parse_config(text) for text in args.config or [""]]
     except ValueError as err:
         p.error(f"--config: {err}")
+    cli.check(p, files=[("--out", args.out + (".json" if not args.compile_check else "_compile.json"))])
     return args
 
 

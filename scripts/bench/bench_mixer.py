@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_resolvent.ops import parallel_mix, reference_mix
+from hf_resolvent.training import cli
 
 PATTERNS = ("dense", "exp2", "exp2:ce", "square", "square:ce", "banded:8")
 LENGTHS = (512, 1024, 2048, 4096, 8192)
@@ -235,6 +236,7 @@ def main(argv=None) -> int:
     max_reference = args.max_reference if args.max_reference is not None else (512 if args.quick else 2048)
     if repeats < 1 or any(n < 2 for n in lengths):
         parser.error("--repeats must be >= 1 and lengths >= 2")
+    cli.check(parser, files=[("--out", args.out)])
 
     machine = _machine()
     print(f"# {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} threads)")

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from hf_resolvent.backends.triton import aot, block_config
+
 from hf_resolvent.configuration_resolvent import PRESETS
+from hf_resolvent.training import cli
 from hf_resolvent.training.memory import keep_freed_memory
 from hf_resolvent.training.metrics import write_result
 from hf_resolvent.training.models import PAPER_MIXERS, build_model, complexity_of, count_parameters
@@ -167,6 +168,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    cli.check(parser, device=args.device, files=[("--out", args.out)])
     try:
         args.configs = [aot.parse_config(text) for text in args.config or [""]]
     except ValueError as err:

@@ -167,10 +167,13 @@ def parse_args(argv=None):
             p.error(f"--{name}: unknown {sorted(bad)}; choose from {', '.join(allowed)}")
     from hf_resolvent.backends.triton import aot
 
+    from hf_resolvent.training import cli
+
     try:
         args.settings = aot.parse_config(args.config)
     except ValueError as err:
         p.error(f"--config: {err}")
+    cli.check(p, folders=[("--out", args.out)])
     return args
 
 

@@ -92,9 +92,9 @@ def parse_args(argv=None):
     if args.budget_s <= 0:
         p.error(f"--budget-s must be positive, got {args.budget_s}")
     args.parts = parts
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        p.error(f"--out {out} is a file; name a folder")
+    from hf_resolvent.training import cli
+
+    cli.check(p, folders=[("--out", args.out)])
     return args
 
 

@@ -47,11 +47,13 @@ def parse_args(argv=None):
         for name, value in DRY.items():
             setattr(args, name, value)
     from hf_resolvent.backends.triton import aot
+    from hf_resolvent.training import cli
 
     try:
         args.configs = [aot.parse_config(text) for text in args.config or [""]]
     except ValueError as err:
         p.error(f"--config: {err}")
+    cli.check(p, files=[("--out", args.out + ".json")])
     return args
 
 

@@ -63,6 +63,8 @@ import re
 import sys
 from pathlib import Path
 
+from hf_resolvent.training import cli
+
 REPO = Path(__file__).resolve().parents[2]
 
 # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (dense, no sparsity): BF16 tensor core 989 TFLOP/s,
@@ -129,6 +131,7 @@ def parse_args(argv=None):
         p.error(f"--config: two variants share a name ({', '.join(names)}); name them NAME:FIELD=VALUE,...")
     if args.blocks_in_flight < 1:
         p.error(f"--blocks-in-flight must be >= 1 (the block before is always in flight), got {args.blocks_in_flight}")
+    cli.check(p, files=[("--out", args.out)])
     return args
 
 
