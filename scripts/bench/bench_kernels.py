@@ -80,6 +80,7 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     from hf_resolvent.backends.triton import aot
+
     from hf_resolvent.training import cli
 
     try:

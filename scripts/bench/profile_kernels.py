@@ -47,6 +47,7 @@ def parse_args(argv=None):
         for name, value in DRY.items():
             setattr(args, name, value)
     from hf_resolvent.backends.triton import aot
+
     from hf_resolvent.training import cli
 
     try:
