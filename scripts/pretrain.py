@@ -702,8 +702,10 @@ def _run(args, argv: list[str], cfg: dict, accelerator, output_dir: Path, tracke
             mean_loss = accelerator.reduce(window_loss, reduction="mean").item() / window_steps
             elapsed = time.time() - window_t0
             tps = window_steps * tokens_per_step / max(elapsed, 1e-9)
-            row = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
-                   "tokens_per_s": tps}
+            # loss_steps: the steps the loss averages, ending at this one (fewer than log.every after a resume: the
+            # steps before it are in the row the checkpoint kept, or were trained again)
+            row = {"step": step, "loss": mean_loss, "loss_steps": window_steps, "lr": lr, "grad_norm": grad_norm,
+                   "tokens": tokens_seen, "tokens_per_s": tps}
             log_row(row)
             bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
             window_loss.zero_()

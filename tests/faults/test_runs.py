@@ -64,6 +64,23 @@ def _main(args: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+def test_the_loss_logged_after_a_resume_says_which_steps_it_averages(tiny_data, straight, tmp_path):
+    """log.every 4, checkpoints every 3: a run killed after step 5 resumes from step 3, so its row at step 4 averages
+    step 4 alone where the uninterrupted run's averages steps 1-4; each row records its span (loss_steps)."""
+    every = ("--set", "log.every=4")
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    pretrain.train(tiny_run_args(tiny_data, whole, "--max-steps", "7", *every))
+    _stopped_run(tiny_data, out, 5, *every)
+    pretrain.train(tiny_run_args(tiny_data, out, "--max-steps", "7", "--resume", *every))
+
+    def spans(folder):
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss_steps"] for r in rows if "loss" in r}
+
+    assert spans(whole) == {4: 4, 7: 3}
+    assert spans(out) == {4: 1, 7: 3}
+
+
 # ------------------------------------------------------------------------------------------- item 3: locks
 
 
