@@ -430,6 +430,20 @@ class _Regroup:
         return out.view(*self.shape, *t.shape[2:])
 
 
+def _refuse_right_padding(attention_mask: torch.Tensor) -> None:
+    """A prompt to decode from whose mask ends in zeros is right-padded: generation would continue each row after
+    its padding. Named here, where the positions generate() derives from such a mask would otherwise read as packed
+    documents."""
+    mask = attention_mask.bool()
+    rows = (~mask[:, -1] & mask.any(1)).nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(
+            f"the prompt is right-padded (the attention mask of row {', '.join(map(str, rows[:8]))} ends in zeros): a "
+            "decode cache and generate() continue each row after its last position, so pad on the left "
+            "(tokenizer.padding_side = 'left', or padding_side='left' when tokenizing); right padding is for "
+            "training")
+
+
 def _packed_documents(position_ids: torch.Tensor, start: torch.Tensor | None) -> _Regroup | None:
     """The documents of packed sequences: a new one wherever a position is not above the previous one (position_ids
     restarting, as ``DataCollatorWithFlattening`` writes them); None when no row restarts. Left padding is skipped."""
@@ -571,6 +585,8 @@ class ResolventModel(ResolventPreTrainedModel):
             raise ValueError(f"the cache holds {past_key_values.batch_size} sequences but the input has {batch}")
         cache_start = None if past_key_values is None else past_key_values.start
         regroup = None
+        if attention_mask is not None and cache_asked and past == 0 and not torch.compiler.is_compiling():
+            _refuse_right_padding(attention_mask)
         if attention_mask is not None:
             start, regroup = _start_from_mask(attention_mask.to(device), past, n, cache_start)
         else:

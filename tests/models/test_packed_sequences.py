@@ -71,3 +71,18 @@ def test_packed_sequences_refuse_a_cache_and_left_padding():
     # generate()'s own position_ids for a left-padded prompt are not documents
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert torch.equal(out[0, 2:], model.generate(ids[:, 2:], max_new_tokens=3, do_sample=False)[0])
+
+
+def test_a_right_padded_prompt_is_named_as_such():
+    """generate() derives positions from a right-padded mask that restart inside the row (0, 1, 2, 3, 1, 1): they
+    must not read as packed documents, and the error must say what the input is and how to pad it."""
+    model = tiny_model("exp2:ce").eval()
+    ids = torch.randint(1, 61, (2, 6))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])  # row 0 right-padded, row 1 left-padded
+    for call in (lambda: model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0),
+                 lambda: model(ids, attention_mask=mask, use_cache=True)):
+        with pytest.raises(ValueError, match=r"right-padded \(the attention mask of row 0 ends in zeros\).*"
+                                             r"padding_side = 'left'") as err:
+            call()
+        assert "packed" not in str(err.value)
+    model(ids, attention_mask=mask)  # training's forward takes right padding
