@@ -191,3 +191,50 @@ def test_local_script_folder_without_archives_says_what_to_pass(tmp_path, capsys
     assert code == 2 and "Traceback" not in err
     assert "is a loading script" in err and "--files" in err and "no subsets/*.tar archives" in err
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------- damaged archives
+
+
+def _one_archive_repo(root, xz_members) -> None:
+    """A repository folder with one archive subsets/urlsf_subset00.tar of the given (name, bytes) .xz members."""
+    (root / "subsets").mkdir(parents=True)
+    (root / "openwebtext.py").write_text("import datasets\n")
+    (root / "subsets" / "urlsf_subset00.tar").write_bytes(_tar(xz_members, "w"))
+
+
+def _good_xz(first: int, name: str = "openwebtext/good.xz"):
+    return name, _tar([(f"{first + k}.txt", _raw(first + k).encode()) for k in range(3)], "w:xz")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("damage", ["a corrupted .xz member", "a document that is not UTF-8"])
+def test_a_few_bad_documents_are_skipped_and_named(tmp_path, tokenizer_dir, capfd, streaming, damage):
+    bad = (("openwebtext/bad.xz", b"\xfd7zXZ\x00" + b"\x13" * 400) if damage == "a corrupted .xz member" else
+           ("openwebtext/bad.xz", _tar([("x.txt", b"caf\xe9 au lait"), ("y.txt", b"fine")], "w:xz")))
+    repo = tmp_path / "repo"
+    _one_archive_repo(repo, [_good_xz(0), bad, _good_xz(3, "openwebtext/good2.xz")])
+    meta = _prepare(tmp_path / "out", repo, tokenizer_dir, streaming=streaming)
+    kept = [_clean(i) for i in range(6)] + (["fine"] if damage != "a corrupted .xz member" else [])
+    assert sorted(_documents(tmp_path / "out")) == sorted(kept) and meta["num_docs"] == len(kept)
+    err = capfd.readouterr().err
+    named = "openwebtext/bad.xz (the rest of it)" if damage == "a corrupted .xz member" else "openwebtext/bad.xz/x.txt"
+    assert f"[prepare] skipped {named} in " in err and "urlsf_subset00.tar" in err, err
+
+
+@pytest.mark.parametrize("damage", ["cut inside a member", "a 0-byte archive", "an archive with no members"])
+def test_an_archive_that_cannot_be_read_stops_with_its_name(tmp_path, tokenizer_dir, damage):
+    repo = tmp_path / "repo"
+    _one_archive_repo(repo, [_good_xz(0), _good_xz(3, "openwebtext/good2.xz")])
+    archive = repo / "subsets" / "urlsf_subset00.tar"
+    if damage == "cut inside a member":
+        archive.write_bytes(archive.read_bytes()[:900])
+    elif damage == "a 0-byte archive":
+        archive.write_bytes(b"")
+    else:
+        archive.write_bytes(_tar([], "w"))
+    with pytest.raises(D.DataError) as err:
+        _prepare(tmp_path / "out", repo, tokenizer_dir)
+    said = "hold no documents" if damage == "an archive with no members" else "cannot be read"
+    assert said in str(err.value) and "urlsf_subset00.tar" in str(err.value), str(err.value)
+    assert not (tmp_path / "out" / "manifest.json").exists()

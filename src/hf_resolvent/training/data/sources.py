@@ -197,7 +197,13 @@ def _archive_documents(archives: list[tuple[str, int, int]]):
     with the files. The documents are the ones the repository's script gave: members named ``.*`` or ``__*`` are
     skipped (as ``datasets``' archive iterator skipped them), runs of three or more newlines become one blank line
     and the text is stripped. Every archive is read as a stream (``fsspec``: a local path or an ``hf://`` URL).
+
+    A few bad documents are skipped, as ``datasets`` users expect of a web corpus, each named on stderr: a member
+    whose text is not UTF-8, and the rest of an inner ``.xz`` member that does not decompress. An archive that
+    cannot be read as a whole (empty, not a tar, cut short by a download) stops with a :class:`DataError` naming it:
+    its documents would be silently missing.
     """
+    import lzma
     import tarfile
 
     import fsspec
@@ -206,14 +212,32 @@ def _archive_documents(archives: list[tuple[str, int, int]]):
         for member in tar:
             name = member.name.rsplit("/", 1)[-1]
             if member.isfile() and name.endswith(suffix) and not name.startswith((".", "__")):
-                yield tar.extractfile(member)
+                yield member.name, tar.extractfile(member)
+
+    def skipped(url: str, member: str, why: str) -> None:
+        print(f"[prepare] skipped {member} in {url}: {why}", file=sys.stderr, flush=True)
 
     for url, _, _ in archives:
-        with fsspec.open(url, "rb") as f, tarfile.open(fileobj=f, mode="r|") as outer:
-            for xz in files(outer, ".xz"):
-                with tarfile.open(fileobj=xz, mode="r|*") as inner:
-                    for txt in files(inner, ".txt"):
-                        yield {"text": _BLANK_LINES.sub("\n\n", txt.read().decode("utf-8")).strip()}
+        try:
+            with fsspec.open(url, "rb") as f, tarfile.open(fileobj=f, mode="r|") as outer:
+                for xz_name, xz in files(outer, ".xz"):
+                    try:
+                        with tarfile.open(fileobj=xz, mode="r|*") as inner:
+                            for txt_name, txt in files(inner, ".txt"):
+                                try:
+                                    text = txt.read().decode("utf-8")
+                                except UnicodeDecodeError as err:
+                                    skipped(url, f"{xz_name}/{txt_name}", f"not UTF-8 text ({err.reason} at byte "
+                                                                         f"{err.start})")
+                                    continue
+                                yield {"text": _BLANK_LINES.sub("\n\n", text).strip()}
+                    except (tarfile.TarError, lzma.LZMAError, EOFError) as err:
+                        skipped(url, f"{xz_name} (the rest of it)", f"it does not decompress ({type(err).__name__}: "
+                                                                   f"{err})")
+        except (tarfile.TarError, EOFError) as err:
+            raise DataError(f"the archive {url} cannot be read ({type(err).__name__}: {err}): it is empty, not a tar, "
+                            f"or cut short; download it again (hf download ... --local-dir DIR re-fetches a damaged "
+                            f"file), or leave it out of the folder") from None
 
 
 def _owt_archives(source: str, streaming: bool) -> list[tuple[str, int, int]]:
@@ -243,7 +267,20 @@ def _archive_dataset(archives: list[tuple[str, int, int]], streaming: bool, num_
     if streaming:
         return datasets.IterableDataset.from_generator(_archive_documents, **kwargs)
     procs = min(num_proc, len(archives))
-    return datasets.Dataset.from_generator(_archive_documents, num_proc=procs if procs > 1 else None, **kwargs)
+    try:
+        with _quiet_datasets():
+            return datasets.Dataset.from_generator(_archive_documents, num_proc=procs if procs > 1 else None,
+                                                   **kwargs)
+    except Exception as err:  # noqa: BLE001 - datasets wraps what the generator raised
+        cause = err
+        while cause is not None and not isinstance(cause, DataError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise cause from None
+        if "corresponds to no data" in str(err):
+            raise DataError(f"the archives hold no documents ({', '.join(url for url, _, _ in archives)}): each is "
+                            f"a tar of .xz members holding .txt documents; check the folder") from None
+        raise
 
 
 def _is_script_refusal(err: BaseException) -> bool:
