@@ -431,9 +431,9 @@ class _Regroup:
 
 
 def _refuse_right_padding(attention_mask: torch.Tensor) -> None:
-    """A prompt to decode from whose mask ends in zeros is right-padded: generation would continue each row after
-    its padding. Named here, where the positions generate() derives from such a mask would otherwise read as packed
-    documents."""
+    """A batch whose mask rows end in zeros is right-padded: generation would continue each row after its padding.
+    Named where the positions generate() derives from such a mask would otherwise read as packed documents (with a
+    cache, or beside left-padded rows)."""
     mask = attention_mask.bool()
     rows = (~mask[:, -1] & mask.any(1)).nonzero().flatten().tolist()
     if rows:
@@ -585,8 +585,6 @@ class ResolventModel(ResolventPreTrainedModel):
             raise ValueError(f"the cache holds {past_key_values.batch_size} sequences but the input has {batch}")
         cache_start = None if past_key_values is None else past_key_values.start
         regroup = None
-        if attention_mask is not None and cache_asked and past == 0 and not torch.compiler.is_compiling():
-            _refuse_right_padding(attention_mask)
         if attention_mask is not None:
             start, regroup = _start_from_mask(attention_mask.to(device), past, n, cache_start)
         else:
@@ -604,6 +602,8 @@ class ResolventModel(ResolventPreTrainedModel):
         else:
             position_ids = position_ids.to(device).view(-1, n).expand(batch, -1)
             if n > 1 and past == 0:
+                if attention_mask is not None and (cache_asked or (start is not None and bool(start.any()))):
+                    _refuse_right_padding(attention_mask)  # its positions (0, 1, 2, 1, 1) are not documents
                 documents = _packed_documents(position_ids, start)
         if documents is not None and regroup is not None:
             raise ValueError("packed sequences (position_ids restarting inside a row) cannot have attention-mask "

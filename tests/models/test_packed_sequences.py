@@ -79,10 +79,12 @@ def test_a_right_padded_prompt_is_named_as_such():
     model = tiny_model("exp2:ce").eval()
     ids = torch.randint(1, 61, (2, 6))
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])  # row 0 right-padded, row 1 left-padded
+    positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # what generate() passes: (0, 1, 2, 3, 1, 1)
     for call in (lambda: model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0),
-                 lambda: model(ids, attention_mask=mask, use_cache=True)):
+                 lambda: model(ids, attention_mask=mask, position_ids=positions)):  # beside a left-padded row
         with pytest.raises(ValueError, match=r"right-padded \(the attention mask of row 0 ends in zeros\).*"
                                              r"padding_side = 'left'") as err:
             call()
         assert "packed" not in str(err.value)
     model(ids, attention_mask=mask)  # training's forward takes right padding
+    model(ids[:1], attention_mask=mask[:1], position_ids=positions[:1])  # alone, its pads are tokens of their own
