@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -20,10 +19,15 @@ from .corpus import DEFAULT_VAL_FRACTION, EOT, OWT_VAL_FRACTION, STDLIB, corpus_
 from .errors import DataError
 from .manifest import DATA_FORMAT, MANIFEST, PREPARED_FILES, TOKEN_DTYPE, TOKENIZER_FILES, read_json, verify_prepared
 from .sources import check_input_file, check_input_path, files_builder, files_error, load_source
-from .tokenizer import TokenizerChoice, check_tokenizer_path, load_or_train_tokenizer
+from .tokenizer import (
+    DEFAULT_MAX_ENCODE_CHARS,
+    TokenizerChoice,
+    check_tokenizer_path,
+    load_or_train_tokenizer,
+    text_pieces,
+)
 
 # Longest text the tokenizer gets in one call (long documents are cut): bounds the memory tokenising takes.
-DEFAULT_MAX_ENCODE_CHARS = 100_000
 
 
 # ------------------------------------------------------------------------------------------ split and shards
@@ -45,33 +49,13 @@ def is_validation(indices: np.ndarray, seed: int, fraction: float) -> np.ndarray
     return split_hash(indices, seed) < fraction
 
 
-# Where a long document may be cut for the tokenizer: just before the whitespace character that starts a word
-# (" word", "\nword"). GPT-2's pre-tokenizer regex always starts a token there (a leading space belongs to the
-# word, and a run of whitespace gives its last character to what follows), so a byte-level BPE gives the pieces
-# exactly the tokens of the whole document. ``.*`` is greedy: the match ends at the last such start it can reach.
-_LAST_WORD_START = re.compile(r"(?s:.*)\s(?=\S)")
-
-
-def _text_pieces(text: str, max_chars: int) -> list[str]:
-    """``text`` cut into pieces of at most ``max_chars`` characters, each cut at the last word start within the
-    budget (see ``_LAST_WORD_START``); a stretch with no word start in it is cut where the budget ends."""
-    pieces, start = [], 0
-    while len(text) - start > max_chars:
-        last = _LAST_WORD_START.match(text, start + 1, start + max_chars + 1)
-        end = last.end() - 1 if last else start + max_chars
-        pieces.append(text[start:end])
-        start = end
-    pieces.append(text[start:])
-    return pieces
-
-
 def _encode_groups(texts: Sequence[str], max_chars: int):
     """``(document index, piece)`` pairs in groups of at most ``max_chars`` characters: short documents share a
-    group, a longer one is cut (:func:`_text_pieces`)."""
+    group, a longer one is cut (:func:`.tokenizer.text_pieces`)."""
     group: list[tuple[int, str]] = []
     size = 0
     for i, text in enumerate(texts):
-        for piece in _text_pieces(text, max_chars):
+        for piece in text_pieces(text, max_chars):
             if group and size + len(piece) > max_chars:
                 yield group
                 group, size = [], 0

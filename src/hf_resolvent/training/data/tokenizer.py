@@ -35,12 +35,38 @@ def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
         return False
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2):
+DEFAULT_MAX_ENCODE_CHARS = 100_000  # the most text the tokenizer gets at once (its memory grows with it)
+
+# Where a long document may be cut for the tokenizer: just before the whitespace character that starts a word
+# (" word", "\nword"). GPT-2's pre-tokenizer regex always starts a token there (a leading space belongs to the
+# word, and a run of whitespace gives its last character to what follows), so a byte-level BPE gives the pieces
+# exactly the tokens of the whole document. ``.*`` is greedy: the match ends at the last such start it can reach.
+_LAST_WORD_START = re.compile(r"(?s:.*)\s(?=\S)")
+
+
+def text_pieces(text: str, max_chars: int) -> list[str]:
+    """``text`` cut into pieces of at most ``max_chars`` characters, each cut at the last word start within the
+    budget (see ``_LAST_WORD_START``); a stretch with no word start in it is cut where the budget ends."""
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        last = _LAST_WORD_START.match(text, start + 1, start + max_chars + 1)
+        end = last.end() - 1 if last else start + max_chars
+        pieces.append(text[start:end])
+        start = end
+    pieces.append(text[start:])
+    return pieces
+
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2,
+                        max_chars: int = DEFAULT_MAX_ENCODE_CHARS):
     """Train a GPT-2-style byte-level BPE tokenizer on ``texts``; returns a ``PreTrainedTokenizerFast``.
 
     Same design as GPT-2's tokenizer (byte-level pre-tokenisation with GPT-2's regex, no normalisation, every
     byte in the initial alphabet so any text is encodable), with ``<|endoftext|>`` as id 0 and as the
-    bos/eos/unk token. Training is deterministic for a given corpus and ``vocab_size``.
+    bos/eos/unk token. Training is deterministic for a given corpus and ``vocab_size``. Documents reach the trainer
+    in pieces of at most ``max_chars`` characters cut at word starts (:func:`text_pieces`): the same words, so the
+    same vocabulary, without the gigabytes one huge document took.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -57,7 +83,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_freque
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator((piece for text in texts for piece in text_pieces(text, max_chars)), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=EOT, eos_token=EOT, unk_token=EOT, model_max_length=int(1e9)
     )
