@@ -375,7 +375,7 @@ def prepare_dataset(
             sample_texts = [d["text"] for d in data]
         elif kind == "dataset":
             sample_texts = data.select(range(min(len(data), 20_000)))["text"]
-        choice = load_or_train_tokenizer(tokenizer, sample_texts, vocab_size, allow_download, log)
+        choice = load_or_train_tokenizer(tokenizer, sample_texts, vocab_size, allow_download, log, max_encode_chars)
         tmp = out / f".tokenizer.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         choice.tokenizer.save_pretrained(tmp)

@@ -128,6 +128,7 @@ def load_or_train_tokenizer(
     vocab_size: int = 8192,
     allow_download: bool = True,
     log=print,
+    max_chars: int = DEFAULT_MAX_ENCODE_CHARS,
 ) -> TokenizerChoice:
     """GPT-2's tokenizer (or ``name``) when it can be loaded, else a byte-level BPE trained on ``texts``.
 
@@ -167,7 +168,7 @@ def load_or_train_tokenizer(
     elif texts is None:
         raise DataError("tokenizer 'bpe' needs a corpus to train on")
     t0 = time.time()
-    tok = train_bpe_tokenizer(texts, vocab_size=vocab_size)
+    tok = train_bpe_tokenizer(texts, vocab_size=vocab_size, max_chars=max_chars)
     desc = f"byte-level BPE, vocab {len(tok)}, trained on this corpus with `tokenizers` in {time.time() - t0:.1f}s"
     if name and name != "bpe":
         desc += f" (fallback: {name} unavailable offline)"
