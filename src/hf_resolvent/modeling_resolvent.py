@@ -762,8 +762,13 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
                 f"cache_implementation={implementation!r} is not available for resolvent models: they use their own "
                 "ResolventCache, growing (leave cache_implementation unset) or preallocated (\"static\")"
             )
-        # static: sized by generate() for the prompt and every new token, as transformers sizes its StaticCache
-        max_cache_len = max_cache_length if implementation == "static" else None
+        # static: sized by generate() for the prompt and every new token, as transformers sizes its StaticCache, and
+        # never below the last static generation's size, so that a compiled decode step keeps its shapes (a shorter
+        # generation reuses the compiled graph instead of compiling another)
+        max_cache_len = None
+        if implementation == "static":
+            max_cache_len = max(max_cache_length, getattr(self, "_previous_max_cache_length", -1))
+            self._previous_max_cache_length = max_cache_len
         model_kwargs[CACHE_NAME] = ResolventCache(self.config, max_cache_len=max_cache_len)
         if generation_config.is_assistant:  # an assistant's drafts are rolled back: as transformers does for its caches
             model_kwargs[CACHE_NAME].activate_past_recording()

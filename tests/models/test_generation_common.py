@@ -191,6 +191,23 @@ def test_static_cache_equals_the_growing_cache(family):
     assert cache.is_compileable and cache.max_cache_len == cache.get_seq_length() == 13
 
 
+def test_a_shorter_compiled_generation_reuses_the_compiled_step(family):
+    """A second compiled generate() with fewer tokens keeps the static cache's size, so its decode step runs the
+    graph compiled for the first (transformers' StaticCache does the same) and gives eager decoding's tokens."""
+    model, ids = tiny_model(family), prompt()
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    first = model.generate(ids, max_new_tokens=9, do_sample=False, cache_implementation="static",
+                           compile_config=config, return_dict_in_generate=True)
+    want = model.generate(ids, max_new_tokens=5, do_sample=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static",
+                             compile_config=config, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want)
+    assert got.past_key_values.max_cache_len == first.past_key_values.max_cache_len == 7 + 9 - 1  # the first's size
+
+
 def test_compiled_static_decoding_compiles_once_and_equals_eager(family):
     """generate() compiles the decode step (fullgraph) when the cache is static: one graph for every token, the
     same tokens as eager decoding. Dynamo's own backend ("eager") checks the graph; tests/models/test_compile.py
