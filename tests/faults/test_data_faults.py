@@ -336,3 +336,17 @@ def test_files_given_a_missing_name_without_suffix(tmp_path, capsys):
     assert code == 2
     _assert_one_clear_error(err, f"--files: {tmp_path / 'corpus'} not found")
     assert "(none)" not in err and not out.exists()
+
+
+def test_a_folder_of_someone_elses_files_is_never_cleared(tmp_path, capsys):
+    """--output-dir naming a folder that holds files called tokenizer/ or shards/ but no record of a preparation
+    (settings.json, written first by every preparation) is refused: rebuilding it would remove them."""
+    src = _jsonl(tmp_path / "a.jsonl", ROWS)
+    mine = tmp_path / "mine"
+    (mine / "tokenizer").mkdir(parents=True)
+    (mine / "tokenizer" / "vocab.txt").write_text("my vocabulary\n")
+    (mine / "notes.txt").write_text("notes\n")
+    code, err = _cli(capsys, "--output-dir", mine, "--files", src, "--tokenizer", "bpe", "--vocab-size", 300)
+    assert code == 2
+    _assert_one_clear_error(err, f"--output-dir {mine} holds tokenizer", "not a folder this tool prepared")
+    assert (mine / "tokenizer" / "vocab.txt").read_text() == "my vocabulary\n" and (mine / "notes.txt").exists()

@@ -174,13 +174,17 @@ def _existing_state(out: Path, settings: dict, max_docs: int | None) -> tuple[st
     """What a preparation into ``out`` finds there: ``("empty", None)``; ``("done", meta)`` when the manifest
     matches the request and every checksum; ``("resume", None)`` when an unfinished, extended or damaged
     preparation of the same settings can be completed (each shard is checked later); ``("stale", reason)``."""
-    if not any((out / name).exists() for name in PREPARED_FILES):
+    found = [name for name in PREPARED_FILES if (out / name).exists()]
+    if not found:
         return "empty", None
+    if not any(name in found for name in (MANIFEST, "meta.json", "settings.json")):
+        # every preparation writes settings.json before anything else: these are someone else's files
+        raise DataError(f"--output-dir {out} holds {', '.join(found)} but no record of a preparation (settings.json, "
+                        f"meta.json): it is not a folder this tool prepared, and rebuilding it would remove them. "
+                        f"Name a new --output-dir, or move those files away")
     old = read_json(out / "settings.json")
     if not isinstance(old, dict) or old.get("format") != DATA_FORMAT:
-        if (out / "meta.json").exists() or old is not None:
-            return "stale", "was prepared by an earlier version of hf_resolvent (no manifest to check it against)"
-        return "stale", "holds an unfinished preparation without a record of its settings"
+        return "stale", "was prepared by an earlier version of hf_resolvent (no manifest to check it against)"
     if old != settings:
         return "stale", f"was prepared with other settings ({_settings_diff(old, settings)})"
     if (out / "tokenizer").exists() or any((out / "shards").glob("*.json")):
@@ -359,6 +363,8 @@ def prepare_dataset(
         log(f"[data] rewriting {item}")
     for name in (MANIFEST, "meta.json"):  # until the new manifest is written, the folder is not prepared
         (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "settings.json", settings)  # first: the record that this folder is a preparation's
     (out / "shards").mkdir(parents=True, exist_ok=True)
 
     tok_dir = out / "tokenizer"
@@ -391,7 +397,6 @@ def prepare_dataset(
     if len(tok) > np.iinfo(TOKEN_DTYPE).max + 1:
         raise DataError(f"tokenizer vocab {len(tok)} does not fit uint16 shards")
     log(f"[data] tokenizer: {choice.description}; end-of-text id {eot_id}")
-    atomic_write_json(out / "settings.json", settings)
 
     if num_proc > 1:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
