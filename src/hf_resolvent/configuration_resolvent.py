@@ -97,6 +97,8 @@ def parse_mixer_spec(spec: Any, default_gate_init: str | float = "mamba2", where
     return {"pattern": pattern.name, "tied": tied, "gate_init": gate_init}
 
 
+POSITION_EMBEDDINGS = ("rope", "learned", "none")  # see ResolventConfig's position_embedding
+
 class ResolventConfig(PretrainedConfig):
     r"""Configuration of :class:`~hf_resolvent.ResolventModel` and :class:`~hf_resolvent.ResolventForCausalLM`.
 
@@ -119,7 +121,9 @@ class ResolventConfig(PretrainedConfig):
         resid_pdrop, embd_pdrop: dropout after each mixer / MLP and on the embeddings.
         layer_norm_epsilon: LayerNorm epsilon.
         initializer_range: std of the normal initialisation of weights.
-        position_embedding: ``"rope"`` (rotary, on all four queries/keys) or ``"learned"`` (GPT-2's table).
+        position_embedding: ``"rope"`` (rotary, on all four queries/keys), ``"learned"`` (GPT-2's table) or
+            ``"none"`` (no position encoding: order reaches the model only through causality and the mixer's
+            pattern, as in an SSM; nothing bounds the length).
         rope_theta: RoPE base.
         rope_parameters: RoPE as ``transformers`` models take it: ``{"rope_type": ..., "rope_theta": ..., ...}`` with a
             ``rope_type`` of ``"default"`` or any of ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``
@@ -251,8 +255,9 @@ class ResolventConfig(PretrainedConfig):
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); pick n_head among the divisors, "
                 "or give head_dim"
             )
-        if self.position_embedding not in ("rope", "learned"):
-            raise ValueError(f"position_embedding must be 'rope' or 'learned', got {self.position_embedding!r}")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"position_embedding must be one of {', '.join(map(repr, POSITION_EMBEDDINGS))}, got "
+                             f"{self.position_embedding!r}")
         head_dim = self.head_dim or self.n_embd // self.n_head
         if self.position_embedding == "rope" and head_dim % 2:
             raise ValueError(f"position_embedding='rope' needs an even head width, got head_dim = {head_dim}")

@@ -620,8 +620,8 @@ class ResolventModel(ResolventPreTrainedModel):
             limit = self.config.n_positions
             require(top < limit, f"a position past n_positions = {limit}", lambda: (
                 f"sequence too long: position {int(top)} reached, but the model's learned position table has "
-                f"n_positions = {limit} rows; shorten the input (a model with position_embedding='rope' has no "
-                "such limit)"))
+                f"n_positions = {limit} rows; shorten the input (a model with position_embedding='rope' or 'none' "
+                "has no such limit)"))
 
         hidden_states = inputs_embeds
         if self.wpe is not None:
@@ -801,6 +801,10 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
         """
         from transformers import GPT2LMHeadModel
 
+        if position_embedding == "none":
+            raise ValueError("from_gpt2 with position_embedding='none': GPT-2's weights were trained with its learned "
+                             "position table, and without positions its attention sees an unordered prefix; convert "
+                             "with 'learned' (the table is copied) or 'rope' and fine-tune")
         gpt2 = model_or_path if isinstance(model_or_path, nn.Module) else GPT2LMHeadModel.from_pretrained(model_or_path)
         gc = gpt2.config
         if getattr(gc, "scale_attn_by_inverse_layer_idx", False) or not getattr(gc, "scale_attn_weights", True):

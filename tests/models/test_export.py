@@ -17,10 +17,11 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 MIXERS = ["exp2:ce", "banded:3", "dense+tied", "attention", "exp2"]  # register, window, every position, plain f
 
 
-def tiny_model() -> hr.ResolventForCausalLM:
+def tiny_model(positions: str = "rope") -> hr.ResolventForCausalLM:
     torch.manual_seed(0)
     config = hr.ResolventConfig(vocab_size=61, n_positions=64, n_embd=32, n_layer=len(MIXERS), n_head=2,
-                                mixer=MIXERS, bos_token_id=0, eos_token_id=None, initializer_range=0.3)
+                                mixer=MIXERS, bos_token_id=0, eos_token_id=None, initializer_range=0.3,
+                                position_embedding=positions)
     return hr.ResolventForCausalLM(config).eval()
 
 
@@ -42,8 +43,9 @@ def run_steps(step, seq, state):
     return torch.stack(logits, 1)
 
 
-def test_torch_export_of_the_decode_step_runs_prompt_and_new_tokens():
-    model = tiny_model()
+@pytest.mark.parametrize("positions", ["rope", "none"])
+def test_torch_export_of_the_decode_step_runs_prompt_and_new_tokens(positions):
+    model = tiny_model(positions)
     seq, want = tokens_and_logits(model)
     program = export_decode_step(model, batch_size=2, max_cache_len=32)
     step = ResolventDecodeStep(model, batch_size=2, max_cache_len=32)
@@ -84,10 +86,11 @@ def test_the_step_leaves_its_inputs_and_checks_their_count():
         step(torch.tensor([[5]]), *state[:-1])
 
 
-def test_onnx_export_matches_pytorch_in_onnxruntime(tmp_path):
+@pytest.mark.parametrize("positions", ["rope", "none"])
+def test_onnx_export_matches_pytorch_in_onnxruntime(tmp_path, positions):
     import onnxruntime as ort  # in the dev extra, as onnx and onnxscript (the export extra)
 
-    model = tiny_model()
+    model = tiny_model(positions)
     seq, want = tokens_and_logits(model, batch=1)
     path = export_onnx(model, tmp_path / "step.onnx", batch_size=1, max_cache_len=32)
     session = ort.InferenceSession(str(path))
