@@ -322,3 +322,58 @@ def test_mqar_script_smoke_and_summary(tmp_path, capsys):
     assert "not a result of this script" in capsys.readouterr().err
     assert mod.main(["--preset", "smoke"]) == 2
     assert "--task and --mixer" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- recall at a distance
+
+
+def _bag_of_tokens_accuracy(draw, vocab: S.Vocab, steps: int = 300) -> float:
+    """A model that ignores order, trained on ``draw(rng, n)``: an MLP on the counts of the tokens before the query
+    and on the query token. Its accuracy on 2,000 fresh samples."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    size = vocab.size
+    net = torch.nn.Sequential(torch.nn.Linear(2 * size, 256), torch.nn.ReLU(), torch.nn.Linear(256, size))
+    opt = torch.optim.Adam(net.parameters(), 3e-3)
+
+    def features(batch):
+        ids = batch.input_ids
+        return torch.cat([F.one_hot(ids[:, :-1], size).sum(1).float(), F.one_hot(ids[:, -1], size).float()], 1)
+
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        batch = draw(rng, 64)
+        loss = F.cross_entropy(net(features(batch)), batch.labels[:, -1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    batch = draw(np.random.default_rng(1), 2000)
+    with torch.no_grad():
+        return float((net(features(batch)).argmax(-1) == batch.labels[:, -1]).float().mean())
+
+
+def test_recall_with_decoys_needs_the_key_and_the_plain_passkey_does_not():
+    """A bag of tokens answers the plain passkey (one pair: its value is the sample's only value token) but not the
+    passkey with decoys, where only the key says which of the values present is asked."""
+    vocab = S.Vocab(8, 16, 16)
+    plain = _bag_of_tokens_accuracy(lambda rng, n: S.passkey_batch(vocab, 32, 1, n, rng), vocab)
+    decoys = _bag_of_tokens_accuracy(lambda rng, n: S.passkey_batch(vocab, 32, 4, n, rng), vocab)
+    assert plain > 0.95
+    assert decoys < 0.4  # chance over the values present: 1/4, a little more where two pairs share a value
+
+
+def test_passkey_samples_hold_distinct_keys_and_the_asked_pair_far_back():
+    vocab = S.Vocab(8, 16, 16)
+    batch = S.passkey_batch(vocab, 64, 4, 200, np.random.default_rng(0), far=True)
+    ids, labels = batch.input_ids.numpy(), batch.labels.numpy()
+    assert ids.shape == (200, 64) and (ids[:, 0] == S.BOS).all() and batch.query_mask[:, -1].all()
+    assert (labels[:, :-1] == S.IGNORE).all()
+    for row, answer in zip(ids, labels[:, -1]):
+        keys = np.flatnonzero(vocab.is_key(row[:-1]))
+        assert len(keys) == 4 and len(set(row[keys])) == 4 and vocab.is_value(row[keys + 1]).all()
+        (asked,) = keys[row[keys] == row[-1]]
+        assert row[asked + 1] == answer and asked + 1 < 16  # in the first quarter
+        assert (keys[keys != asked] >= 16).all()  # every decoy after it
+    with pytest.raises(ValueError, match="cannot hold BOS, 8 pairs and the query"):
+        S.passkey_batch(vocab, 16, 8, 1, np.random.default_rng(0))

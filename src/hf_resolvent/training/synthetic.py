@@ -260,6 +260,47 @@ def _mqar_sample(spec: TaskSpec, rng: np.random.Generator):
     return ids.astype(np.int64), labels, hops, labels != IGNORE
 
 
+def passkey_batch(vocab: Vocab, length: int, pairs: int, batch_size: int, rng: np.random.Generator,
+                  far: bool = False) -> Batch:
+    """Recall at a distance with decoys: samples of exactly ``length`` tokens, ``BOS``, filler tokens holding
+    ``pairs`` (key, value) bigrams, and last the key of one of them, labelled with its value. Keys are distinct in a
+    sample; values come from the one value range, with replacement. ``far=False`` (training): the bigrams anywhere,
+    the asked one any of them. ``far=True`` (reading a distance): the asked bigram in the first quarter and every
+    other one, a decoy, after it, so the answer lies at least 3/4 of the length back and the decoys are nearer.
+
+    Chance is 1 / ``vocab.n_values`` over the values, 1 / ``pairs`` over the values present. With ``pairs=1`` the
+    value is the sample's only value token: the key is not needed to answer, and the task measures carrying one
+    token's identity over the distance, not recall.
+    """
+    v = vocab
+    if pairs < 1 or pairs > v.n_keys:
+        raise ValueError(f"passkey: pairs must be in [1, n_keys={v.n_keys}], got {pairs}")
+    quarter = length // 4
+    fillers = ((quarter - 3, length - 1 - quarter - 2 * (pairs - 1)) if far else (length - 2 - 2 * pairs,))
+    if min(fillers) < 0:
+        raise ValueError(f"passkey: {length} tokens cannot hold BOS, {pairs} pairs and the query"
+                         + (", the asked pair in the first quarter and the others after it" if far else "")
+                         + "; raise the length or lower the pairs")
+    ids = np.empty((batch_size, length), dtype=np.int64)
+    labels = np.full((batch_size, length), IGNORE, dtype=np.int64)
+    for b in range(batch_size):
+        keys = v.key0 + rng.choice(v.n_keys, size=pairs, replace=False)
+        values = rng.integers(v.value0, v.size, size=pairs)
+        bigrams = [[int(k), int(x)] for k, x in zip(keys, values)]
+        asked = int(rng.integers(pairs))
+        if far:  # the asked bigram in positions [1, quarter), the decoys in [quarter, length - 1)
+            head, _ = _interleave(rng, [bigrams[asked]], fillers[0], v)
+            tail, _ = _interleave(rng, bigrams[:asked] + bigrams[asked + 1:], fillers[1], v)
+            body = head + tail
+        else:
+            body, _ = _interleave(rng, bigrams, fillers[0], v)
+        ids[b] = [BOS, *body, bigrams[asked][0]]
+        labels[b, -1] = bigrams[asked][1]
+    query = labels != IGNORE
+    return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(np.where(query, 0, -1)),
+                 torch.from_numpy(query))
+
+
 def make_batch(spec: TaskSpec, batch_size: int, rng: np.random.Generator) -> Batch:
     """A batch of ``batch_size`` fresh samples of ``spec`` (right-padded to the longest)."""
     if spec.task == "copy":
