@@ -377,3 +377,11 @@ def test_passkey_samples_hold_distinct_keys_and_the_asked_pair_far_back():
         assert (keys[keys != asked] >= 16).all()  # every decoy after it
     with pytest.raises(ValueError, match="cannot hold BOS, 8 pairs and the query"):
         S.passkey_batch(vocab, 16, 8, 1, np.random.default_rng(0))
+    # training samples may end in several queries: distinct keys of the sample's pairs, each labelled
+    batch = S.passkey_batch(vocab, 32, 4, 50, np.random.default_rng(1), queries=3)
+    for row, label in zip(batch.input_ids.numpy(), batch.labels.numpy()):
+        pairs = {int(row[t]): int(row[t + 1]) for t in np.flatnonzero(vocab.is_key(row[:-3]))}
+        assert len(set(row[-3:])) == 3 and [pairs[int(k)] for k in row[-3:]] == list(label[-3:])
+        assert (label[:-3] == S.IGNORE).all()
+    with pytest.raises(ValueError, match="queries must be in"):
+        S.passkey_batch(vocab, 32, 4, 1, np.random.default_rng(0), far=True, queries=2)

@@ -261,12 +261,15 @@ def _mqar_sample(spec: TaskSpec, rng: np.random.Generator):
 
 
 def passkey_batch(vocab: Vocab, length: int, pairs: int, batch_size: int, rng: np.random.Generator,
-                  far: bool = False) -> Batch:
+                  far: bool = False, queries: int = 1) -> Batch:
     """Recall at a distance with decoys: samples of exactly ``length`` tokens, ``BOS``, filler tokens holding
     ``pairs`` (key, value) bigrams, and last the key of one of them, labelled with its value. Keys are distinct in a
     sample; values come from the one value range, with replacement. ``far=False`` (training): the bigrams anywhere,
     the asked one any of them. ``far=True`` (reading a distance): the asked bigram in the first quarter and every
     other one, a decoy, after it, so the answer lies at least 3/4 of the length back and the decoys are nearer.
+
+    ``queries`` > 1 (training only): the keys of that many distinct pairs end the sample, each labelled with its
+    value, in random order: more answers per sample for the same task.
 
     Chance is 1 / ``vocab.n_values`` over the values, 1 / ``pairs`` over the values present. With ``pairs=1`` the
     value is the sample's only value token: the key is not needed to answer, and the task measures carrying one
@@ -275,8 +278,10 @@ def passkey_batch(vocab: Vocab, length: int, pairs: int, batch_size: int, rng: n
     v = vocab
     if pairs < 1 or pairs > v.n_keys:
         raise ValueError(f"passkey: pairs must be in [1, n_keys={v.n_keys}], got {pairs}")
+    if not 1 <= queries <= pairs or (far and queries > 1):
+        raise ValueError(f"passkey: queries must be in [1, pairs={pairs}] (1 with far=True), got {queries}")
     quarter = length // 4
-    fillers = ((quarter - 3, length - 1 - quarter - 2 * (pairs - 1)) if far else (length - 2 - 2 * pairs,))
+    fillers = ((quarter - 3, length - 1 - quarter - 2 * (pairs - 1)) if far else (length - 1 - queries - 2 * pairs,))
     if min(fillers) < 0:
         raise ValueError(f"passkey: {length} tokens cannot hold BOS, {pairs} pairs and the query"
                          + (", the asked pair in the first quarter and the others after it" if far else "")
@@ -287,15 +292,16 @@ def passkey_batch(vocab: Vocab, length: int, pairs: int, batch_size: int, rng: n
         keys = v.key0 + rng.choice(v.n_keys, size=pairs, replace=False)
         values = rng.integers(v.value0, v.size, size=pairs)
         bigrams = [[int(k), int(x)] for k, x in zip(keys, values)]
-        asked = int(rng.integers(pairs))
+        order = rng.permutation(pairs)[:queries]  # the pairs asked, in the order asked
+        asked = int(order[0])
         if far:  # the asked bigram in positions [1, quarter), the decoys in [quarter, length - 1)
             head, _ = _interleave(rng, [bigrams[asked]], fillers[0], v)
             tail, _ = _interleave(rng, bigrams[:asked] + bigrams[asked + 1:], fillers[1], v)
             body = head + tail
         else:
             body, _ = _interleave(rng, bigrams, fillers[0], v)
-        ids[b] = [BOS, *body, bigrams[asked][0]]
-        labels[b, -1] = bigrams[asked][1]
+        ids[b] = [BOS, *body, *(bigrams[j][0] for j in order)]
+        labels[b, length - queries:] = [bigrams[j][1] for j in order]
     query = labels != IGNORE
     return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(np.where(query, 0, -1)),
                  torch.from_numpy(query))

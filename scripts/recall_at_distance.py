@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Recall at a distance with decoys: train small models to competence at context T, read them at up to 16 x T
+(``hf_resolvent.training.recall`` describes the task and the rule; docs/benchmarks.md the results).
+
+    python scripts/recall_at_distance.py --out runs/recall                      # 5 mixers x RoPE / none, seed 0
+    python scripts/recall_at_distance.py --mixers attention exp2:ce --positions none --seeds 0 1 2 --pairs 8 --out runs/r8
+    python scripts/recall_at_distance.py --quick --out runs/recall_quick        # the plumbing, a minute
+
+OUT gets results.json (settings, chance levels, one row per model and seed: its training record and accuracy by
+length), results.md and recall.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hf_resolvent.training import cli
+from hf_resolvent.training.recall import RecallSettings, markdown, plot, run
+from hf_resolvent.training.synthetic import Vocab, passkey_batch
+
+MIXERS = ["attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied"]
+QUICK = dict(context=32, pairs=2, d=32, max_steps=60, check_every=30, check_samples=50, eval_samples=50,
+             multiples=(1, 2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RecallSettings()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for results.json, results.md and recall.png")
+    p.add_argument("--mixers", nargs="+", default=MIXERS, help="mixer specs, and gpt2 (learned positions)")
+    p.add_argument("--positions", nargs="+", default=["rope", "none"], choices=["rope", "learned", "none"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--pairs", type=int, default=d.pairs)
+    p.add_argument("--context", type=int, default=d.context, help="training length T")
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--d", type=int, default=d.d, help="model width")
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--max-steps", type=int, default=d.max_steps, help="training stops here if not competent before")
+    p.add_argument("--target", type=float, default=d.target, help="accuracy at T that ends training")
+    p.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per length")
+    p.add_argument("--multiples", nargs="+", type=int, default=list(d.multiples), help="lengths as multiples of T")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quick", action="store_true", help="tiny settings: checks the plumbing (results mean nothing)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.check(parser, device=args.device, folders=[("--out", args.out)])
+    settings = RecallSettings(context=args.context, pairs=args.pairs, d=args.d, layers=args.layers, heads=args.heads,
+                              lr=args.lr, batch=args.batch,
+                              max_steps=args.max_steps, target=args.target, eval_samples=args.eval_samples,
+                              multiples=tuple(args.multiples))
+    if args.quick:
+        settings = replace(settings, **QUICK)
+    try:  # the shortest samples hold the pairs: checked now, not after a model has trained
+        passkey_batch(Vocab(*settings.vocab), settings.context, settings.pairs, 1, np.random.default_rng(0), far=True)
+    except ValueError as err:
+        parser.error(f"--context {settings.context} / --pairs {settings.pairs}: {err}")
+    out = Path(args.out)
+    result = run(args.mixers, args.seeds, args.positions, settings, out, torch.device(args.device))
+    (out / "results.md").write_text(markdown(result))
+    plot(result, out / "recall.png")
+    print(markdown(result))
+    print(f"[recall] wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'recall.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Recall at a distance: small models trained to competence on the passkey with decoys at a context T, then read at
+multiples of T (``scripts/recall_at_distance.py`` runs it; docs/benchmarks.md shows the results).
+
+The task (:func:`hf_resolvent.training.synthetic.passkey_batch`): ``pairs`` (key, value) bigrams among filler tokens
+and, last, the key of one of them; the model must answer its value. Trained on samples of T tokens with the pairs
+anywhere; read with the asked pair in the first quarter and the decoys after it, so that at length n the answer
+lies at least 3n/4 back. A model that ignores order cannot tell which value present is asked (a bag-of-tokens
+model scores about 1/pairs: tests/training/test_synthetic.py).
+
+Competence before extrapolation: a model trains until its accuracy at T, on fresh samples laid out as the longer
+lengths are, reaches ``target`` (checked every ``check_every`` steps), or until ``max_steps``; the result records
+which, with its accuracy at T, so that no length past T is read off a model that never learned the task.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import synthetic as S
+from .models import build_model
+from .optim import build_optimizer
+
+
+@dataclass
+class RecallSettings:
+    context: int = 64  # T, the training length
+    pairs: int = 4
+    vocab: tuple[int, int, int] = (8, 16, 16)  # filler, key and value tokens
+    d: int = 64
+    layers: int = 2
+    heads: int = 2
+    lr: float = 1e-3
+    warmup: int = 100
+    batch: int = 32
+    queries: int = 4  # answers per training sample (the keys of that many pairs end it); reading asks one
+    max_steps: int = 8000
+    check_every: int = 250
+    check_samples: int = 500
+    target: float = 0.99  # accuracy at T that ends training
+    eval_samples: int = 1000  # per length
+    multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
+    extra: dict = field(default_factory=dict)  # config overrides of every model (e.g. {"n_layer": 4})
+
+    @property
+    def chance(self) -> dict:
+        return {"values": 1 / self.vocab[2], "values_present": 1 / self.pairs}
+
+
+def build_task_model(mixer, s: RecallSettings, position_embedding: str):
+    """A causal LM over the task's vocabulary: the resolvent model of ``mixer`` (a spec or one per layer) with
+    ``position_embedding``, or GPT-2 (``mixer="gpt2"``, learned positions) at the same shape."""
+    vocab = S.Vocab(*s.vocab)
+    shape = {"n_layer": s.layers, "n_embd": s.d, "n_head": s.heads, "n_inner": 4 * s.d, "n_positions": s.context,
+             "bos_token_id": S.BOS, "eos_token_id": S.SEP, "pad_token_id": S.PAD, **s.extra}
+    if mixer != "gpt2":
+        shape["position_embedding"] = position_embedding
+    cfg = {"type": "gpt2" if mixer == "gpt2" else "resolvent", "preset": "tiny", "mixer": mixer, "overrides": shape}
+    return build_model(cfg, vocab.size, s.context)
+
+
+def _answer_loss(model, batch: S.Batch, device) -> torch.Tensor:
+    logits = model(input_ids=batch.input_ids.to(device)).logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten().to(device), ignore_index=S.IGNORE)
+
+
+@torch.no_grad()
+def accuracy(model, s: RecallSettings, length: int, n_samples: int, seed: int, device, batch_size: int = 50) -> float:
+    """Accuracy on ``n_samples`` fresh samples of ``length`` tokens, the asked pair far back (``far=True``)."""
+    vocab, rng = S.Vocab(*s.vocab), np.random.default_rng([seed, length, 2**31 - 1])
+    was, right = model.training, 0
+    model.eval()
+    for i in range(0, n_samples, batch_size):
+        batch = S.passkey_batch(vocab, length, s.pairs, min(batch_size, n_samples - i), rng, far=True)
+        right += int((model(input_ids=batch.input_ids.to(device)).logits[:, -1].argmax(-1).cpu()
+                      == batch.labels[:, -1]).sum())
+    model.train(was)
+    return right / n_samples
+
+
+def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding: str, device, log=print):
+    """(model, record): trained on samples of T tokens until its accuracy at T reaches ``s.target`` (AdamW, warmup
+    then a constant rate, gradient clipping at 1). ``record``: steps, whether the target was reached, the accuracy at
+    T when training stopped, seconds."""
+    torch.manual_seed(seed)
+    model = build_task_model(mixer, s, position_embedding).to(device).train()
+    opt = build_optimizer(model, s.lr, betas=(0.9, 0.98), weight_decay=0.1, fused=False)
+    vocab, rng = S.Vocab(*s.vocab), np.random.default_rng([seed, 0])
+    t0, acc, step = time.time(), 0.0, 0
+    while step < s.max_steps:
+        for group in opt.param_groups:
+            group["lr"] = s.lr * min(1.0, (step + 1) / s.warmup)
+        loss = _answer_loss(model, S.passkey_batch(vocab, s.context, s.pairs, s.batch, rng,
+                                                   queries=min(s.queries, s.pairs)), device)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % s.check_every == 0 or step == s.max_steps:
+            acc = accuracy(model, s, s.context, s.check_samples, seed + 10_000 + step, device)
+            log(f"[recall] {_name(mixer, position_embedding)} seed {seed} step {step}: loss {float(loss.detach()):.3f}, "
+                f"accuracy at T {acc:.3f}")
+            if acc >= s.target:
+                break
+    record = {"steps": step, "reached": acc >= s.target, "accuracy_at_T": acc, "final_loss": float(loss.detach()),
+              "seconds": round(time.time() - t0, 1)}
+    log(f"[recall] {_name(mixer, position_embedding)} seed {seed}: {'competent' if record['reached'] else 'NOT competent'}"
+        f" after {step} steps (accuracy at T {acc:.3f}, {record['seconds']:.0f} s)")
+    return model.eval(), record
+
+
+def _name(mixer, position_embedding: str) -> str:
+    spec = ",".join(mixer) if isinstance(mixer, (list, tuple)) else str(mixer)
+    return spec if spec == "gpt2" else f"{spec} [{position_embedding}]"
+
+
+def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings, out: Path, device, log=print) -> dict:
+    """Train and read every (mixer, position encoding, seed); writes ``out/results.json`` after every model (a run
+    cut short keeps what it measured) and returns the results: ``{"settings", "chance", "rows": [{"model",
+    "mixer", "positions", "seed", "training": record, "accuracy": {length: value}}]}``."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"settings": {**asdict(s), "vocab": list(s.vocab), "multiples": list(s.multiples)}, "chance": s.chance,
+              "rows": []}
+    for mixer in mixers:
+        for pe in (["learned"] if mixer == "gpt2" else positions):
+            for seed in seeds:
+                model, record = train_to_competence(mixer, seed, s, pe, device, log)
+                lengths = [k * s.context for k in s.multiples if mixer != "gpt2" or k == 1]
+                acc = {n: accuracy(model, s, n, s.eval_samples, seed, device) for n in lengths}
+                log("[recall]   accuracy by length: " + ", ".join(f"{n}: {a:.3f}" for n, a in acc.items()))
+                result["rows"].append({"model": _name(mixer, pe), "mixer": mixer, "positions": pe, "seed": seed,
+                                       "training": record, "accuracy": acc})
+                (out / "results.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def markdown(result: dict) -> str:
+    """The accuracy table: mean over seeds (min-max), the training length's accuracy and steps per model."""
+    s = result["settings"]
+    lengths = [k * s["context"] for k in s["multiples"]]
+    lines = [f"Passkey with {s['pairs']} pairs (decoys), trained at T = {s['context']}; chance {1 / s['vocab'][2]:.3f} "
+             f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell.", "",
+             "| model | seeds | steps to competence | " + " | ".join(f"{n}" for n in lengths) + " |",
+             "|---|---:|---|" + "---:|" * len(lengths)]
+    by_model: dict[str, list[dict]] = {}
+    for r in result["rows"]:
+        by_model.setdefault(r["model"], []).append(r)
+    for model, rows in by_model.items():
+        steps = ", ".join(f"{r['training']['steps']}" + ("" if r["training"]["reached"] else " (not reached)")
+                          for r in rows)
+        cells = []
+        for n in lengths:
+            values = [r["accuracy"].get(n, r["accuracy"].get(str(n))) for r in rows]
+            values = [v for v in values if v is not None]
+            if not values:
+                cells.append("-")
+            elif len(values) == 1:
+                cells.append(f"{values[0]:.2f}")
+            else:
+                cells.append(f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+        lines.append(f"| {model} | {len(rows)} | {steps} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["settings"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_model: dict[str, list[dict]] = {}
+    for r in result["rows"]:
+        by_model.setdefault(r["model"], []).append(r)
+    for i, (model, rows) in enumerate(by_model.items()):
+        lengths = sorted({int(n) for r in rows for n in r["accuracy"]})
+        mean = [np.mean([r["accuracy"].get(n, r["accuracy"].get(str(n))) for r in rows]) for n in lengths]
+        ax.plot(lengths, mean, marker="o", label=model, color=f"C{i % 10}",
+                linestyle="--" if "[none]" in model else "-")
+    ax.axhline(1 / s["pairs"], color="grey", lw=0.8, ls=":", label="chance over the values present")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (asked pair in the first quarter)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"passkey with {s['pairs']} pairs, trained at T = {s['context']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,54 @@
+"""hf_resolvent.training.recall and scripts/recall_at_distance.py: models train until competent at T (or their
+budget, which the record says), are read at longer lengths on samples whose asked pair lies far back, and every
+row says how it was trained."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import load_script
+
+from hf_resolvent.training import recall
+
+TINY = recall.RecallSettings(context=32, pairs=2, d=32, max_steps=40, check_every=20, check_samples=20,
+                             eval_samples=20, multiples=(1, 2))
+
+
+def test_training_stops_at_competence_and_says_when_it_did_not(tmp_path):
+    logs = []
+    model, record = recall.train_to_competence("attention", 0, replace(TINY, target=0.0), "rope", torch.device("cpu"),
+                                               logs.append)
+    assert record["reached"] and record["steps"] == TINY.check_every  # competent at the first check
+    model, record = recall.train_to_competence("attention", 0, replace(TINY, target=1.01), "none", torch.device("cpu"),
+                                               logs.append)
+    assert not record["reached"] and record["steps"] == TINY.max_steps and 0 <= record["accuracy_at_T"] <= 1
+    assert any("NOT competent after 40 steps" in line for line in logs)
+    assert model.config.position_embedding == "none" and not model.training
+
+
+def test_a_run_writes_a_row_per_model_and_seed(tmp_path):
+    result = recall.run(["exp2:ce", "gpt2"], [0, 1], ["rope", "none"], TINY, tmp_path, torch.device("cpu"),
+                        lambda *a: None)
+    assert [(r["model"], r["seed"]) for r in result["rows"]] == [
+        ("exp2:ce [rope]", 0), ("exp2:ce [rope]", 1), ("exp2:ce [none]", 0), ("exp2:ce [none]", 1),
+        ("gpt2", 0), ("gpt2", 1)]
+    assert set(result["rows"][0]["accuracy"]) == {32, 64} and set(result["rows"][-1]["accuracy"]) == {32}
+    assert result["chance"] == {"values": 1 / 16, "values_present": 1 / 2}
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["rows"]) == 6 and saved["settings"]["pairs"] == 2
+    table = recall.markdown(saved)  # read back from JSON: lengths as strings
+    assert "| exp2:ce [none] | 2 |" in table and "chance 0.062 over the values, 0.50 over those present" in table
+    recall.plot(saved, tmp_path / "recall.png")
+    assert (tmp_path / "recall.png").stat().st_size > 0
+
+
+def test_the_script_checks_its_settings_before_training(tmp_path, capsys):
+    script = load_script("recall_at_distance")
+    with pytest.raises(SystemExit):
+        script.main(["--out", str(tmp_path / "r"), "--context", "8", "--pairs", "4"])
+    assert "cannot hold BOS, 4 pairs" in capsys.readouterr().err
+    assert script.main(["--quick", "--mixers", "exp2:ce", "--positions", "none", "--out", str(tmp_path / "q")]) == 0
+    assert {p.name for p in (tmp_path / "q").iterdir()} == {"results.json", "results.md", "recall.png"}
