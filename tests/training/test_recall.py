@@ -13,8 +13,8 @@ from conftest import load_script
 
 from hf_resolvent.training import recall
 
-TINY = recall.RecallSettings(context=32, pairs=2, d=32, max_steps=40, check_every=20, check_samples=20,
-                             eval_samples=20, multiples=(1, 2))
+TINY = recall.RecallSettings(context=32, pairs=2, d=32, max_steps=40, check_every=20, check_samples=20, hold=0,
+                             ramp=20, eval_samples=20, multiples=(1, 2))
 
 
 def test_training_stops_at_competence_and_says_when_it_did_not(tmp_path):
