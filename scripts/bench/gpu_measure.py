@@ -340,8 +340,7 @@ def markdown(summary: dict, bench: dict | None) -> str:
         check = summary["checks"].get(v)
         verdict = ", ".join(f"{p} {s}" for p, s in summary["verdicts"].get(v, {}).items())
         compile_s = check.get("compile_s") if check else None
-        lines.append(f"| {v} | `{settings or '(defaults)'}` | {verdict or '-'} | "
-                     f"{'default (full grid elsewhere)' if v == 'default' else ('not run' if check is None else check['summary'])} | "
+        lines.append(f"| {v} | `{settings or '(defaults)'}` | {verdict or '-'} | {_check_cell(v, check)} | "
                      f"{'-' if compile_s is None else compile_s} |")
     if bench:
         lengths = sorted({r["n"] for r in bench["rows"]})
@@ -386,6 +385,15 @@ def markdown(summary: dict, bench: dict | None) -> str:
         status = "time limit" if s["timed_out"] else str(s["returncode"])
         lines.append(f"| {s['step']} | {status} | {s['seconds']} | `{s['command']}` |")
     return "\n".join(lines) + "\n"
+
+
+def _check_cell(variant: str, check: dict | None) -> str:
+    if variant in VERIFIED:
+        return "checked before (bench/gpu/)"
+    if check is None or not check.get("summary"):
+        return "not run"
+    c = check["summary"]
+    return f"{c['PASS']} passed, {c['FAIL']} failed, {c['ERROR']} errors, {c['SKIP']} skipped in {c['seconds']:.0f} s"
 
 
 def environment(dry_run: bool) -> dict:
