@@ -61,27 +61,35 @@ def _wait_until_ready(proc: subprocess.Popen, url: str, log) -> None:
     raise AssertionError(f"the server did not answer {url} within {READY_TIMEOUT} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture(scope="module")
-def client(model_folder, tmp_path_factory):
-    """An OpenAI client of a server on a free loopback port, serving ``model_folder`` under the name "tiny"."""
+def _start(model_folder, log, *flags):
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "hf_resolvent.serve", str(model_folder), "--host", "127.0.0.1",
                                  "--port", str(port), "--served-model-name", "tiny", "--device", "cpu",
-                                 "--log-level", "warning"], env=env, stdout=out, stderr=subprocess.STDOUT)
+                                 "--log-level", "warning", *flags], env=env, stdout=out, stderr=subprocess.STDOUT)
+    _wait_until_ready(proc, f"http://127.0.0.1:{port}/health", log)
+    return proc, f"http://127.0.0.1:{port}/v1/completions"
+
+
+def _stop(proc):
+    proc.terminate()
     try:
-        _wait_until_ready(proc, f"http://127.0.0.1:{port}/health", log)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0,
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(model_folder, tmp_path_factory):
+    """An OpenAI client of a server on a free loopback port, serving ``model_folder`` under the name "tiny"."""
+    proc, url = _start(model_folder, tmp_path_factory.mktemp("serve") / "server.log")
+    try:
+        yield openai.OpenAI(base_url=url.removesuffix("/completions"), api_key="unused", timeout=60, max_retries=0,
                             http_client=openai.DefaultHttpxClient(trust_env=False))  # no proxy for loopback
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -131,26 +139,6 @@ def test_a_folder_without_a_model_stops_with_one_message(tmp_path, capsys):
 
 # --------------------------------------------------------------------------------------------------
 # Faults: a client that goes away, requests past the limits, a full queue, text that is not text, Ctrl-C
-
-
-def _start(model_folder, log, *flags):
-    port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "hf_resolvent.serve", str(model_folder), "--host", "127.0.0.1",
-                                 "--port", str(port), "--served-model-name", "tiny", "--device", "cpu",
-                                 "--log-level", "warning", *flags], env=env, stdout=out, stderr=subprocess.STDOUT)
-    _wait_until_ready(proc, f"http://127.0.0.1:{port}/health", log)
-    return proc, f"http://127.0.0.1:{port}/v1/completions"
-
-
-def _stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 ENDLESS = 1_000_000  # tokens: minutes of generation for the tiny model, unless it is stopped
