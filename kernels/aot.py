@@ -167,6 +167,12 @@ def parse_config(text: str) -> dict:
 KERNEL_FIELDS = ("sparse_solver", "dense_solver", "solved_copy", "attn_bwd")
 
 
+# The scripts' --dry-run tiles: every tile of the interpreter tests' size (the chunked solves' chunk and the atomic
+# backward's tiles too), so that their tiny lengths span several blocks; --config settings apply on top.
+DRY_RUN_TILES = dict(attn_m=16, attn_n=16, bwd_m=16, bwd_n=16, solve=16, sparse_m=16, sparse_grads_m=16, decode=16,
+                     chunk=16, atomic_m=16, atomic_n=16)
+
+
 def kernel_choice(cfg) -> dict:
     """{field: value} of ``cfg``'s KERNEL_FIELDS."""
     return {k: getattr(cfg, k) for k in KERNEL_FIELDS}

@@ -42,10 +42,6 @@ import sys
 import time
 
 DEFAULT_PATTERNS = ["attention", "dense", "banded:64", "exp2", "exp2:ce", "square:ce"]
-# --dry-run: every tile of the interpreter tests' size (the chunked solves' chunk and the atomic backward's tiles
-# too), so that the tiny lengths span several blocks; --config settings apply on top.
-DRY_TILES = dict(attn_m=16, attn_n=16, bwd_m=16, bwd_n=16, solve=16, sparse_m=16, sparse_grads_m=16, decode=16,
-                 chunk=16, atomic_m=16, atomic_n=16)
 # Sizes of a GPU run, and of --dry-run (the interpreter: tiny shapes, a few patterns); options given win.
 SIZES = {"gpu": {"lengths": "1024,2048,4096,8192,16384", "patterns": ",".join(DEFAULT_PATTERNS), "batch": 4,
                  "heads": 16, "head_dim": 64},
@@ -159,7 +155,7 @@ def _compile_line(row: dict, launch) -> str:
 def bench(args) -> int:
     import torch
     import triton
-    from hf_resolvent.backends.triton import block_config
+    from hf_resolvent.backends.triton import aot, block_config
 
     dtype = getattr(torch, args.dtype)
     B, H, d = args.batch, args.heads, args.head_dim
@@ -168,7 +164,7 @@ def bench(args) -> int:
                "head_dim": d, "dtype": args.dtype, "configs": args.configs, "dry_run": args.dry_run, "rows": []}
     tiles = contextlib.nullcontext()
     if args.dry_run:  # 16-row tiles, as the interpreter tests: every length spans several blocks
-        tiles = block_config(**DRY_TILES)
+        tiles = block_config(**aot.DRY_RUN_TILES)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with tiles:
         for n in (int(v) for v in args.lengths.split(",")):

@@ -98,10 +98,6 @@ DRY_SELECTION = {
     ("decode", "tiny-cache"): [(DRY_PATTERNS, ("float32",)), (["dense"], ("bfloat16",))],
     ("decode_tied", "tiny-cache"): [(["exp2:ce"], ("bfloat16",))],
 }
-# --dry-run: every tile at 16 rows (the chunked solves' chunk and the atomic backward's tiles too), so that the
-# tiny lengths span several blocks; --config settings apply on top.
-DRY_TILES = dict(attn_m=16, attn_n=16, bwd_m=16, bwd_n=16, solve=16, sparse_m=16, sparse_grads_m=16, decode=16,
-                 chunk=16, atomic_m=16, atomic_n=16)
 PARALLEL_F64_BYTES = 6 << 30
 WARM_LIMIT_S = 300  # the compile workers are stopped after this
 
@@ -555,11 +551,13 @@ def main(argv=None) -> int:
               "checks on CPU through Triton's interpreter at tiny shapes.", file=sys.stderr)
         return 2
 
+    from hf_resolvent.backends.triton import aot
+
     from hf_resolvent.backends import triton as kernels
 
     cases = plan_cases(args)
     # --dry-run: 16-row tiles, as tests/backends/test_triton.py; --config on top
-    tiles = kernels.block_config(**{**(DRY_TILES if args.dry_run else {}), **args.settings})
+    tiles = kernels.block_config(**{**(aot.DRY_RUN_TILES if args.dry_run else {}), **args.settings})
     kernels.set_nan_fill(True)
     with tiles:
         runner = Runner(args, device)

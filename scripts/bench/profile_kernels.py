@@ -23,10 +23,8 @@ import json
 import os
 import sys
 
-# --dry-run: tiny shapes and the interpreter tests' 16-row tiles (bench_kernels.py's DRY_TILES)
+# --dry-run: tiny shapes, at the tiles of aot.DRY_RUN_TILES
 DRY = dict(lengths="32", batch=1, heads=2, head_dim=16, steps=1)
-DRY_TILES = dict(attn_m=16, attn_n=16, bwd_m=16, bwd_n=16, solve=16, sparse_m=16, sparse_grads_m=16, decode=16,
-                 chunk=16, atomic_m=16, atomic_n=16)
 
 
 def parse_args(argv=None):
@@ -114,7 +112,7 @@ def main(argv=None) -> int:
     results = []
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for settings in args.configs:
-        with block_config(**{**(DRY_TILES if args.dry_run else {}), **settings}) as cfg:
+        with block_config(**{**(aot.DRY_RUN_TILES if args.dry_run else {}), **settings}) as cfg:
             # the case line names the kernels it ran, whatever the defaults of the day (roofline.py reads it)
             label = aot.config_label({**aot.kernel_choice(cfg), **settings})
             for n in (int(v) for v in args.lengths.split(",")):
