@@ -37,13 +37,15 @@ def output_problem(path: str | os.PathLike, flag: str, kind: str = "folder") -> 
     ``kind="file"``), or None."""
     path = Path(path)
     if kind == "folder" and path.exists() and not path.is_dir():
-        return f"{flag} {path} is an existing file, not a folder; pass a folder (one that does not exist is created)"
+        return (f"{flag} {path} is an existing file, not a folder; pass a folder (one that does not exist yet is "
+                f"created), or move the file away")
     if kind == "file" and path.is_dir():
         return f"{flag} {path} is a folder; pass the path of a file to write"
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
-                return f"{flag} {path} is inside {parent}, which is a file; pass a path under a folder"
+                return (f"{flag} {path} is inside {parent}, which is a file, not a folder; pass a path under a "
+                        f"folder, or move the file away")
             if not os.access(parent, os.W_OK | os.X_OK):
                 return f"{flag} {path}: cannot write in {parent}; pass a path in a folder you can write to"
             break

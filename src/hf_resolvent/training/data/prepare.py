@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...files import atomic_write_bytes, atomic_write_json, file_problem, file_record, file_sha256
+from ..cli import output_problem
 from .corpus import DEFAULT_VAL_FRACTION, EOT, OWT_VAL_FRACTION, STDLIB, corpus_fingerprint
 from .errors import DataError
 from .manifest import DATA_FORMAT, MANIFEST, PREPARED_FILES, TOKEN_DTYPE, TOKENIZER_FILES, read_json, verify_prepared
@@ -227,14 +228,8 @@ def _finished_shard(out: Path, shard: int, first_doc: int, num_docs: int, forced
 def _check_output_dir(out: Path) -> None:
     """Raise :class:`DataError` when ``out``, or the nearest existing path above it, is not a folder (the folder
     could not be created: the OS would say NotADirectoryError or FileExistsError half-way through)."""
-    for path in (out, *out.parents):
-        if not path.exists():
-            continue
-        if path.is_dir():
-            return
-        where = "is an existing file" if path == out else f"is inside {path}, which is a file"
-        raise DataError(f"--output-dir {out} {where}, not a folder; pass a folder (one that does not exist yet is "
-                        f"created), or move the file away")
+    if problem := output_problem(out, "--output-dir"):
+        raise DataError(problem)
 
 
 def _clear(out: Path) -> None:
