@@ -200,9 +200,12 @@ class ServedModel:
                 self.release()
                 streamer.end()  # the end mark, also where generate() stopped early or failed before its own
 
+        # started here, not in events(): a response whose body is never read still ends its generation and frees
+        # its place in the queue (bounded by max_tokens, when nothing cancels it)
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+
         async def events():
-            worker = threading.Thread(target=run, daemon=True)
-            worker.start()
             completion_id = _completion_id()
             chunks, watch = iter(streamer), _ClientWatch(gone, cancel)
             try:
