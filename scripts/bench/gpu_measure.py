@@ -248,15 +248,18 @@ def run_bench(args, steps: Steps, timed: dict, seconds: float) -> dict | None:
 
 
 def run_profiles(args, steps: Steps, timed: dict, seconds: float) -> dict:
+    from hf_resolvent.training.models import mixer_slug
+
     results, t0 = {}, time.monotonic()
     for i, pattern in enumerate(PROFILED):
         variants = [v for v in timed if pattern in timed[v]]
-        out = steps.out / f"profile_{pattern.replace(':', '_')}"
+        name = f"profile_{mixer_slug(pattern)}"
+        out = steps.out / name
         cmd = script("profile_kernels.py") + ["--out", str(out), "--patterns", pattern,
                                               "--lengths", SIZES[args.mode]["profile_lengths"]]
         cmd += [f"--config={VARIANTS[v]}" for v in variants] + (["--dry-run"] if args.dry_run else [])
         share = (seconds - (time.monotonic() - t0)) / (len(PROFILED) - i)
-        steps.run(f"profile_{pattern.replace(':', '_')}", cmd, share)
+        steps.run(name, cmd, share)
         path = out.with_suffix(".json")
         if path.exists():
             results[pattern] = json.loads(path.read_text())
