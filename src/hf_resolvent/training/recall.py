@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,6 @@ class RecallSettings:
     target: float = 0.99  # accuracy at T that ends training
     eval_samples: int = 1000  # per length
     multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
-    extra: dict = field(default_factory=dict)  # config overrides of every model (e.g. {"n_layer": 4})
 
     @property
     def chance(self) -> dict:
@@ -64,7 +63,7 @@ def build_task_model(mixer, s: RecallSettings, position_embedding: str):
     ``position_embedding``, or GPT-2 (``mixer="gpt2"``, learned positions) at the same shape."""
     vocab = S.Vocab(*s.vocab)
     shape = {"n_layer": s.layers, "n_embd": s.d, "n_head": s.heads, "n_inner": 4 * s.d, "n_positions": s.context,
-             "bos_token_id": S.BOS, "eos_token_id": S.SEP, "pad_token_id": S.PAD, **s.extra}
+             "bos_token_id": S.BOS, "eos_token_id": S.SEP, "pad_token_id": S.PAD}
     if mixer != "gpt2":
         shape["position_embedding"] = position_embedding
     cfg = {"type": "gpt2" if mixer == "gpt2" else "resolvent", "preset": "tiny", "mixer": mixer, "overrides": shape}
@@ -150,6 +149,18 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
     return result
 
 
+def _by_model(rows: list[dict]) -> dict[str, list[dict]]:
+    by_model: dict[str, list[dict]] = {}
+    for r in rows:
+        by_model.setdefault(r["model"], []).append(r)
+    return by_model
+
+
+def _accuracy_at(row: dict, n: int) -> float | None:
+    """A row's accuracy at length n (JSON read back keys it by the string)."""
+    return row["accuracy"].get(n, row["accuracy"].get(str(n)))
+
+
 def markdown(result: dict) -> str:
     """The accuracy table: mean over seeds (min-max), the training length's accuracy and steps per model."""
     s = result["settings"]
@@ -158,16 +169,12 @@ def markdown(result: dict) -> str:
              f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell.", "",
              "| model | seeds | steps to competence | " + " | ".join(f"{n}" for n in lengths) + " |",
              "|---|---:|---|" + "---:|" * len(lengths)]
-    by_model: dict[str, list[dict]] = {}
-    for r in result["rows"]:
-        by_model.setdefault(r["model"], []).append(r)
-    for model, rows in by_model.items():
+    for model, rows in _by_model(result["rows"]).items():
         steps = ", ".join(f"{r['training']['steps']}" + ("" if r["training"]["reached"] else " (not reached)")
                           for r in rows)
         cells = []
         for n in lengths:
-            values = [r["accuracy"].get(n, r["accuracy"].get(str(n))) for r in rows]
-            values = [v for v in values if v is not None]
+            values = [v for v in (_accuracy_at(r, n) for r in rows) if v is not None]
             if not values:
                 cells.append("-")
             elif len(values) == 1:
@@ -186,12 +193,9 @@ def plot(result: dict, path: Path) -> None:
 
     s = result["settings"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    by_model: dict[str, list[dict]] = {}
-    for r in result["rows"]:
-        by_model.setdefault(r["model"], []).append(r)
-    for i, (model, rows) in enumerate(by_model.items()):
+    for i, (model, rows) in enumerate(_by_model(result["rows"]).items()):
         lengths = sorted({int(n) for r in rows for n in r["accuracy"]})
-        mean = [np.mean([r["accuracy"].get(n, r["accuracy"].get(str(n))) for r in rows]) for n in lengths]
+        mean = [np.mean([_accuracy_at(r, n) for r in rows]) for n in lengths]
         ax.plot(lengths, mean, marker="o", label=model, color=f"C{i % 10}",
                 linestyle="--" if "[none]" in model else "-")
     ax.axhline(1 / s["pairs"], color="grey", lw=0.8, ls=":", label="chance over the values present")
