@@ -79,39 +79,27 @@ def _check_folder(folder: Path) -> dict:
 
 
 def _check_weights(folder: Path) -> None:
-    """Every weight file of ``folder`` (the shards of an index too) opens and holds finite values, tensor by tensor."""
+    """Every weight file of ``folder`` opens and holds finite values: the safetensors files (the shards of an index
+    too) as from_pretrained checks them, a legacy pytorch_model.bin tensor by tensor."""
     import torch
-    from safetensors import SafetensorError, safe_open
 
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
+    from hf_resolvent.remote_code import check_saved_weights
+
+    try:
+        check_saved_weights(folder)
+    except OSError as err:  # it names the file and the fix
+        raise HubError(str(err)) from None
+    legacy = folder / "pytorch_model.bin"
+    if legacy.is_file() and not (folder / "model.safetensors").is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise HubError(f"{index} is not a weight index ({type(err).__name__}: {err}); save the model again "
-                           f"with model.save_pretrained") from None
-    else:
-        shards = [f for f in ("model.safetensors", "pytorch_model.bin") if (folder / f).exists()]
-    for name in shards:
-        path = folder / name
-        if not path.is_file():
-            raise HubError(f"{path} is listed in {index.name} but missing; the folder is incomplete: save the "
-                           f"model again with model.save_pretrained")
-        try:
-            if name.endswith(".bin"):
-                tensors = torch.load(path, map_location="cpu", weights_only=True).items()
-            else:
-                handle = safe_open(str(path), framework="pt")
-                tensors = ((key, handle.get_tensor(key)) for key in handle.keys())
-            for key, tensor in tensors:
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise HubError(f"{path} holds NaN or infinite values in {key}: the weights are not worth "
-                                   f"uploading; use an earlier checkpoint of the run")
-        except HubError:
-            raise
-        except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as err:
-            raise HubError(f"{path} cannot be read ({type(err).__name__}: {err}); the file is damaged or cut short: "
-                           f"save the model again (model.save_pretrained) or use a checkpoint of the run") from None
+            tensors = torch.load(legacy, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, ValueError, EOFError) as err:
+            raise HubError(f"cannot read the weights file {legacy} ({type(err).__name__}: {err}): the file is "
+                           f"truncated or damaged; save the model again (model.save_pretrained)") from None
+        bad = next((key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+        if bad is not None:
+            raise HubError(f"the weights file {legacy} holds NaN or infinite values in {bad}: the weights are not "
+                           f"worth uploading; use an earlier checkpoint of the run")
 
 
 def prepare_staging(dest: Path, folder: Path) -> None:

@@ -60,6 +60,7 @@ __all__ = [
     "SHIPPED_OPS",
     "add_architecture_record",
     "architecture_record",
+    "check_saved_weights",
     "check_weight_files",
     "check_weight_index",
     "read_weight_index",
@@ -179,8 +180,31 @@ def check_weight_files(config: ResolventConfig, files: list[str] | None) -> None
     """Before from_pretrained reads any weight: every safetensors file must open and hold finite floating weights
     (else an OSError naming the file, and the tensor), and the model recorded at save time (the mixer of each layer,
     the positions) must be the one ``config`` builds (else a warning naming the differences)."""
+    saved = _read_checked(files or [])
+    if saved is not None:  # else saved without these records (by other code): nothing to compare
+        differences = _architecture_differences(config, saved[1])
+        if differences:
+            warnings.warn(
+                f"the weights in {saved[0]} do not match the model the config loading them builds: "
+                f"{'; '.join(differences)}. The outputs will not be those of the trained model: load with the saved "
+                "config.json (restore it, or drop the overrides given to from_pretrained), or fine-tune if the change "
+                "is intended",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+def check_saved_weights(folder: str | os.PathLike, variant: str | None = None) -> None:
+    """The checks of :func:`check_weight_files` on a saved folder's safetensors files (the single file and the shards
+    its index lists), for tools that read a folder without loading it (push_to_hub): an OSError naming the file."""
+    _read_checked([str(path) for path in _saved_weight_files(Path(folder), variant)])
+
+
+def _read_checked(files: list) -> tuple[str, dict] | None:
+    """Every safetensors file of ``files`` opened and its floating tensors found finite (else an OSError naming the
+    file, and the tensor); returns the first file holding the architecture record, with its metadata."""
     saved = None
-    for file in files or []:
+    for file in files:
         if not str(file).endswith(".safetensors"):
             continue
         if not os.path.isfile(file):  # a shard listed in the index but not there
@@ -204,17 +228,7 @@ def check_weight_files(config: ResolventConfig, files: list[str] | None) -> None
             )
         if saved is None and MIXERS_METADATA_KEY in metadata:
             saved = (file, metadata)
-    if saved is not None:  # else saved without these records (by other code): nothing to compare
-        differences = _architecture_differences(config, saved[1])
-        if differences:
-            warnings.warn(
-                f"the weights in {saved[0]} do not match the model the config loading them builds: "
-                f"{'; '.join(differences)}. The outputs will not be those of the trained model: load with the saved "
-                "config.json (restore it, or drop the overrides given to from_pretrained), or fine-tune if the change "
-                "is intended",
-                UserWarning,
-                stacklevel=2,
-            )
+    return saved
 
 
 def _mixer_specs(config: ResolventConfig) -> list[str]:

@@ -157,7 +157,8 @@ def test_a_damaged_model_is_refused_before_anything_is_staged(model_folder, tmp_
     for extra in (["--dry-run", str(dest)], ["--token", "hf_dummy"]):  # dry run or not
         assert push.main([str(model), "--repo-id", "someone/x", *extra]) == 2
         err = capsys.readouterr().err
-        expected = {"truncated weights": "cannot be read", "NaN weights": "NaN or infinite values",
-                    "broken config": "is not valid JSON", "missing shard": "listed in"}[damage]
+        expected = {"truncated weights": "cannot read the weights file", "NaN weights": "NaN or infinite values",
+                    "broken config": "is not valid JSON", "missing shard": "is missing: the model folder is incomplete"}[
+            damage]  # the messages of from_pretrained's checks, which push_to_hub shares
         assert expected in err and "Traceback" not in err, err
     assert not dest.exists() and not (tmp_path / "upload.manifest.json").exists()
