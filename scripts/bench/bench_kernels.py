@@ -258,13 +258,12 @@ def first_call(fn, leaves, grad, dry_run: bool) -> float:
     the on-disk cache) and the launch set-up, which the steady times of do_bench leave out."""
     import torch
 
-    for t in leaves:
-        t.grad = None
-    t0 = time.perf_counter()
-    fn().backward(grad)
-    if not dry_run:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
+    def step():
+        fn().backward(grad)
+        if not dry_run:
+            torch.cuda.synchronize()
+
+    return _time_once(step, leaves)
 
 
 def _time_once(step, leaves) -> float:
