@@ -5,6 +5,7 @@
     python scripts/recall_at_distance.py --out runs/recall                      # 5 mixers x RoPE / none, seed 0
     python scripts/recall_at_distance.py --mixers attention exp2:ce --positions none --seeds 0 1 2 --pairs 8 --out runs/r8
     python scripts/recall_at_distance.py --quick --out runs/recall_quick        # the plumbing, a minute
+    python scripts/recall_at_distance.py --out runs/recall --resume             # continue a run that was cut short
 
 OUT gets results.json (settings, chance levels, one row per model and seed: its training record and accuracy by
 length), results.md and recall.png.
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per length")
     p.add_argument("--multiples", nargs="+", type=int, default=list(d.multiples), help="lengths as multiples of T")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run whose results.json is in --out: train only the models it lacks")
     p.add_argument("--quick", action="store_true", help="tiny settings: checks the plumbing (results mean nothing)")
     return p
 
@@ -68,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(f"--context {settings.context} / --pairs {settings.pairs}: {err}")
     out = Path(args.out)
-    result = run(args.mixers, args.seeds, args.positions, settings, out, torch.device(args.device))
+    try:
+        result = run(args.mixers, args.seeds, args.positions, settings, out, torch.device(args.device),
+                     resume=args.resume)
+    except (FileExistsError, ValueError) as err:
+        parser.error(str(err))
     (out / "results.md").write_text(markdown(result))
     plot(result, out / "recall.png")
     print(markdown(result))

@@ -52,3 +52,23 @@ def test_the_script_checks_its_settings_before_training(tmp_path, capsys):
     assert "cannot hold BOS, 4 pairs" in capsys.readouterr().err
     assert script.main(["--quick", "--mixers", "exp2:ce", "--positions", "none", "--out", str(tmp_path / "q")]) == 0
     assert {p.name for p in (tmp_path / "q").iterdir()} == {"results.json", "results.md", "recall.png"}
+    with pytest.raises(SystemExit):  # the same folder again: refused, not overwritten
+        script.main(["--quick", "--mixers", "exp2:ce", "--positions", "none", "--out", str(tmp_path / "q")])
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_a_run_cut_short_resumes_without_retraining_and_never_overwrites(tmp_path):
+    logs = []
+    first = recall.run(["attention"], [0], ["none"], TINY, tmp_path, torch.device("cpu"), logs.append)
+    with pytest.raises(FileExistsError, match="--resume"):  # an earlier run's results are never overwritten
+        recall.run(["attention"], [0, 1], ["none"], TINY, tmp_path, torch.device("cpu"), logs.append)
+    with pytest.raises(ValueError, match=r"settings differ in pairs \(2 there, 3 now\)"):
+        recall.run(["attention"], [0, 1], ["none"], replace(TINY, pairs=3), tmp_path, torch.device("cpu"),
+                   logs.append, resume=True)
+    logs.clear()
+    second = recall.run(["attention"], [0, 1], ["none"], TINY, tmp_path, torch.device("cpu"), logs.append,
+                        resume=True)
+    assert second["rows"][0] == json.loads(json.dumps(first["rows"][0]))  # kept as written, not retrained
+    assert [r["seed"] for r in second["rows"]] == [0, 1]
+    assert sum("seed 0: kept from" in line for line in logs) == 1 and not any("seed 0 step" in line for line in logs)
+    assert len(json.loads((tmp_path / "results.json").read_text())["rows"]) == 2

@@ -129,16 +129,23 @@ def _name(mixer, position_embedding: str) -> str:
     return spec if spec == "gpt2" else f"{spec} [{position_embedding}]"
 
 
-def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings, out: Path, device, log=print) -> dict:
+def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings, out: Path, device, log=print,
+        resume: bool = False) -> dict:
     """Train and read every (mixer, position encoding, seed); writes ``out/results.json`` after every model (a run
     cut short keeps what it measured) and returns the results: ``{"settings", "chance", "rows": [{"model",
-    "mixer", "positions", "seed", "training": record, "accuracy": {length: value}}]}``."""
+    "mixer", "positions", "seed", "training": record, "accuracy": {length: value}}]}``.
+
+    ``resume``: keep the rows of the ``out/results.json`` an earlier run with the same settings wrote, and train
+    only the models it lacks. Without it, an existing ``results.json`` is refused rather than overwritten."""
+    settings = {**asdict(s), "vocab": list(s.vocab), "multiples": list(s.multiples)}
+    result = {"settings": settings, "chance": s.chance, "rows": _earlier_rows(out / "results.json", settings, resume)}
     out.mkdir(parents=True, exist_ok=True)
-    result = {"settings": {**asdict(s), "vocab": list(s.vocab), "multiples": list(s.multiples)}, "chance": s.chance,
-              "rows": []}
     for mixer in mixers:
         for pe in (["learned"] if mixer == "gpt2" else positions):
             for seed in seeds:
+                if any(r["model"] == _name(mixer, pe) and r["seed"] == seed for r in result["rows"]):
+                    log(f"[recall] {_name(mixer, pe)} seed {seed}: kept from {out / 'results.json'}")
+                    continue
                 model, record = train_to_competence(mixer, seed, s, pe, device, log)
                 lengths = [k * s.context for k in s.multiples if mixer != "gpt2" or k == 1]
                 acc = {n: accuracy(model, s, n, s.eval_samples, seed, device) for n in lengths}
@@ -147,6 +154,23 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
                                        "training": record, "accuracy": acc})
                 (out / "results.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _earlier_rows(path: Path, settings: dict, resume: bool) -> list[dict]:
+    """The rows of an earlier run's ``results.json`` to continue from ([] when there is none)."""
+    if not path.exists():
+        return []
+    if not resume:
+        raise FileExistsError(f"{path} holds an earlier run's results: continue it with --resume (resume=True), or "
+                              "write to another folder")
+    earlier = json.loads(path.read_text())
+    changed = sorted(k for k in settings.keys() | earlier["settings"].keys()
+                     if settings.get(k) != earlier["settings"].get(k))
+    if changed:
+        raise ValueError(f"cannot resume {path}: its settings differ in " + ", ".join(
+            f"{k} ({earlier['settings'].get(k)} there, {settings.get(k)} now)" for k in changed)
+            + "; run with the same settings, or write to another folder")
+    return earlier["rows"]
 
 
 def _by_model(rows: list[dict]) -> dict[str, list[dict]]:
