@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Recall at a distance with decoys: train small models to competence at context T, read them at up to 16 x T
+"""Recall at a distance (the passkey with decoys, MQAR): train small models to competence at context T, read them at up to 16 x T
 (``hf_resolvent.training.recall`` describes the task and the rule; docs/benchmarks.md the results).
 
     python scripts/recall_at_distance.py --out runs/recall                      # 5 mixers x RoPE / none, seed 0
     python scripts/recall_at_distance.py --mixers attention exp2:ce --positions none --seeds 0 1 2 --pairs 8 --out runs/r8
+    python scripts/recall_at_distance.py --task mqar --context 128 --pairs 8 --out runs/mqar8
     python scripts/recall_at_distance.py --quick --out runs/recall_quick        # the plumbing, a minute
     python scripts/recall_at_distance.py --out runs/recall --resume             # continue a run that was cut short
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from hf_resolvent.training import cli
-from hf_resolvent.training.recall import RecallSettings, markdown, plot, run
+from hf_resolvent.training.recall import TASKS, RecallSettings, markdown, plot, run
 from hf_resolvent.training.synthetic import Vocab, passkey_batch
 
 MIXERS = ["attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied"]
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixers", nargs="+", default=MIXERS, help="mixer specs, and gpt2 (learned positions)")
     p.add_argument("--positions", nargs="+", default=["rope", "none"], choices=["rope", "learned", "none"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--task", default=d.task, choices=sorted(TASKS),
+                   help="decoy: the passkey with decoys (one pair asked); mqar: every pair asked, all far back")
     p.add_argument("--pairs", type=int, default=d.pairs)
     p.add_argument("--context", type=int, default=d.context, help="training length T")
     p.add_argument("--layers", type=int, default=d.layers)
@@ -60,14 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check(parser, device=args.device, folders=[("--out", args.out)])
-    settings = RecallSettings(context=args.context, pairs=args.pairs, d=args.d, layers=args.layers, heads=args.heads,
+    settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers, heads=args.heads,
                               lr=args.lr, batch=args.batch,
                               max_steps=args.max_steps, target=args.target, eval_samples=args.eval_samples,
                               multiples=tuple(args.multiples))
     if args.quick:
         settings = replace(settings, **QUICK)
     try:  # the shortest samples hold the pairs: checked now, not after a model has trained
-        passkey_batch(Vocab(*settings.vocab), settings.context, settings.pairs, 1, np.random.default_rng(0), far=True)
+        passkey_batch(Vocab(*settings.vocab), settings.context, settings.pairs, 1, np.random.default_rng(0), far=True,
+                      queries=settings.read_queries)
     except ValueError as err:
         parser.error(f"--context {settings.context} / --pairs {settings.pairs}: {err}")
     out = Path(args.out)

@@ -72,3 +72,40 @@ def test_a_run_cut_short_resumes_without_retraining_and_never_overwrites(tmp_pat
     assert [r["seed"] for r in second["rows"]] == [0, 1]
     assert sum("seed 0: kept from" in line for line in logs) == 1 and not any("seed 0 step" in line for line in logs)
     assert len(json.loads((tmp_path / "results.json").read_text())["rows"]) == 2
+
+
+class _Oracle(torch.nn.Module):
+    """Answers a query key with the value that followed it in the sample, at the last ``answered`` positions only."""
+
+    def __init__(self, answered: int):
+        super().__init__()
+        self.answered = answered
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+
+        logits = torch.zeros(*input_ids.shape, 64)
+        for b, row in enumerate(input_ids.tolist()):
+            follows = {row[t]: row[t + 1] for t in range(len(row) - self.answered - 1)}  # the pairs, not the queries
+            for t in range(len(row) - self.answered, len(row)):
+                logits[b, t, follows[row[t]]] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_accuracy_counts_every_answer_of_a_sample():
+    """The decoy task asks one pair, MQAR every pair: a model that answers only the last query is right on every
+    decoy sample and on a quarter of MQAR's answers (4 pairs)."""
+    decoy, mqar = replace(TINY, pairs=4, context=64), replace(TINY, task="mqar", pairs=4, context=64)
+    assert mqar.read_queries == 4 and decoy.read_queries == 1
+    assert recall.accuracy(_Oracle(1), decoy, 64, 40, 0, "cpu") == 1.0
+    assert recall.accuracy(_Oracle(1), mqar, 64, 40, 0, "cpu") == 0.25
+    assert recall.accuracy(_Oracle(4), mqar, 128, 40, 0, "cpu") == 1.0
+    with pytest.raises(ValueError, match="task must be one of"):
+        replace(TINY, task="passkey")
+
+
+def test_mqar_runs_end_to_end_and_names_its_task(tmp_path):
+    result = recall.run(["attention"], [0], ["none"], replace(TINY, task="mqar"), tmp_path, torch.device("cpu"),
+                        lambda *a: None)
+    assert result["settings"]["task"] == "mqar" and set(result["rows"][0]["accuracy"]) == {32, 64}
+    assert recall.markdown(result).startswith("MQAR at a distance, 2 pairs, trained at T = 32")

@@ -375,7 +375,7 @@ def test_passkey_samples_hold_distinct_keys_and_the_asked_pair_far_back():
         (asked,) = keys[row[keys] == row[-1]]
         assert row[asked + 1] == answer and asked + 1 < 16  # in the first quarter
         assert (keys[keys != asked] >= 16).all()  # every decoy after it
-    with pytest.raises(ValueError, match="cannot hold BOS, 8 pairs and the query"):
+    with pytest.raises(ValueError, match="cannot hold BOS, 8 pairs and 1 query"):
         S.passkey_batch(vocab, 16, 8, 1, np.random.default_rng(0))
     # training samples may end in several queries: distinct keys of the sample's pairs, each labelled
     batch = S.passkey_batch(vocab, 32, 4, 50, np.random.default_rng(1), queries=3)
@@ -384,4 +384,24 @@ def test_passkey_samples_hold_distinct_keys_and_the_asked_pair_far_back():
         assert len(set(row[-3:])) == 3 and [pairs[int(k)] for k in row[-3:]] == list(label[-3:])
         assert (label[:-3] == S.IGNORE).all()
     with pytest.raises(ValueError, match="queries must be in"):
-        S.passkey_batch(vocab, 32, 4, 1, np.random.default_rng(0), far=True, queries=2)
+        S.passkey_batch(vocab, 32, 4, 1, np.random.default_rng(0), queries=5)
+
+
+def test_mqar_at_a_distance_asks_every_pair_and_holds_them_all_far_back():
+    vocab = S.Vocab(8, 16, 16)
+    batch = S.passkey_batch(vocab, 64, 4, 100, np.random.default_rng(2), far=True, queries=4)
+    for row, label in zip(batch.input_ids.numpy(), batch.labels.numpy()):
+        keys = np.flatnonzero(vocab.is_key(row[:-4]))
+        assert len(keys) == 4 and (keys + 1 < 16).all()  # every pair in the first quarter
+        pairs = {int(row[t]): int(row[t + 1]) for t in keys}
+        assert sorted(row[-4:]) == sorted(pairs) and [pairs[int(k)] for k in row[-4:]] == list(label[-4:])
+    with pytest.raises(ValueError, match="the asked pairs in the first quarter"):
+        S.passkey_batch(vocab, 32, 4, 1, np.random.default_rng(0), far=True, queries=4)  # a quarter of 8 tokens
+
+
+def test_mqar_at_a_distance_needs_the_keys():
+    """A bag of tokens, which sees every pair but not which key each value follows, answers at chance over the
+    values present."""
+    vocab = S.Vocab(8, 16, 16)
+    bag = _bag_of_tokens_accuracy(lambda rng, n: S.passkey_batch(vocab, 64, 4, n, rng, far=True, queries=4), vocab)
+    assert bag < 0.4

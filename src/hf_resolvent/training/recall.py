@@ -1,11 +1,13 @@
-"""Recall at a distance: small models trained to competence on the passkey with decoys at a context T, then read at
-multiples of T (``scripts/recall_at_distance.py`` runs it; docs/benchmarks.md shows the results).
+"""Recall at a distance: small models trained to competence on a recall task at a context T, then read at multiples
+of T (``scripts/recall_at_distance.py`` runs it; docs/benchmarks.md shows the results).
 
-The task (:func:`hf_resolvent.training.synthetic.passkey_batch`): ``pairs`` (key, value) bigrams among filler tokens
-and, last, the key of one of them; the model must answer its value. Trained on samples of T tokens with the pairs
-anywhere; read with the asked pair in the first quarter and the decoys after it, so that at length n the answer
-lies at least 3n/4 back. A model that ignores order cannot tell which value present is asked (a bag-of-tokens
-model scores about 1/pairs: tests/training/test_synthetic.py).
+The tasks (:func:`hf_resolvent.training.synthetic.passkey_batch`): ``pairs`` (key, value) bigrams among filler
+tokens, then keys of some of them; the model must answer each key's value. ``decoy``, the passkey with decoys, asks
+one pair: read with the asked pair in the first quarter and the decoys after it, so that at length n the answer lies
+at least 3n/4 back and every other value present is nearer. ``mqar``, multi-query associative recall at a distance,
+asks every pair: read with all of them in the first quarter. Both train on samples of T tokens with the pairs
+anywhere, ending in ``queries`` keys. A model that ignores order cannot tell which value present is asked (a
+bag-of-tokens model scores about 1/pairs: tests/training/test_synthetic.py).
 
 Competence before extrapolation: a model trains until its accuracy at T, on fresh samples laid out as the longer
 lengths are, reaches ``target`` (checked every ``check_every`` steps once the training length is T), or until
@@ -34,6 +36,7 @@ from .optim import build_optimizer
 
 @dataclass
 class RecallSettings:
+    task: str = "decoy"  # "decoy": the passkey with decoys (one pair asked); "mqar": every pair asked
     context: int = 64  # T, the training length
     pairs: int = 4
     vocab: tuple[int, int, int] = (8, 16, 16)  # filler, key and value tokens
@@ -43,7 +46,7 @@ class RecallSettings:
     lr: float = 1e-3
     warmup: int = 100
     batch: int = 32
-    queries: int = 4  # answers per training sample (the keys of that many pairs end it); reading asks one
+    queries: int = 4  # answers per decoy training sample (the keys of that many pairs end it); mqar asks every pair
     hold: int = 1000  # steps on the pairs and queries alone (no filler) before the training length grows
     ramp: int = 2000  # steps over which it then grows to T
     max_steps: int = 8000
@@ -53,9 +56,21 @@ class RecallSettings:
     eval_samples: int = 1000  # per length
     multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
 
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"recall: task must be one of {sorted(TASKS)}, got {self.task!r}")
+
+    @property
+    def read_queries(self) -> int:
+        """Pairs asked per sample when reading a length: one (decoy) or every one (mqar)."""
+        return 1 if self.task == "decoy" else self.pairs
+
     @property
     def chance(self) -> dict:
         return {"values": 1 / self.vocab[2], "values_present": 1 / self.pairs}
+
+
+TASKS = {"decoy": "Passkey with decoys", "mqar": "MQAR at a distance"}
 
 
 def build_task_model(mixer, s: RecallSettings, position_embedding: str):
@@ -77,16 +92,17 @@ def _answer_loss(model, batch: S.Batch, device) -> torch.Tensor:
 
 @torch.no_grad()
 def accuracy(model, s: RecallSettings, length: int, n_samples: int, seed: int, device, batch_size: int = 50) -> float:
-    """Accuracy on ``n_samples`` fresh samples of ``length`` tokens, the asked pair far back (``far=True``)."""
+    """Accuracy over the answers of ``n_samples`` fresh samples of ``length`` tokens, the asked pairs far back
+    (``far=True``)."""
     vocab, rng = S.Vocab(*s.vocab), np.random.default_rng([seed, length, 2**31 - 1])
-    was, right = model.training, 0
+    was, right, q = model.training, 0, s.read_queries
     model.eval()
     for i in range(0, n_samples, batch_size):
-        batch = S.passkey_batch(vocab, length, s.pairs, min(batch_size, n_samples - i), rng, far=True)
-        right += int((model(input_ids=batch.input_ids.to(device)).logits[:, -1].argmax(-1).cpu()
-                      == batch.labels[:, -1]).sum())
+        batch = S.passkey_batch(vocab, length, s.pairs, min(batch_size, n_samples - i), rng, far=True, queries=q)
+        answers = model(input_ids=batch.input_ids.to(device)).logits[:, -q:].argmax(-1).cpu()
+        right += int((answers == batch.labels[:, -q:]).sum())
     model.train(was)
-    return right / n_samples
+    return right / (n_samples * q)
 
 
 def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding: str, device, log=print):
@@ -97,7 +113,7 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     model = build_task_model(mixer, s, position_embedding).to(device).train()
     opt = build_optimizer(model, s.lr, betas=(0.9, 0.98), weight_decay=0.1, fused=False)
     vocab, rng = S.Vocab(*s.vocab), np.random.default_rng([seed, 0])
-    queries = min(s.queries, s.pairs)
+    queries = s.pairs if s.task == "mqar" else min(s.queries, s.pairs)
     shortest = 1 + 2 * s.pairs + queries  # BOS, the pairs and the queries, no filler
     t0, acc, step = time.time(), 0.0, 0
     while step < s.max_steps:
@@ -173,6 +189,11 @@ def _earlier_rows(path: Path, settings: dict, resume: bool) -> list[dict]:
     return earlier["rows"]
 
 
+def _task_title(settings: dict) -> str:
+    """"Passkey with decoys, 4 pairs", from a result's settings (files from before ``task`` are the decoy task)."""
+    return f"{TASKS[settings.get('task', 'decoy')]}, {settings['pairs']} pairs"
+
+
 def _by_model(rows: list[dict]) -> dict[str, list[dict]]:
     by_model: dict[str, list[dict]] = {}
     for r in rows:
@@ -189,7 +210,7 @@ def markdown(result: dict) -> str:
     """The accuracy table: mean over seeds (min-max), the training length's accuracy and steps per model."""
     s = result["settings"]
     lengths = [k * s["context"] for k in s["multiples"]]
-    lines = [f"Passkey with {s['pairs']} pairs (decoys), trained at T = {s['context']}; chance {1 / s['vocab'][2]:.3f} "
+    lines = [f"{_task_title(s)}, trained at T = {s['context']}; chance {1 / s['vocab'][2]:.3f} "
              f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell.", "",
              "| model | seeds | steps to competence | " + " | ".join(f"{n}" for n in lengths) + " |",
              "|---|---:|---|" + "---:|" * len(lengths)]
@@ -224,10 +245,10 @@ def plot(result: dict, path: Path) -> None:
                 linestyle="--" if "[none]" in model else "-")
     ax.axhline(1 / s["pairs"], color="grey", lw=0.8, ls=":", label="chance over the values present")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (asked pair in the first quarter)")
+    ax.set_xlabel("sequence length (asked pairs in the first quarter)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1.02)
-    ax.set_title(f"passkey with {s['pairs']} pairs, trained at T = {s['context']}")
+    ax.set_title(f"{_task_title(s)}, trained at T = {s['context']}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -262,14 +262,14 @@ def _mqar_sample(spec: TaskSpec, rng: np.random.Generator):
 
 def passkey_batch(vocab: Vocab, length: int, pairs: int, batch_size: int, rng: np.random.Generator,
                   far: bool = False, queries: int = 1) -> Batch:
-    """Recall at a distance with decoys: samples of exactly ``length`` tokens, ``BOS``, filler tokens holding
-    ``pairs`` (key, value) bigrams, and last the key of one of them, labelled with its value. Keys are distinct in a
-    sample; values come from the one value range, with replacement. ``far=False`` (training): the bigrams anywhere,
-    the asked one any of them. ``far=True`` (reading a distance): the asked bigram in the first quarter and every
-    other one, a decoy, after it, so the answer lies at least 3/4 of the length back and the decoys are nearer.
+    """Recall at a distance: samples of exactly ``length`` tokens, ``BOS``, filler tokens holding ``pairs`` (key,
+    value) bigrams, and last the keys of ``queries`` of them, in random order, each labelled with its value. Keys
+    are distinct in a sample; values come from the one value range, with replacement.
 
-    ``queries`` > 1 (training only): the keys of that many distinct pairs end the sample, each labelled with its
-    value, in random order: more answers per sample for the same task.
+    ``far=False`` (training): the bigrams anywhere, the asked ones any of them. ``far=True`` (reading a distance):
+    the asked bigrams in the first quarter and every other one, a decoy, after them, so each answer lies at least
+    3/4 of the length back and the decoys are nearer. One query is the passkey with decoys; ``queries=pairs`` is
+    multi-query associative recall (MQAR) at a distance, every pair far back and every one asked.
 
     Chance is 1 / ``vocab.n_values`` over the values, 1 / ``pairs`` over the values present. With ``pairs=1`` the
     value is the sample's only value token: the key is not needed to answer, and the task measures carrying one
@@ -278,13 +278,15 @@ def passkey_batch(vocab: Vocab, length: int, pairs: int, batch_size: int, rng: n
     v = vocab
     if pairs < 1 or pairs > v.n_keys:
         raise ValueError(f"passkey: pairs must be in [1, n_keys={v.n_keys}], got {pairs}")
-    if not 1 <= queries <= pairs or (far and queries > 1):
-        raise ValueError(f"passkey: queries must be in [1, pairs={pairs}] (1 with far=True), got {queries}")
+    if not 1 <= queries <= pairs:
+        raise ValueError(f"passkey: queries must be in [1, pairs={pairs}], got {queries}")
     quarter = length // 4
-    fillers = ((quarter - 3, length - 1 - quarter - 2 * (pairs - 1)) if far else (length - 1 - queries - 2 * pairs,))
+    fillers = ((quarter - 1 - 2 * queries, length - queries - quarter - 2 * (pairs - queries)) if far
+               else (length - 1 - queries - 2 * pairs,))
     if min(fillers) < 0:
-        raise ValueError(f"passkey: {length} tokens cannot hold BOS, {pairs} pairs and the query"
-                         + (", the asked pair in the first quarter and the others after it" if far else "")
+        raise ValueError(f"passkey: {length} tokens cannot hold BOS, {pairs} pairs and {queries} "
+                         + ("query" if queries == 1 else "queries")
+                         + (", the asked pairs in the first quarter and the others after them" if far else "")
                          + "; raise the length or lower the pairs")
     ids = np.empty((batch_size, length), dtype=np.int64)
     labels = np.full((batch_size, length), IGNORE, dtype=np.int64)
@@ -293,10 +295,10 @@ def passkey_batch(vocab: Vocab, length: int, pairs: int, batch_size: int, rng: n
         values = rng.integers(v.value0, v.size, size=pairs)
         bigrams = [[int(k), int(x)] for k, x in zip(keys, values)]
         order = rng.permutation(pairs)[:queries]  # the pairs asked, in the order asked
-        asked = int(order[0])
-        if far:  # the asked bigram in positions [1, quarter), the decoys in [quarter, length - 1)
-            head, _ = _interleave(rng, [bigrams[asked]], fillers[0], v)
-            tail, _ = _interleave(rng, bigrams[:asked] + bigrams[asked + 1:], fillers[1], v)
+        if far:  # the asked bigrams in positions [1, quarter), the decoys in [quarter, length - queries)
+            asked = set(order.tolist())
+            head, _ = _interleave(rng, [bigrams[j] for j in range(pairs) if j in asked], fillers[0], v)
+            tail, _ = _interleave(rng, [bigrams[j] for j in range(pairs) if j not in asked], fillers[1], v)
             body = head + tail
         else:
             body, _ = _interleave(rng, bigrams, fillers[0], v)
