@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hf_resolvent.training import cli
-from hf_resolvent.training.recall import TASKS, RecallSettings, markdown, plot, run
+from hf_resolvent.training.recall import POSITIONS, TASKS, RecallSettings, markdown, plot, run
 from hf_resolvent.training.synthetic import Vocab, passkey_batch
 
 MIXERS = ["attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied"]
@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for results.json, results.md and recall.png")
     p.add_argument("--mixers", nargs="+", default=MIXERS, help="mixer specs, and gpt2 (learned positions)")
-    p.add_argument("--positions", nargs="+", default=["rope", "none"], choices=["rope", "learned", "none"])
+    p.add_argument("--positions", nargs="+", default=["rope", "none"], choices=POSITIONS,
+                   help="position encodings to compare; rope:a and rope:b rotate one channel only (rope_channels)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--task", default=d.task, choices=sorted(TASKS),
                    help="decoy: the passkey with decoys (one pair asked); mqar: every pair asked, all far back")

@@ -98,6 +98,7 @@ def parse_mixer_spec(spec: Any, default_gate_init: str | float = "mamba2", where
 
 
 POSITION_EMBEDDINGS = ("rope", "learned", "none")  # see ResolventConfig's position_embedding
+ROPE_CHANNELS = ("ab", "a", "b")  # see ResolventConfig's rope_channels
 
 class ResolventConfig(PretrainedConfig):
     r"""Configuration of :class:`~hf_resolvent.ResolventModel` and :class:`~hf_resolvent.ResolventForCausalLM`.
@@ -124,6 +125,10 @@ class ResolventConfig(PretrainedConfig):
         position_embedding: ``"rope"`` (rotary, on all four queries/keys), ``"learned"`` (GPT-2's table) or
             ``"none"`` (no position encoding: order reaches the model only through causality and the mixer's
             pattern, as in an SSM; nothing bounds the length).
+        rope_channels: with ``"rope"``, the channels whose queries and keys RoPE rotates: ``"ab"`` both (the
+            default), ``"a"`` the direct channel only (``qa``, ``ka``: attention layers keep their positions) or
+            ``"b"`` the feedback channel only (``qb``, ``kb``: attention layers then see no position). The inputs
+            ``x`` are never rotated.
         rope_theta: RoPE base.
         rope_parameters: RoPE as ``transformers`` models take it: ``{"rope_type": ..., "rope_theta": ..., ...}`` with a
             ``rope_type`` of ``"default"`` or any of ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``
@@ -176,6 +181,7 @@ class ResolventConfig(PretrainedConfig):
         layer_norm_epsilon: float = 1e-5,
         initializer_range: float = 0.02,
         position_embedding: str = "rope",
+        rope_channels: str = "ab",
         rope_theta: float = 10000.0,
         rope_parameters: dict | None = None,
         head_dim: int | None = None,
@@ -202,6 +208,7 @@ class ResolventConfig(PretrainedConfig):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.position_embedding = position_embedding
+        self.rope_channels = rope_channels
         self.rope_theta = rope_theta
         self.rope_parameters = dict(rope_parameters) if rope_parameters else None  # standardized by the base class
         self.head_dim = head_dim
@@ -258,6 +265,9 @@ class ResolventConfig(PretrainedConfig):
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding must be one of {', '.join(map(repr, POSITION_EMBEDDINGS))}, got "
                              f"{self.position_embedding!r}")
+        if self.rope_channels not in ROPE_CHANNELS:
+            raise ValueError(f"rope_channels must be one of {', '.join(map(repr, ROPE_CHANNELS))} (the channels whose "
+                             f"queries and keys RoPE rotates), got {self.rope_channels!r}")
         head_dim = self.head_dim or self.n_embd // self.n_head
         if self.position_embedding == "rope" and head_dim % 2:
             raise ValueError(f"position_embedding='rope' needs an even head width, got head_dim = {head_dim}")

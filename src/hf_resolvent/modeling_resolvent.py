@@ -144,9 +144,11 @@ class ResolventMixer(nn.Module):
             self.parts = ("x", "qb", "kb")
         else:
             self.parts = ("qa", "ka", "x", "qb", "kb")
-        # runs of consecutive parts that RoPE rotates (queries and keys) or not (x): one rotation per run
+        # runs of consecutive parts that RoPE rotates (the queries and keys of config.rope_channels) or not: one
+        # rotation per run
+        rotated = {name for channel in config.rope_channels for name in (f"q{channel}", f"k{channel}")}
         self.part_runs = [(tuple(names), rotate) for rotate, names in
-                          itertools.groupby(self.parts, key=lambda name: name != "x")]
+                          itertools.groupby(self.parts, key=lambda name: name in rotated)]
         width, inner = config.n_embd, config.n_head * config.head_dim
         self.in_proj = nn.Linear(width, len(self.parts) * inner)
         self.out_proj = nn.Linear(inner, width)

@@ -128,14 +128,19 @@ def write_ops_bundle(folder: str | Path) -> list[Path]:
 # Weights records
 
 # Keys in the safetensors header metadata (``__metadata__``, str -> str) of every weights file save_pretrained
-# writes: a JSON list with one mixer spec per layer (so also the number of layers), and the kind of positions.
+# writes: a JSON list with one mixer spec per layer (so also the number of layers), the kind of positions and, for
+# RoPE, the channels it rotates.
 MIXERS_METADATA_KEY = "hf_resolvent.mixers"
 POSITIONS_METADATA_KEY = "hf_resolvent.position_embedding"
+ROPE_CHANNELS_METADATA_KEY = "hf_resolvent.rope_channels"
 
 
 def architecture_record(config: ResolventConfig) -> dict[str, str]:
     """The metadata entries save_pretrained adds to every weights file."""
-    return {MIXERS_METADATA_KEY: json.dumps(_mixer_specs(config)), POSITIONS_METADATA_KEY: config.position_embedding}
+    record = {MIXERS_METADATA_KEY: json.dumps(_mixer_specs(config)), POSITIONS_METADATA_KEY: config.position_embedding}
+    if config.position_embedding == "rope":
+        record[ROPE_CHANNELS_METADATA_KEY] = config.rope_channels
+    return record
 
 
 def add_architecture_record(config: ResolventConfig, folder: str | Path, variant: str | None) -> None:
@@ -297,6 +302,10 @@ def _architecture_differences(config: ResolventConfig, metadata: dict[str, str])
                   else " (the trained position table goes unused)")
         differences.append(f"they were trained with position_embedding={positions!r}, but the config says "
                            f"position_embedding={config.position_embedding!r}{effect}")
+    channels = metadata.get(ROPE_CHANNELS_METADATA_KEY)
+    if channels is not None and config.position_embedding == "rope" and channels != config.rope_channels:
+        differences.append(f"they were trained with rope_channels={channels!r}, but the config says "
+                           f"rope_channels={config.rope_channels!r}")
     return differences
 
 

@@ -27,6 +27,8 @@ def test_training_stops_at_competence_and_says_when_it_did_not(tmp_path):
     assert not record["reached"] and record["steps"] == TINY.max_steps and 0 <= record["accuracy_at_T"] <= 1
     assert any("NOT competent after 40 steps" in line for line in logs)
     assert model.config.position_embedding == "none" and not model.training
+    one_channel = recall.build_task_model("exp2:ce", TINY, "rope:b").config
+    assert (one_channel.position_embedding, one_channel.rope_channels) == ("rope", "b")
 
 
 def test_a_run_writes_a_row_per_model_and_seed(tmp_path):

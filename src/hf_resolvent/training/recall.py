@@ -71,16 +71,21 @@ class RecallSettings:
 
 
 TASKS = {"decoy": "Passkey with decoys", "mqar": "MQAR at a distance"}
+POSITIONS = ("rope", "rope:a", "rope:b", "learned", "none")
 
 
 def build_task_model(mixer, s: RecallSettings, position_embedding: str):
     """A causal LM over the task's vocabulary: the resolvent model of ``mixer`` (a spec or one per layer) with
-    ``position_embedding``, or GPT-2 (``mixer="gpt2"``, learned positions) at the same shape."""
+    ``position_embedding`` (one of POSITIONS: ``rope:a`` is RoPE on the A channel only, ``rope_channels="a"``), or
+    GPT-2 (``mixer="gpt2"``, learned positions) at the same shape."""
     vocab = S.Vocab(*s.vocab)
     shape = {"n_layer": s.layers, "n_embd": s.d, "n_head": s.heads, "n_inner": 4 * s.d, "n_positions": s.context,
              "bos_token_id": S.BOS, "eos_token_id": S.SEP, "pad_token_id": S.PAD}
     if mixer != "gpt2":
-        shape["position_embedding"] = position_embedding
+        kind, _, channels = position_embedding.partition(":")
+        shape["position_embedding"] = kind
+        if channels:
+            shape["rope_channels"] = channels
     cfg = {"type": "gpt2" if mixer == "gpt2" else "resolvent", "preset": "tiny", "mixer": mixer, "overrides": shape}
     return build_model(cfg, vocab.size, s.context)
 
