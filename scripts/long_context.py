@@ -76,8 +76,10 @@ from hf_resolvent.training import synthetic as S  # noqa: E402
 
 SCALINGS = ("linear", "dynamic", "yarn")
 LOSS_TASKS = ("loss", *(f"loss:{s}" for s in SCALINGS))
-TASKS = (*LOSS_TASKS, "passkey", "mqar")
-METRICS = {"loss": "loss (nats/token) over the positions of the bucket", "passkey": "accuracy", "mqar": "accuracy"}
+TASKS = (*LOSS_TASKS, "context_use", "passkey", "mqar")
+METRICS = {"loss": "loss (nats/token) over the positions of the bucket", "passkey": "accuracy", "mqar": "accuracy",
+           "context_use": "1 - (mean loss over positions [T/2, T)) / (mean loss over positions [1, T/16])"}
+CONTEXT_USE_GOAL = 0.10  # a model uses its context when its loss in the last half of T is 10% below the first T/16
 
 PRESETS = {
     # The language models at the sweep's hour shape and context (n_positions included, so that scripts/sweep.py's
@@ -212,6 +214,14 @@ def bucket_means(losses: np.ndarray, multiples: list[int], context: int) -> dict
             if b <= losses.shape[1]}
 
 
+def context_use(losses: np.ndarray, context: int) -> float:
+    """How much the model gains from its context inside the training length T: 1 - (mean loss over positions
+    [T/2, T)) / (mean loss over [1, T/16]), from :func:`position_losses`. Near 0 for a model that predicts from
+    the last token or two alone; a language model that reads its context scores well above CONTEXT_USE_GOAL."""
+    early = losses[:, 1:max(2, context // 16 + 1)].mean()
+    return float(1.0 - losses[:, context // 2:context].mean() / early)
+
+
 def validation_windows(data_dir: Path, width: int, most: int) -> np.ndarray:
     from hf_resolvent.training import data as hdata
 
@@ -252,15 +262,19 @@ def loss_rows(model_name: str, seed: int, folder: Path, windows: np.ndarray, lm:
     learned = model.config.model_type == "gpt2" or getattr(model.config, "position_embedding", "rope") == "learned"
     rows = []
     if learned:  # the first T tokens of every window: the same tokens at the same positions as the RoPE models'
-        means = bucket_means(position_losses(model, windows[:, :T], device), mult, T)
+        losses = position_losses(model, windows[:, :T], device)
+        means = bucket_means(losses, mult, T)
         note = learned_positions_note(T)
         rows += [row(model_name, "loss", n, seed, means.get(n), None if n in means else note) for n in lengths]
+        rows.append(row(model_name, "context_use", T, seed, context_use(losses, T)))
         for s in SCALINGS:
             rows += [row(model_name, f"loss:{s}", n, seed, None,
                          "not applicable: learned positions, no RoPE to scale") for n in lengths]
         return rows
-    means = bucket_means(position_losses(model, windows, device), mult, T)
+    losses = position_losses(model, windows, device)
+    means = bucket_means(losses, mult, T)
     rows += [row(model_name, "loss", n, seed, means[n]) for n in lengths]
+    rows.append(row(model_name, "context_use", T, seed, context_use(losses, T)))
     for s in SCALINGS:
         scaled = ResolventForCausalLM.from_pretrained(folder, config=scaled_config(folder, s, factor, T))
         means = bucket_means(position_losses(scaled.to(device).eval(), windows, device), mult, T)
@@ -411,6 +425,7 @@ def expected_keys(settings: dict) -> set[tuple[str, str, int, int]]:
     for model, seed in pairs_of(settings["models"], settings["seeds"]):
         for task in LOSS_TASKS:
             out |= {(model, task, k * settings["loss"]["context"], seed) for k in settings["loss"]["multiples"]}
+        out.add((model, "context_use", settings["loss"]["context"], seed))
         out |= {(model, "passkey", k * settings["passkey"]["context"], seed) for k in settings["passkey"]["multiples"]}
         out |= {(model, "mqar", k * settings["mqar"]["length"], seed) for k in settings["mqar"]["multiples"]}
     return out
@@ -449,6 +464,16 @@ def markdown(result: dict) -> str:
                 cells = [_cell(by_key.get((model, task, n), [None])) for n in lengths]
                 lines.append(f"| {model} | {task} | " + " | ".join(cells) + " |")
         lines.append("")
+    T = s["loss"]["context"]
+    lines += [f"Context use inside T = {T}: 1 - (mean loss over positions [{T // 2}, {T})) / (mean loss over [1, "
+              f"{max(1, T // 16)}]); a model that reads its context is at least {CONTEXT_USE_GOAL:.2f}:", "",
+              "| model | context use | reads its context |", "|---|---:|---|"]
+    for model in s["models"]:
+        values = by_key.get((model, "context_use", T), [])
+        if values:
+            met = sum(v >= CONTEXT_USE_GOAL for v in values)
+            lines.append(f"| {model} | {_cell(values)} | {met} of {len(values)} seeds |")
+    lines.append("")
     return "\n".join(lines)
 
 

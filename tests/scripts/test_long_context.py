@@ -45,12 +45,13 @@ def test_every_model_task_and_length_has_one_row_of_the_schema(result):
     assert len(keys) == len(set(keys))
     want = {(m, t, n, 0) for m in ("gpt2", "exp2:ce") for t in ("loss", "loss:linear", "loss:dynamic", "loss:yarn")
             for n in (16, 32, 64)}
+    want |= {(m, "context_use", 16, 0) for m in ("gpt2", "exp2:ce")}
     want |= {(m, "passkey", n, 0) for m in ("gpt2", "exp2:ce") for n in (16, 32, 64)}
     want |= {(m, "mqar", n, 0) for m in ("gpt2", "exp2:ce") for n in (8, 16)}
     assert set(keys) == want == lc.expected_keys(res["settings"])
     for r in res["rows"]:
         assert {"model", "task", "length", "seed", "value", "metric"} <= set(r) <= {*r, "note"}
-        assert r["metric"] == ("accuracy" if r["task"] in ("passkey", "mqar") else lc.METRICS["loss"])
+        assert r["metric"] == ("accuracy" if r["task"] in ("passkey", "mqar") else lc.METRICS[r["task"].split(":")[0]])
     s = res["settings"]
     assert s["loss"]["windows"] == 2 and s["loss"]["window"] == 64 and s["loss"]["factor"] == 4
     assert s["passkey"]["distance"] == {"16": 10, "32": 26, "64": 58}  # n - BOS, key, value, key - prefix 2
@@ -66,6 +67,8 @@ def test_gpt2_past_its_context_is_not_applicable_and_every_other_value_is_finite
             assert isinstance(r["value"], float) and math.isfinite(r["value"]) and "note" not in r
             if r["metric"] == "accuracy":
                 assert 0.0 <= r["value"] <= 1.0
+            elif r["task"] == "context_use":
+                assert r["value"] < 1.0
             else:
                 assert 0.0 < r["value"] < 10.0  # nats per token, vocabulary of 300
 
@@ -82,6 +85,7 @@ def test_tables_and_figures(result):
     out, res = result
     table = (out / "results.md").read_text()
     assert "| gpt2 | loss | " in table and "| n/a | n/a |" in table and "| exp2:ce | loss:yarn |" in table
+    assert "Context use inside T = 16" in table and "| exp2:ce | " in table.split("Context use")[1]
     assert (out / "loss_by_position.png").stat().st_size > 5000 and (out / "recall.png").stat().st_size > 5000
 
 
@@ -98,6 +102,16 @@ def test_passkey_samples_state_the_pair_once_and_ask_the_key_at_the_end():
         assert np.flatnonzero(labels != lc.S.IGNORE).tolist() == [len(real) - 1]
         assert labels[len(real) - 1] == real[values[0]]
     assert lc.passkey_distance(64, 2) == 58
+
+
+def test_context_use_compares_the_last_half_of_the_context_with_its_first_sixteenth():
+    losses = np.zeros((2, 64))
+    losses[:, 1:5] = 4.0  # positions [1, T/16] for T = 64
+    losses[:, 5:32] = 9.0  # between: not counted
+    losses[:, 32:64] = 3.0  # the last half
+    assert lc.context_use(losses, 64) == pytest.approx(0.25)
+    flat = np.full((2, 64), 2.0)  # a model that gains nothing from context
+    assert abs(lc.context_use(flat, 64)) < 1e-12 < lc.CONTEXT_USE_GOAL
 
 
 def test_buckets_cover_each_position_once():
