@@ -80,12 +80,13 @@ AUTO_MAP = {
 # The ops modules the mixer functions need: mixer (resolvent_mix, decode_tokens), the dispatch, the forms, the
 # PyTorch code of the parallel form, rope and gelu; patterns.py comes with the model files.
 SHIPPED_OPS = ("common", "dense", "dispatch", "extend", "flash", "gelu", "graph", "mixer", "parallel",
-               "recurrent", "reference", "rope", "slots", "solve", "state", "threads")
+               "recurrent", "reference", "register", "rope", "slots", "solve", "state", "static_state", "threads")
 
 # What a saved folder's resolvent_ops.py imports, by shipped module: the names the model files use.
 BUNDLE_IMPORTS = (
     ("mixer", ("decode_tokens", "decode_tokens_tied", "resolvent_mix", "resolvent_mix_tied")),
-    ("state", ("DecodeState", "StaticDecodeState")),
+    ("state", ("DecodeState",)),
+    ("static_state", ("StaticDecodeState",)),
     ("common", ("require",)),
     ("rope", ("rotated_heads",)),
     ("gelu", ("gelu_tanh",)),

@@ -16,7 +16,7 @@ from hf_resolvent.ops import (
 from hf_resolvent.ops.common import require
 from hf_resolvent.ops.gelu import gelu_tanh
 from hf_resolvent.ops.rope import rotated_heads
-from hf_resolvent.ops.state import StaticDecodeState
+from hf_resolvent.ops.static_state import StaticDecodeState
 
 IS_BUNDLE = False  # this is the library's module, not a saved folder's entry
 

@@ -25,7 +25,8 @@ from .mixer import decode_step, decode_step_tied, decode_tokens, decode_tokens_t
 from .parallel import parallel_mix, parallel_mix_tied
 from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
 from .reference import mixer_matrices, reference_mix, reference_mix_tied
-from .state import DecodeState, StaticDecodeState
+from .state import DecodeState
+from .static_state import StaticDecodeState
 
 __all__ = [
     "IMPLS",

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .state import StaticDecodeState
+from .static_state import StaticDecodeState
 
 IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "graph", "reference", "recurrent")
 ENV = "HF_RESOLVENT_MIXER_IMPL"

@@ -34,7 +34,8 @@ from .common import records_grad, to_compute_dtype
 from .dispatch import cpu_ops, cpu_twin
 from .graph import GRAPH_CHUNK, gathered_slot_probs, gathered_slot_sum, solve_after, source_table
 from .patterns import get_pattern
-from .state import EXTEND_PLANS, DecodeState, value_key
+from .register import EXTEND_PLANS, value_key
+from .state import DecodeState
 
 DIRECT_ROWS = 512  # new rows per block of a dense pattern's attention over all rows
 
@@ -150,7 +151,7 @@ def _sparse_on_cpu_kernels(state: DecodeState, pattern, plan, scale, qa, ka, qb,
 
 
 def _plan_key(state: DecodeState, pattern, r: torch.Tensor) -> tuple | None:
-    """The memo key of the new rows' sources (``state.EXTEND_PLANS``): a register state's held positions and the
+    """The memo key of the new rows' sources (``register.EXTEND_PLANS``): a register state's held positions and the
     new positions decide them, and every layer of a cache has the same. None (no memo) off the CPU and for states
     that hold every position or a window, whose sources cost less than a key of their positions."""
     if r.device.type != "cpu" or not state.uses_register(pattern):

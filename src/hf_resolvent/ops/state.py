@@ -10,9 +10,10 @@ home of
 - building the state of a whole prefill directly, without replaying n steps;
 - crop: exact by slicing for patterns that keep every position, and by going back to a recorded earlier state for
   the others (:meth:`DecodeState.record_history`: what assisted and prompt-lookup decoding need); batch selection
-  and repetition (beam search), device and dtype moves, and the bytes held;
-- the preallocated layout of a static cache (:class:`StaticDecodeState`): the same state in buffers of fixed
-  shape written in place, so that a compiled decode step runs without recompiling.
+  and repetition (beam search), device and dtype moves, and the bytes held.
+
+The slot register's arithmetic and its memoised plans are in :mod:`.register`; the preallocated layout of a static
+cache, :class:`~.static_state.StaticDecodeState`, in :mod:`.static_state`.
 
 The attention over the held rows is the mixer's business (``recurrent.py``, ``kernels/decode.py``): those call the
 methods here and never assign a field, so the invariants below hold wherever a state goes. Every method replaces
@@ -40,8 +41,6 @@ Shapes: B batch, H heads, S rows held, K slots, d key width, e value width, n to
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
@@ -49,8 +48,9 @@ import torch
 
 from .common import records_grad, require
 from .patterns import Pattern, get_pattern
+from .register import closed_register, distinct_desc, extend_plan, register_plan, rows_at
 
-__all__ = ["DecodeState", "StaticDecodeState"]
+__all__ = ["DecodeState", "register_pytree"]
 
 
 @dataclass
@@ -231,8 +231,8 @@ class DecodeState:
         self.positions = _last_rows(self.positions, pos_new, keep, dim=1)
 
     def _advance_register(self, pattern: Pattern, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
-        """Slot rule (:func:`_register_step`), then hold the distinct positions of the new register."""
-        slots, positions, src = _register_plan(pattern, self.slots, self.positions, r)
+        """Slot rule (:func:`register_step`), then hold the distinct positions of the new register."""
+        slots, positions, src = register_plan(pattern, self.slots, self.positions, r)
         for name, t in new.items():  # each kept position is the new token (last of `both`) or a row already held
             old_t = getattr(self, name)
             both = t[:, :, None] if old_t is None else torch.cat([old_t, t[:, :, None]], dim=2)
@@ -258,9 +258,9 @@ class DecodeState:
         if not self.can_extend(pattern):
             raise RuntimeError("this state records the state before each token: advance it token by token")
         if self.uses_register(pattern):
-            slots, positions, plan = _extend_plan(pattern, self.row_positions(r.shape[0], r.device), r)
+            slots, positions, plan = extend_plan(pattern, self.row_positions(r.shape[0], r.device), r)
             for name, t in new.items():
-                setattr(self, name, _rows_at(plan, t, getattr(self, name)))
+                setattr(self, name, rows_at(plan, t, getattr(self, name)))
             self.slots, self.positions = slots, positions
         else:
             self._append(new, r, self.trailing_rows(pattern))
@@ -429,8 +429,8 @@ class DecodeState:
         if cls.uses_register(pattern):
             # inside a graph the register's width cannot depend on the values of start: n - 1 bounds every row
             bound = n - 1 if torch.compiler.is_compiling() else None
-            slots = _register(pattern, n - 1 - offset, top=bound)
-            positions = _distinct_desc(slots, width=None if bound is None else slots.shape[1])
+            slots = closed_register(pattern, n - 1 - offset, top=bound)
+            positions = distinct_desc(slots, width=None if bound is None else slots.shape[1])
             rows = torch.where(positions >= 0, positions + offset[:, None], 0)  # (B, W) sequence index t
             kept = {name: t.gather(2, rows[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
                     for name, t in tensors.items()}
@@ -446,209 +446,6 @@ class DecodeState:
             if not cls.keeps_every_position(pattern):
                 state.prefill_rows = dict(tensors)
         return state
-
-
-@dataclass
-class StaticDecodeState(DecodeState):
-    """A :class:`DecodeState` in preallocated buffers of fixed shape, written in place (the static cache,
-    ``generate(cache_implementation="static")``): every decode step has the same shapes and allocates no rows, so a
-    compiled step does not recompile per token. Built from a prefill's state by :meth:`preallocate`; holds at most
-    ``capacity`` tokens.
-
-    Layouts (S rows, fixed; an empty row has position -1 and is never read):
-
-    - patterns that keep every position: S = capacity, row i is token i (written at row ``seen``);
-    - windows (``local_attention:w``, ``banded:w``, ``diagonal``): S = the rows kept, oldest first, shifted by one
-      row per token;
-    - cache-efficient patterns: S = K, the slots of the register over ``capacity`` tokens; row k holds slot k's
-      token, so ``positions`` is the register itself, where one position may sit in several slots (its first
-      slot is the one read). ``slots`` stays None.
-
-    Attributes (beside :class:`DecodeState`'s): ``seen`` is a 0-d int64 tensor, so that a compiled step does not
-    specialise on it; ``capacity`` the tokens it can hold; ``offsets`` (K,) the register's f(k) (cache-efficient
-    patterns); ``offset_table`` (capacity + 1,) bool, True at the distances r - p a plain f-pattern reads.
-    Patterns that drop positions record no history: such a state cannot be cropped (the dynamic cache can).
-    """
-
-    capacity: int = 0
-    offsets: torch.Tensor | None = None
-    offset_table: torch.Tensor | None = None
-
-    @classmethod
-    def preallocate(cls, pattern: Pattern | str, state: DecodeState, capacity: int) -> StaticDecodeState:
-        """The same state as ``state`` (after a prefill, rows held) laid out for ``capacity`` tokens."""
-        pattern = get_pattern(pattern)
-        if state.positions is None:
-            raise ValueError("preallocate a state that holds its prefill's rows (DecodeState.from_prefill)")
-        if state.seen > capacity:
-            raise ValueError(f"the static cache holds max_cache_len = {capacity} tokens, but the prompt already has "
-                             f"{state.seen}; give generate() a larger max_length (or max_new_tokens)")
-        positions, device = state.positions, state.positions.device
-        batch, held = positions.shape
-        offsets = table = None
-        if cls.uses_register(pattern):
-            offsets = torch.tensor(pattern.offsets(capacity + 1), dtype=torch.long, device=device)
-            slots = state.slots if state.slots is not None else positions.new_full((batch, 0), -1)
-            slots = torch.cat([slots, slots.new_full((batch, offsets.numel() - slots.shape[1]), -1)], dim=1)
-            match = (slots[:, :, None] == positions[:, None, :]) & (slots[:, :, None] >= 0)
-            src = match.to(torch.int8).argmax(-1) if held else None  # (B, K): each slot's held row (0 when empty)
-            rows = {name: t.new_zeros(*t.shape[:2], offsets.numel(), t.shape[-1]) if src is None else
-                    t.gather(2, src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
-                    for name, t in state.tensors().items()}
-            positions = slots
-        else:
-            keep = cls.trailing_rows(pattern)
-            empty = (keep if keep is not None else capacity) - held  # rows still to fill
-            before = keep is not None  # a window fills from the end (oldest first), the others from row 0
-
-            def pad(t: torch.Tensor, dim: int, value) -> torch.Tensor:
-                shape = list(t.shape)
-                shape[dim] = empty
-                filler = t.new_full(shape, value)
-                return torch.cat([filler, t] if before else [t, filler], dim=dim)
-
-            rows = {name: pad(t, 2, 0) for name, t in state.tensors().items()}
-            positions = pad(positions, 1, -1)
-            if pattern.kind == "pattern":  # a plain f-pattern reads a few of the rows it keeps
-                table = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
-                table[torch.tensor(pattern.offsets(capacity), dtype=torch.long, device=device)] = True
-        start = None if state.start is None else state.start.clone()  # per state: it is written in place
-        return cls(**rows, positions=positions.clone(), seen=torch.tensor(state.seen, device=device), start=start,
-                   capacity=capacity, offsets=offsets, offset_table=table)
-
-    @classmethod
-    def empty(cls, pattern: Pattern | str, names: tuple[str, ...], batch: int, heads: int, dim: int, capacity: int,
-              dtype: torch.dtype = torch.float32, device=None) -> StaticDecodeState:
-        """A state before the first token, with buffers for ``capacity`` tokens: rows (B, H, S, dim) of each of
-        ``names`` (see :attr:`TENSOR_NAMES`), every position -1. A prompt then runs through it one token at a time."""
-        rows = {name: torch.zeros(batch, heads, 0, dim, dtype=dtype, device=device) for name in names}
-        none = DecodeState(**rows, positions=torch.full((batch, 0), -1, dtype=torch.long, device=device))
-        return cls.preallocate(pattern, none, capacity)
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """Every tensor that a decode step changes, by name: the rows, ``positions``, ``seen`` (and ``start`` when
-        set). With :meth:`with_buffers`, a step becomes a function of tensors (export)."""
-        held = {**self.tensors(), "positions": self.positions, "seen": self.seen}
-        return held if self.start is None else {**held, "start": self.start}
-
-    def with_buffers(self, buffers: dict[str, torch.Tensor]) -> StaticDecodeState:
-        """The same layout holding ``buffers`` (as :meth:`buffers` names them) instead of its own."""
-        if buffers.keys() != self.buffers().keys():
-            raise ValueError(f"buffers must be {sorted(self.buffers())}, got {sorted(buffers)}")
-        return replace(self, **buffers)
-
-    def read_mask(self, pattern: Pattern, r: torch.Tensor) -> torch.Tensor:
-        p, rr = self.positions, r[:, None]
-        valid = p >= 0
-        if self.uses_register(pattern):  # a position held by several slots is read once, at its first slot
-            earlier = torch.ones(p.shape[1], p.shape[1], dtype=torch.bool, device=p.device).tril(-1)
-            return valid & ~((p[:, :, None] == p[:, None, :]) & earlier).any(-1)
-        lo = self.trailing_rows(pattern)
-        if lo is not None:
-            return valid & (p >= rr - lo)
-        if self.offset_table is not None:
-            return valid & self.offset_table[(rr - p).clamp(0, self.capacity)]
-        return valid
-
-    def next_position(self, batch: int, device) -> torch.Tensor:
-        r = self.seen.to(device).expand(batch).clone()  # not a view: advance() writes seen in place
-        return r if self.start is None else r - self.start.to(device)
-
-    def advance(self, pattern: Pattern | str, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
-        pattern = get_pattern(pattern)
-        require(self.seen < self.capacity, "a static cache is full", lambda: (
-            f"the static cache is full: it holds max_cache_len = {self.capacity} tokens; generate fewer tokens or "
-            "give generate() a larger max_length"))
-        pos_new = torch.where(r >= 0, r, -1)
-        if self.uses_register(pattern):  # the register's rule, on every slot of the capacity
-            slots, stay = _register_step(self.positions, r, self.offsets)
-            for name, t in new.items():  # rows follow their slots
-                held = getattr(self, name)
-                moved = torch.cat([t[:, :, None], held[:, :, :-1]], dim=2)
-                held.copy_(torch.where(stay[:, None, :, None], held, moved))
-            self.positions.copy_(slots)
-        elif self.trailing_rows(pattern) is not None:
-            if self.rows():
-                for name, t in new.items():
-                    held = getattr(self, name)
-                    held.copy_(torch.cat([held[:, :, 1:], t[:, :, None]], dim=2))
-                self.positions.copy_(torch.cat([self.positions[:, 1:], pos_new[:, None]], dim=1))
-        else:
-            row = self.seen.view(1)
-            for name, t in new.items():
-                getattr(self, name).index_copy_(2, row, t[:, :, None])
-            self.positions.index_copy_(1, row, pos_new[:, None])
-        self.seen.add_(1)
-
-    def _reach(self, pattern: Pattern, length: int) -> str | None:
-        if length >= int(self.seen):
-            return "none"
-        return "slice" if self.keeps_every_position(pattern) else None
-
-    # crop (DecodeState's): patterns that keep every position only, in place; the others raise (no history here)
-    def _slice(self, length: int) -> None:
-        self.positions[:, length:] = -1
-        self.seen.fill_(length)
-
-    def _why_not_cropped(self, pattern: Pattern, length: int) -> str:
-        return (f"a static cache cannot be cropped back to {length} tokens for pattern {pattern.name!r}: the pattern "
-                "drops past positions and a static cache records no earlier states; use the dynamic cache (leave "
-                "cache_implementation unset) for assisted and prompt-lookup decoding")
-
-    def can_extend(self, pattern: Pattern | str) -> bool:
-        """True: it records nothing, and :meth:`extend` writes its buffers in place."""
-        return True
-
-    def extend(self, pattern: Pattern | str, new: dict[str, torch.Tensor], r: torch.Tensor) -> None:
-        """As :meth:`DecodeState.extend`, in the buffers: the same rows and positions as L calls of :meth:`advance`."""
-        pattern = get_pattern(pattern)
-        length = r.shape[1]
-        require(self.seen + length <= self.capacity, "a static cache is full", lambda: (
-            f"the static cache is full: it holds max_cache_len = {self.capacity} tokens; generate fewer tokens or "
-            "give generate() a larger max_length"))
-        if self.uses_register(pattern):  # the register's closed form on every slot of the capacity; rows follow
-            slots = _register(pattern, r[:, -1])
-            slots = torch.cat([slots, slots.new_full((slots.shape[0], self.offsets.numel() - slots.shape[1]), -1)], 1)
-            plan = _rows_plan(slots, r, self.positions)
-            for name, t in new.items():
-                held = getattr(self, name)
-                held.copy_(_rows_at(plan, t, held))
-            self.positions.copy_(slots)
-        elif self.trailing_rows(pattern) is not None:
-            if self.rows():
-                for name, t in new.items():
-                    held = getattr(self, name)
-                    held.copy_(torch.cat([held, t], dim=2)[:, :, -held.shape[2]:])
-                self.positions.copy_(torch.cat([self.positions, r], dim=1)[:, -self.rows():])
-        else:
-            rows = self.seen + torch.arange(length, device=r.device)
-            for name, t in new.items():
-                getattr(self, name).index_copy_(2, rows, t)
-            self.positions.index_copy_(1, rows, r)
-        self.seen.add_(length)
-
-    def record_history(self, on: bool = True) -> None:
-        """Nothing to record: patterns that keep every position crop by slicing, the others cannot crop."""
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        """As :meth:`DecodeState.select_batch`, in place when the batch keeps its size (the buffers stay)."""
-        same = index.numel() == self.batch_size
-        for name in self.TENSOR_NAMES + ("positions", "start"):
-            t = getattr(self, name)
-            if t is not None:
-                picked = t.index_select(0, index.to(t.device))
-                if same:
-                    t.copy_(picked)
-                else:
-                    setattr(self, name, picked)
-
-    def to(self, device=None, dtype: torch.dtype | None = None, non_blocking: bool = False) -> StaticDecodeState:
-        super().to(device, dtype, non_blocking)
-        for name in ("seen", "offsets", "offset_table"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.to(device=device, non_blocking=non_blocking))
-        return self
 
 
 def _grown(held: torch.Tensor | None, rows: torch.Tensor, dim: int) -> torch.Tensor:
@@ -687,147 +484,6 @@ def _last_rows(held: torch.Tensor | None, new: torch.Tensor, keep: int | None, d
     return torch.cat([t for t in (held, new) if t is not None], dim=dim)
 
 
-def _rows_plan(positions: torch.Tensor, r: torch.Tensor, held_positions: torch.Tensor):
-    """Where the rows of ``positions`` (B, W) come from after L new tokens at positions r (B, L): (fresh, index,
-    from_held), each (B, W): a new token's row ``index`` of the new rows where ``fresh``, else the held row
-    ``from_held`` (found by ``held_positions`` (B, S); None when nothing is held). Rows of empty positions are junk
-    (never read)."""
-    fresh = positions >= r[:, :1]
-    index = torch.where(fresh, positions - r[:, :1], 0)
-    if not held_positions.shape[1]:
-        return fresh, index, None
-    return fresh, index, (positions[:, :, None] == held_positions[:, None, :]).to(torch.int8).argmax(-1)
-
-
-def _rows_at(plan, new: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
-    """(B, H, W, .) the rows of a :func:`_rows_plan` from the new rows ``new`` (B, H, L, .) and the ``held`` ones:
-    only the W rows kept are read, never a copy of all new rows."""
-    def pick(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
-
-    fresh, index, from_held = plan
-    rows = pick(new, index)
-    if from_held is None or held is None:
-        return rows
-    return torch.where(fresh[:, None, :, None], rows, pick(held, from_held))
-
-
-def _extend_plan(pattern: Pattern, held_positions: torch.Tensor, r: torch.Tensor):
-    """A register state's bookkeeping for L tokens at positions r (B, L) after the rows at ``held_positions``:
-    (slots, positions, :func:`_rows_plan`), memoised on the CPU as :func:`_register_plan` is (every layer of a cache
-    takes the same tokens with the same register)."""
-    def plan():
-        slots = _register(pattern, r[:, -1])
-        positions = _distinct_desc(slots)
-        return slots, positions, _rows_plan(positions, r, held_positions)
-
-    if r.device.type != "cpu" or torch.compiler.is_compiling():
-        return plan()
-    return EXTEND_PLANS.get(("extend", pattern, r.shape[1], *value_key(held_positions, r[:, 0])), plan)
-
-
-def _register_step(old: torch.Tensor, r: torch.Tensor, fs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slot rule (docs/DESIGN.md section 2.1) for one token: the register (B, K) for token r + 1 from the register
-    ``old`` (B, K) for token r (B,), with offsets fs (K,); and ``stay`` (B, K), the slots that keep their position
-    (the others take slot k - 1's, slot 0 the token r). In 0-indexed positions p'_0 = r and, for k >= 1,
-    p'_k = p_k if r + 1 - f(k) <= p_k else p_{k-1}, valid (else -1) once f(k) <= r + 1."""
-    rr, fs = r[:, None], fs[None]
-    stay = (old >= 0) & (rr + 1 - fs <= old)
-    slots = torch.where(stay, old, torch.cat([rr, old[:, :-1]], dim=1))
-    return torch.where((fs <= rr + 1) & (rr >= 0), slots, -1), stay
-
-
-class PlanMemo:
-    """Bookkeeping that every layer of a cache repeats on the same values (which rows a token reads and keeps),
-    worked out once: the last ``kept`` results by key (values, not tensors: :func:`value_key`). The layers after the
-    first reuse the first one's tensors, which is safe because states never write into a tensor they hold."""
-
-    def __init__(self, kept: int):
-        self.kept, self.plans, self.lock = kept, OrderedDict(), threading.Lock()  # caches may decode in threads
-
-    def get(self, key: tuple, compute):
-        """``compute()``, or its result for the same key, kept from an earlier call."""
-        with self.lock:
-            plan = self.plans.get(key)
-            if plan is not None:
-                self.plans.move_to_end(key)
-                return plan
-        plan = compute()
-        with self.lock:
-            self.plans[key] = plan
-            if len(self.plans) > self.kept:
-                self.plans.popitem(last=False)
-        return plan
-
-
-_STEP_PLANS = PlanMemo(64)  # one token's plans: a few small tensors each
-EXTEND_PLANS = PlanMemo(8)  # several tokens' plans, tables of (K, L): only the current forward's are reused
-
-
-def value_key(*tensors: torch.Tensor | None) -> tuple:
-    """A memo key part for small tensors (host copies: CPU only): their shapes and values."""
-    return tuple(None if t is None else (tuple(t.shape), tuple(t.flatten().tolist())) for t in tensors)
-
-
-def _register_plan(pattern: Pattern, slots: torch.Tensor | None, positions: torch.Tensor | None,
-                   r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token's step of a register state's bookkeeping: the register (B, K) after the token at positions r (B,),
-    the distinct positions it holds (B, W), newest first, and src (B, W), the row of [held rows, the token] that each
-    comes from (padding rows take row 0 and are never read).
-
-    Every layer of a cache holds the same register and takes the same token, so on the CPU the plan is memoised by
-    its inputs' values: the layers after the first reuse the tensors of the first (states never write into a tensor
-    they hold, so sharing them is safe). On other devices the key would cost copies to the host: no memo there."""
-    if r.device.type != "cpu":
-        return _plan(pattern, slots, positions, r)
-    return _STEP_PLANS.get((pattern, *value_key(slots, positions, r)), lambda: _plan(pattern, slots, positions, r))
-
-
-def _plan(pattern: Pattern, slots: torch.Tensor | None, positions: torch.Tensor | None,
-          r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_register_plan`, worked out: the slot rule (:func:`_register_step`), the distinct positions, and each
-    kept position's row."""
-    batch, device = r.shape[0], r.device
-    fs = torch.tensor(pattern.offsets(int(r.max().item()) + 2), dtype=torch.long, device=device)
-    old = slots if slots is not None else torch.full((batch, 0), -1, dtype=torch.long, device=device)
-    if old.shape[1] < fs.numel():
-        old = torch.cat([old, old.new_full((batch, fs.numel() - old.shape[1]), -1)], dim=1)
-    else:  # slots past these offsets are empty (f(k) > r + 1): a register built with a bound (from_prefill in a graph)
-        old = old[:, :fs.numel()]
-    new_slots, _ = _register_step(old, r, fs)
-    new_positions = _distinct_desc(new_slots)
-    held = torch.cat([positions if positions is not None else new_positions.new_full((batch, 0), -1), r[:, None]], 1)
-    match = (new_positions[:, :, None] == held[:, None, :]) & (new_positions[:, :, None] >= 0)
-    return new_slots, new_positions, match.to(torch.int8).argmax(-1)
-
-
-def _register(pattern: Pattern, r_last: torch.Tensor, top: int | None = None) -> torch.Tensor:
-    """(B, K) slot register after the tokens up to pattern position r_last (B,), in closed form. ``top`` bounds
-    r_last from above (default: its maximum); a larger bound only adds empty slots (-1) on the right."""
-    device = r_last.device
-    if top is None:
-        top = int(r_last.max().item())
-    fs = torch.tensor(pattern.offsets(top + 2), dtype=torch.long, device=device)
-    steps = torch.tensor(pattern.steps(top + 2), dtype=torch.long, device=device)
-    i = (r_last + 2)[:, None]  # 1-indexed row of the next token
-    pos = steps[None] * torch.div(i - fs[None] + steps[None] - 1, steps[None], rounding_mode="floor") - 1
-    valid = (fs[None] <= r_last[:, None] + 1) & (r_last[:, None] >= 0)
-    return torch.where(valid, pos, -1)
-
-
-def _distinct_desc(slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """(B, K) slots -> (B, W) their distinct valid values, newest first, padded with -1 (W = ``width``, at least
-    the widest row's count; default: that count)."""
-    batch = slots.shape[0]
-    ordered = slots.sort(dim=1, descending=True).values
-    first = torch.ones_like(ordered[:, :1], dtype=torch.bool)
-    distinct = torch.cat([first, ordered[:, 1:] != ordered[:, :-1]], dim=1) & (ordered >= 0)
-    if width is None:
-        width = int(distinct.sum(1).max().item()) if batch else 0
-    order = torch.sort(distinct.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
-    return torch.where(distinct.gather(1, order), ordered.gather(1, order), -1)
-
-
 # --------------------------------------------------------------------------------------------------
 # States as pytrees: torch.export returns the cache a prefill builds, and takes one as an input
 
@@ -856,7 +512,11 @@ def _state_children_with_keys(state: DecodeState) -> tuple[list, tuple]:
     return [(torch.utils._pytree.GetAttrKey(name), child) for name, child in zip(context[1], children)], context
 
 
-for _cls in (DecodeState, StaticDecodeState):
+def register_pytree(cls: type) -> None:
+    """Make a state class a pytree (its tensors the children)."""
     torch.utils._pytree.register_pytree_node(
-        _cls, _state_children, _state_from_children, serialized_type_name=f"{_cls.__module__}.{_cls.__qualname__}",
+        cls, _state_children, _state_from_children, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
         flatten_with_keys_fn=_state_children_with_keys)
+
+
+register_pytree(DecodeState)
