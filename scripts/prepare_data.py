@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="gpt2",
                    help="AutoTokenizer name or folder (falls back to a trained BPE when it cannot be loaded), or "
                         "'bpe' to train a byte-level BPE on the corpus")
-    p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of a trained BPE tokenizer")
+    p.add_argument("--vocab-size", type=int, default=8192,
+                   help="vocabulary of a trained BPE tokenizer (257: byte-level, one token per byte)")
     p.add_argument("--val-fraction", type=float, default=None,
                    help="share of documents for validation (default 0.05 for stdlib, 0.0005 otherwise)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the validation split")

@@ -27,8 +27,8 @@ from hf_resolvent.training.recall import POSITIONS, TASKS, RecallSettings, markd
 from hf_resolvent.training.synthetic import Vocab, passkey_batch
 
 MIXERS = ["attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied"]
-QUICK = dict(context=32, pairs=2, d=32, max_steps=60, check_every=30, check_samples=50, eval_samples=50, hold=10,
-             ramp=20, multiples=(1, 2))
+QUICK = dict(context=32, pairs=2, d=32, max_steps=60, check_every=20, check_samples=50, eval_samples=50, grow=2.0,
+             grow_at=0.0, multiples=(1, 2))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -58,6 +58,15 @@ def test_bpe_tokenizer_roundtrip_and_special_tokens(docs, tmp_path):
     assert tok2.get_vocab() == tok.get_vocab()
 
 
+def test_a_vocabulary_of_257_is_byte_level_and_256_is_refused(docs):
+    tok = D.train_bpe_tokenizer([d["text"] for d in docs[:20]], vocab_size=257)
+    sample = "naïve café: 東京"
+    assert len(tok) == 257 and len(tok(sample)["input_ids"]) == len(sample.encode()) and tok.decode(
+        tok(sample)["input_ids"]) == sample  # one token per byte
+    with pytest.raises(D.DataError, match=r"vocab_size must be in \[257, 65536\]"):
+        D.train_bpe_tokenizer(["text"], vocab_size=256)
+
+
 def test_tokenizer_fallback_says_what_is_used(docs):
     messages = []
     choice = D.load_or_train_tokenizer(NO_SUCH_TOKENIZER, [d["text"] for d in docs[:10]], vocab_size=400,

@@ -47,8 +47,8 @@ class RecallSettings:
     warmup: int = 100
     batch: int = 32
     queries: int = 4  # answers per decoy training sample (the keys of that many pairs end it); mqar asks every pair
-    hold: int = 1000  # steps on the pairs and queries alone (no filler) before the training length grows
-    ramp: int = 2000  # steps over which it then grows to T
+    grow: float = 1.25  # the training length's factor at each check passed, from the pairs alone up to T
+    grow_at: float = 0.95  # accuracy at the current training length that lets it grow
     max_steps: int = 8000
     check_every: int = 250
     check_samples: int = 500
@@ -59,6 +59,11 @@ class RecallSettings:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"recall: task must be one of {sorted(TASKS)}, got {self.task!r}")
+
+    @property
+    def train_queries(self) -> int:
+        """Keys that end a training sample: ``queries`` (decoy) or every pair (mqar)."""
+        return self.pairs if self.task == "mqar" else min(self.queries, self.pairs)
 
     @property
     def read_queries(self) -> int:
@@ -96,14 +101,16 @@ def _answer_loss(model, batch: S.Batch, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def accuracy(model, s: RecallSettings, length: int, n_samples: int, seed: int, device, batch_size: int = 50) -> float:
-    """Accuracy over the answers of ``n_samples`` fresh samples of ``length`` tokens, the asked pairs far back
-    (``far=True``)."""
+def accuracy(model, s: RecallSettings, length: int, n_samples: int, seed: int, device, batch_size: int = 50,
+             far: bool = True) -> float:
+    """Accuracy over the answers of ``n_samples`` fresh samples of ``length`` tokens: the asked pairs far back
+    (``far=True``, how lengths are read), or laid out as in training (``far=False``: the pairs anywhere, the
+    training's queries)."""
     vocab, rng = S.Vocab(*s.vocab), np.random.default_rng([seed, length, 2**31 - 1])
-    was, right, q = model.training, 0, s.read_queries
+    was, right, q = model.training, 0, s.read_queries if far else s.train_queries
     model.eval()
     for i in range(0, n_samples, batch_size):
-        batch = S.passkey_batch(vocab, length, s.pairs, min(batch_size, n_samples - i), rng, far=True, queries=q)
+        batch = S.passkey_batch(vocab, length, s.pairs, min(batch_size, n_samples - i), rng, far=far, queries=q)
         answers = model(input_ids=batch.input_ids.to(device)).logits[:, -q:].argmax(-1).cpu()
         right += int((answers == batch.labels[:, -q:]).sum())
     model.train(was)
@@ -111,37 +118,50 @@ def accuracy(model, s: RecallSettings, length: int, n_samples: int, seed: int, d
 
 
 def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding: str, device, log=print):
-    """(model, record): trained on samples of T tokens until its accuracy at T reaches ``s.target`` (AdamW, warmup
-    then a constant rate, gradient clipping at 1). ``record``: steps, whether the target was reached, the accuracy at
-    T when training stopped, seconds."""
+    """(model, record): trained until its accuracy at T reaches ``s.target``, or for ``s.max_steps`` (AdamW, warmup
+    then a constant rate, gradient clipping at 1).
+
+    The training length grows with competence: it starts at the pairs and queries alone (no filler) and, at each
+    check (every ``s.check_every`` steps), grows by ``s.grow`` once the accuracy at the current length, on samples
+    laid out as in training, is at least ``s.grow_at``; at T the check reads the far layout and stops at
+    ``s.target``. ``record``: steps, whether the target was reached, the longest length trained on, the accuracy
+    at T when training stopped, seconds."""
     torch.manual_seed(seed)
     model = build_task_model(mixer, s, position_embedding).to(device).train()
     opt = build_optimizer(model, s.lr, betas=(0.9, 0.98), weight_decay=0.1, fused=False)
     vocab, rng = S.Vocab(*s.vocab), np.random.default_rng([seed, 0])
-    queries = s.pairs if s.task == "mqar" else min(s.queries, s.pairs)
-    shortest = 1 + 2 * s.pairs + queries  # BOS, the pairs and the queries, no filler
+    name, queries = _name(mixer, position_embedding), s.train_queries
+    length = min(s.context, 1 + 2 * s.pairs + queries)  # BOS, the pairs and the queries, no filler
     t0, acc, step = time.time(), 0.0, 0
     while step < s.max_steps:
         for group in opt.param_groups:
             group["lr"] = s.lr * min(1.0, (step + 1) / s.warmup)
-        grown = max(0, step - s.hold)
-        length = s.context if grown >= s.ramp else shortest + (s.context - shortest) * grown // s.ramp
         loss = _answer_loss(model, S.passkey_batch(vocab, length, s.pairs, s.batch, rng, queries=queries), device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        if (step % s.check_every == 0 and step >= s.hold + s.ramp) or step == s.max_steps:
-            acc = accuracy(model, s, s.context, s.check_samples, seed + 10_000 + step, device)
-            log(f"[recall] {_name(mixer, position_embedding)} seed {seed} step {step}: loss {float(loss.detach()):.3f}, "
-                f"accuracy at T {acc:.3f}")
-            if acc >= s.target:
-                break
-    record = {"steps": step, "reached": acc >= s.target, "accuracy_at_T": acc, "final_loss": float(loss.detach()),
-              "seconds": round(time.time() - t0, 1)}
-    log(f"[recall] {_name(mixer, position_embedding)} seed {seed}: {'competent' if record['reached'] else 'NOT competent'}"
-        f" after {step} steps (accuracy at T {acc:.3f}, {record['seconds']:.0f} s)")
+        if step % s.check_every and step < s.max_steps:
+            continue
+        check_seed = seed + 10_000 + step
+        if length < s.context:
+            here = accuracy(model, s, length, s.check_samples, check_seed, device, far=False)
+            log(f"[recall] {name} seed {seed} step {step}: loss {float(loss.detach()):.3f}, accuracy at length "
+                f"{length} {here:.3f}")
+            if here >= s.grow_at:
+                length = min(s.context, max(length + 1, round(length * s.grow)))
+            continue
+        acc = accuracy(model, s, s.context, s.check_samples, check_seed, device)
+        log(f"[recall] {name} seed {seed} step {step}: loss {float(loss.detach()):.3f}, accuracy at T {acc:.3f}")
+        if acc >= s.target:
+            break
+    if length < s.context:  # never trained at T: its accuracy there, read once
+        acc = accuracy(model, s, s.context, s.check_samples, seed + 10_000 + step, device)
+    record = {"steps": step, "reached": acc >= s.target, "trained_length": length, "accuracy_at_T": acc,
+              "final_loss": float(loss.detach()), "seconds": round(time.time() - t0, 1)}
+    log(f"[recall] {name} seed {seed}: {'competent' if record['reached'] else 'NOT competent'} after {step} steps "
+        f"(trained up to length {length}, accuracy at T {acc:.3f}, {record['seconds']:.0f} s)")
     return model.eval(), record
 
 

@@ -71,8 +71,9 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_freque
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < 257 + 1 or vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
-        raise DataError(f"vocab_size must be in [258, 65536] (256 bytes + <|endoftext|>, uint16 shards), got {vocab_size}")
+    if vocab_size < 257 or vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise DataError(f"vocab_size must be in [257, 65536] (256 bytes + <|endoftext|>, uint16 shards; 257 is "
+                        f"byte-level, no merges), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
