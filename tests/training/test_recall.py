@@ -5,6 +5,7 @@ row says how it was trained."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -13,22 +14,37 @@ from conftest import load_script
 
 from hf_resolvent.training import recall
 
-TINY = recall.RecallSettings(context=32, pairs=2, d=32, max_steps=40, check_every=20, check_samples=20, hold=0,
-                             ramp=20, eval_samples=20, multiples=(1, 2))
+TINY = recall.RecallSettings(context=32, pairs=2, d=32, max_steps=80, check_every=20, check_samples=20, grow=100.0,
+                             grow_at=0.0, eval_samples=20, multiples=(1, 2))  # at T after the first check
 
 
 def test_training_stops_at_competence_and_says_when_it_did_not(tmp_path):
     logs = []
     model, record = recall.train_to_competence("attention", 0, replace(TINY, target=0.0), "rope", torch.device("cpu"),
                                                logs.append)
-    assert record["reached"] and record["steps"] == TINY.check_every  # competent at the first check
+    assert record["reached"] and record["steps"] == 2 * TINY.check_every  # competent at the first check at T
+    assert record["trained_length"] == 32
     model, record = recall.train_to_competence("attention", 0, replace(TINY, target=1.01), "none", torch.device("cpu"),
                                                logs.append)
     assert not record["reached"] and record["steps"] == TINY.max_steps and 0 <= record["accuracy_at_T"] <= 1
-    assert any("NOT competent after 40 steps" in line for line in logs)
+    assert any("NOT competent after 80 steps" in line for line in logs)
     assert model.config.position_embedding == "none" and not model.training
     one_channel = recall.build_task_model("exp2:ce", TINY, "rope:b").config
     assert (one_channel.position_embedding, one_channel.rope_channels) == ("rope", "b")
+
+
+def test_the_training_length_grows_only_with_competence():
+    """From the pairs and queries alone (BOS, 2 pairs, 2 queries: 7 tokens) by ``grow`` at each check passed; a
+    model that never passes stays at the shortest length, and the record says so."""
+    logs = []
+    _, record = recall.train_to_competence("attention", 0, replace(TINY, grow=2.0, target=1.01), "rope", "cpu",
+                                           logs.append)
+    assert [re.search(r"accuracy at (length \d+|T)", line).group(1) for line in logs[:4]] == [
+        "length 7", "length 14", "length 28", "T"]
+    logs.clear()
+    _, record = recall.train_to_competence("attention", 0, replace(TINY, grow_at=1.01), "rope", "cpu", logs.append)
+    assert record["trained_length"] == 7 and not record["reached"]
+    assert all("accuracy at length 7" in line for line in logs[:-1])
 
 
 def test_a_run_writes_a_row_per_model_and_seed(tmp_path):

@@ -10,12 +10,11 @@ anywhere, ending in ``queries`` keys. A model that ignores order cannot tell whi
 bag-of-tokens model scores about 1/pairs: tests/training/test_synthetic.py).
 
 Competence before extrapolation: a model trains until its accuracy at T, on fresh samples laid out as the longer
-lengths are, reaches ``target`` (checked every ``check_every`` steps once the training length is T), or until
-``max_steps``; the result records which, with its accuracy at T, so that no length past T is read off a model that
-never learned the task. The training samples hold the pairs and queries alone for the first ``hold`` steps, then
-grow to T over ``ramp`` steps: with filler from the start, attention and GPT-2 stayed at a bag of tokens' accuracy
-for 20,000 steps (4 pairs at T = 32); without it attention learned the task in 1,000, and kept it (1.00) as the
-filler grew to T = 64.
+lengths are, reaches ``target``, or until ``max_steps``; the result records which, with its accuracy at T and the
+longest length it trained on, so that no length past T is read off a model that never learned the task. The
+training length grows with competence, from the pairs and queries alone (no filler) to T
+(:func:`train_to_competence`): with filler from the start, attention and GPT-2 stayed at a bag of tokens' accuracy
+for 20,000 steps (4 pairs at T = 32).
 """
 
 from __future__ import annotations
@@ -214,6 +213,14 @@ def _earlier_rows(path: Path, settings: dict, resume: bool) -> list[dict]:
     return earlier["rows"]
 
 
+def _short_of_T(record: dict, context: int) -> str:
+    """"" for a competent model, else why not: " (not reached)", with the length it got to when that is short of T."""
+    if record["reached"]:
+        return ""
+    length = record.get("trained_length", context)
+    return " (not reached)" if length >= context else f" (not reached; trained up to length {length})"
+
+
 def _task_title(settings: dict) -> str:
     """"Passkey with decoys, 4 pairs", from a result's settings (files from before ``task`` are the decoy task)."""
     return f"{TASKS[settings.get('task', 'decoy')]}, {settings['pairs']} pairs"
@@ -240,8 +247,7 @@ def markdown(result: dict) -> str:
              "| model | seeds | steps to competence | " + " | ".join(f"{n}" for n in lengths) + " |",
              "|---|---:|---|" + "---:|" * len(lengths)]
     for model, rows in _by_model(result["rows"]).items():
-        steps = ", ".join(f"{r['training']['steps']}" + ("" if r["training"]["reached"] else " (not reached)")
-                          for r in rows)
+        steps = ", ".join(f"{r['training']['steps']}" + _short_of_T(r["training"], s["context"]) for r in rows)
         cells = []
         for n in lengths:
             values = [v for v in (_accuracy_at(r, n) for r in rows) if v is not None]
