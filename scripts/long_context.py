@@ -4,6 +4,7 @@
 
     python scripts/long_context.py --quick --out runs/long_context/quick   # CI: gpt2 and exp2:ce, about a minute
     python scripts/long_context.py --preset hour --out runs/long_context/hour   # every model of the sweep, 3 seeds (bench/long_context holds a copy)
+    python scripts/long_context.py --preset bytes --out runs/long_context/bytes  # byte-level models that read their context, with and without RoPE
 
 Three questions, each trained at a short context and measured at longer ones (lengths: the preset's multiples of
 the context the task was trained at):
@@ -17,7 +18,12 @@ the context the task was trained at):
   is) and ``loss:linear``, ``loss:dynamic``, ``loss:yarn``: the trained weights loaded into a config with that
   ``rope_parameters`` (factor F = the largest multiple, original context T), zero-shot, no training. Dynamic NTK
   changes the frequencies for the whole input once it is longer than T, so every bucket of a long window sees them.
-- **passkey** (recall at a distance): ``BOS``, a few filler tokens (0 to ``prefix`` of them, so that the pair
+  Task ``context_use`` (length T): 1 - (mean loss over positions [T/2, T)) / (mean loss over [1, T/16]), how much
+  the model gains from its context where it was trained; a model short of ``CONTEXT_USE_GOAL`` (0.10) has not
+  learned to read it, and its losses past T say little. A model named ``<mixer> [none]`` has no position encoding
+  (``position_embedding="none"``); the ``bytes`` preset prepares its own byte-level tokenisation of the offline
+  corpus (one token per byte) in the runs folder.
+- **passkey** (carrying one token's identity over a distance; presets ``hour`` and ``quick``): ``BOS``, a few filler tokens (0 to ``prefix`` of them, so that the pair
   does not sit at a fixed position), a key and its value stated once, ``distance`` filler tokens, then the key:
   the model must answer the value. Trained on samples that fit in T (distances from 1 to the longest that fits),
   evaluated on samples of every length kT, whose distance is the longest that fits in kT
@@ -33,13 +39,13 @@ GPT-2 has a learned position table, trained only up to the context it was traine
 null and a ``note`` saying why (and its ``loss:<scaling>`` rows, which have no RoPE to scale, likewise); every other
 value is a finite number. RoPE models (every resolvent model) run past ``n_positions`` as they are.
 
-With ``--seeds A B ...`` (default: the preset's) the first seed trains every model and the others the sweep's
-headline mixers (attention, dense, exp2:ce), for every task.
+With ``--seeds A B ...`` (default: the preset's) the first seed trains every model and the others the preset's
+``seeded`` models (default: the sweep's headline mixers, attention, dense and exp2:ce), for every task.
 
 OUT gets ``results.json`` (``{"command", "settings", "rows": [{"model", "task", "length", "seed", "value",
 "metric"}, ...]}``), ``results.md`` (the tables, "n/a" where a model cannot run), ``loss_by_position.png``
-(loss against position, one colour per mixer, one line style per RoPE scaling) and ``recall.png`` (accuracy
-against distance for the passkey and against length for MQAR, one colour per mixer).
+(loss against position, one colour per mixer, one line style per RoPE scaling) and, with the synthetic tasks,
+``recall.png`` (accuracy against distance for the passkey and against length for MQAR, one colour per mixer).
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ PRESETS = {
     # The language models at the sweep's hour shape and context (n_positions included, so that scripts/sweep.py's
     # runs of the same steps can be reused through --runs-dir), at half its steps.
     "hour": {
-        "models": list(sweep.MODELS), "seeds": [0, 1, 2],
+        "models": sweep.SWEEP_MODELS, "seeds": [0, 1, 2],
         "lm": {"shape": {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 256},
                "seq_len": 128, "batch": 16, "micro_batch": 16, "steps": 150, "lr": 2e-3, "warmup": 30,
                "multiples": [1, 2, 4, 8, 16], "windows": 18},
@@ -95,6 +101,18 @@ PRESETS = {
         "mqar": {"length": 32, "pairs": 4, "vocab": (4, 16, 16), "d": 64, "layers": 2, "heads": 2,
                  "steps": 1000, "batch": 32, "lr": 3e-3, "warmup": 100, "eval_samples": 128,
                  "multiples": [1, 2, 4, 8]},
+    },
+    # Language models that read their context: byte-level text (the offline corpus with a 257-token vocabulary, one
+    # token per byte, prepared into the runs folder) at T = 128 bytes, ten times the hour's steps, each mixer with
+    # RoPE and without a position encoding. No synthetic tasks: scripts/recall_at_distance.py is the recall study.
+    "bytes": {
+        "models": ["gpt2", "attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied", "attention [none]",
+                   "dense [none]", "exp2:ce [none]", "square:ce [none]", "exp2:ce+tied [none]"],
+        "seeds": [0, 1, 2], "seeded": ["gpt2", "attention", "dense", "exp2:ce"],
+        "data": {"tokenizer": "bpe", "vocab_size": 257},
+        "lm": {"shape": {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 128},
+               "seq_len": 128, "batch": 16, "micro_batch": 16, "steps": 1500, "lr": 2e-3, "warmup": 100,
+               "multiples": [1, 2, 4, 8, 16], "windows": 18},
     },
     "quick": {
         "models": ["gpt2", "exp2:ce"], "seeds": [0],
@@ -150,15 +168,17 @@ def resolve(args) -> tuple[str, dict, list[tuple[str, int]]]:
     if len(set(seeds)) != len(seeds):
         raise LongContextError(f"--seeds repeats a seed: {seeds}")
     preset["models"], preset["seeds"] = list(models), list(seeds)
-    for task in ("lm", "passkey", "mqar"):
+    preset["seeded"] = list(preset.get("seeded", sweep.HEADLINE))
+    for task in ("lm", *(t for t in ("passkey", "mqar") if t in preset)):
         mult = preset[task]["multiples"]
         if mult[0] != 1 or any(b <= a for a, b in zip(mult, mult[1:])):
             raise LongContextError(f"{task}: multiples must start at 1 and increase, got {mult}")
-    return name, preset, pairs_of(models, seeds)
+    return name, preset, pairs_of(models, seeds, preset["seeded"])
 
 
-def pairs_of(models: list[str], seeds: list[int]) -> list[tuple[str, int]]:
-    return [(m, seeds[0]) for m in models] + [(m, s) for s in seeds[1:] for m in models if m in sweep.HEADLINE]
+def pairs_of(models: list[str], seeds: list[int], seeded) -> list[tuple[str, int]]:
+    """The first seed for every model, the others for the models of ``seeded``."""
+    return [(m, seeds[0]) for m in models] + [(m, s) for s in seeds[1:] for m in models if m in seeded]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -276,11 +296,16 @@ def loss_rows(model_name: str, seed: int, folder: Path, windows: np.ndarray, lm:
     rows += [row(model_name, "loss", n, seed, means[n]) for n in lengths]
     rows.append(row(model_name, "context_use", T, seed, context_use(losses, T)))
     for s in SCALINGS:
+        if model.config.position_embedding == "none":
+            rows += [row(model_name, f"loss:{s}", n, seed, None, "not applicable: no position encoding to scale")
+                     for n in lengths]
+            continue
         scaled = ResolventForCausalLM.from_pretrained(folder, config=scaled_config(folder, s, factor, T))
         means = bucket_means(position_losses(scaled.to(device).eval(), windows, device), mult, T)
         rows += [row(model_name, f"loss:{s}", n, seed, means[n]) for n in lengths]
     log(f"[long_context] {model_name} (seed {seed}) loss by position: "
-        + ", ".join(f"{r['task']}@{r['length']} {r['value']:.3f}" for r in rows if r["length"] in (T, lengths[-1])))
+        + ", ".join(f"{r['task']}@{r['length']} {r['value']:.3f}" for r in rows
+                    if r["length"] in (T, lengths[-1]) and r["value"] is not None))
     return rows
 
 
@@ -422,12 +447,14 @@ def mqar_rows(name: str, seed: int, cfg: dict, device, log) -> list[dict]:
 def expected_keys(settings: dict) -> set[tuple[str, str, int, int]]:
     """Every (model, task, length, seed) the settings ask for: results.json has one row for each."""
     out = set()
-    for model, seed in pairs_of(settings["models"], settings["seeds"]):
+    for model, seed in pairs_of(settings["models"], settings["seeds"], settings.get("seeded", sweep.HEADLINE)):
         for task in LOSS_TASKS:
             out |= {(model, task, k * settings["loss"]["context"], seed) for k in settings["loss"]["multiples"]}
         out.add((model, "context_use", settings["loss"]["context"], seed))
-        out |= {(model, "passkey", k * settings["passkey"]["context"], seed) for k in settings["passkey"]["multiples"]}
-        out |= {(model, "mqar", k * settings["mqar"]["length"], seed) for k in settings["mqar"]["multiples"]}
+        if "passkey" in settings:
+            out |= {(model, "passkey", k * settings["passkey"]["context"], seed)
+                    for k in settings["passkey"]["multiples"]}
+            out |= {(model, "mqar", k * settings["mqar"]["length"], seed) for k in settings["mqar"]["multiples"]}
     return out
 
 
@@ -445,17 +472,19 @@ def markdown(result: dict) -> str:
     by_key: dict[tuple[str, str, int], list] = {}
     for r in result["rows"]:
         by_key.setdefault((r["model"], r["task"], r["length"]), []).append(r["value"])
-    for title, tasks, lengths, unit in (
-            (f"Validation loss (nats/token) by position, trained at context {s['loss']['context']}; column n: "
-             f"positions [n', n) of {s['loss']['windows']} windows of {s['loss']['window']} tokens; zero-shot "
-             f"RoPE scaling by {s['loss']['factor']}", LOSS_TASKS,
-             [k * s["loss"]["context"] for k in s["loss"]["multiples"]], "position"),
+    sections = [(f"Validation loss (nats/token) by position, trained at context {s['loss']['context']}; column n: "
+                 f"positions [n', n) of {s['loss']['windows']} windows of {s['loss']['window']} tokens; zero-shot "
+                 f"RoPE scaling by {s['loss']['factor']}", LOSS_TASKS,
+                 [k * s["loss"]["context"] for k in s["loss"]["multiples"]], "position")]
+    if "passkey" in s:
+        sections += [
             (f"Passkey accuracy, trained on samples of up to {s['passkey']['context']} tokens; column n: samples of "
              f"n tokens, distance {', '.join(f'{d}' for d in s['passkey']['distance'].values())}", ("passkey",),
              [k * s["passkey"]["context"] for k in s["passkey"]["multiples"]], "length"),
             (f"MQAR accuracy ({s['mqar']['pairs']} pairs), trained on sequences of {s['mqar']['length']}; "
              "column n: sequences of n tokens", ("mqar",),
-             [k * s["mqar"]["length"] for k in s["mqar"]["multiples"]], "length")):
+             [k * s["mqar"]["length"] for k in s["mqar"]["multiples"]], "length")]
+    for title, tasks, lengths, unit in sections:
         lines += [title + " (mean ± std over seeds where there are several; n/a: the model cannot run there):", "",
                   "| model | task | " + " | ".join(f"{unit} {n}" for n in lengths) + " |",
                   "|---|---|" + "---:|" * len(lengths)]
@@ -519,6 +548,8 @@ def plot(result: dict, out: Path) -> list[Path]:
     loss_png = out / "loss_by_position.png"
     fig.savefig(loss_png, dpi=120)
     plt.close(fig)
+    if "passkey" not in s:
+        return [loss_png]
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     distance = {int(n): d for n, d in s["passkey"]["distance"].items()}
@@ -558,33 +589,43 @@ def long_context(args, argv: list[str], log=print) -> dict:
     out = Path(args.out)
     device = torch.device(args.device)
     lm = preset["lm"]
+    data = args.data
+    if data is None and "data" in preset:  # the preset's own tokenisation of the offline corpus
+        from hf_resolvent.training.data import prepare_dataset
+
+        data = str(root / "data")
+        log(f"[long_context] preparing the offline corpus with {preset['data']} into {data}")
+        prepare_dataset(data, allow_download=False, log=log, **preset["data"])
     trained = []
     for model, seed in runs:  # every language model first: a failing run stops the script before the evaluations
         folder = sweep.run_dir(root, model, seed)
-        trained.append((model, seed, folder, sweep.train(model, seed, lm, folder, args.data, args.run_timeout, log)))
-    data_dir = sweep.data_dir_of(args)
+        trained.append((model, seed, folder, sweep.train(model, seed, lm, folder, data, args.run_timeout, log)))
+    data_dir = Path(data) if data else sweep.data_dir_of(args)
     width = lm["multiples"][-1] * lm["seq_len"]
     windows = validation_windows(data_dir, width, lm["windows"])
     rows = []
     for model, seed, folder, _ in trained:
         rows += loss_rows(model, seed, folder, windows, lm, device, log)
-    for model, seed in runs:
-        rows += passkey_rows(model, seed, preset["passkey"], device, log)
-        rows += mqar_rows(model, seed, preset["mqar"], device, log)
-    pk = preset["passkey"]
     settings = {
-        "preset": name, "models": preset["models"], "seeds": preset["seeds"], "runs_dir": str(root),
+        "preset": name, "models": preset["models"], "seeds": preset["seeds"], "seeded": preset["seeded"],
+        "runs_dir": str(root),
         "loss": {"context": lm["seq_len"], "multiples": lm["multiples"], "window": width, "windows": len(windows),
                  "factor": lm["multiples"][-1], "scalings": list(SCALINGS),
                  "shape": {k: v for k, v in lm["shape"].items()}, "steps": lm["steps"], "batch": lm["batch"],
                  "lr": lm["lr"], "warmup": lm["warmup"], "tokens": trained[0][3]["tokens"],
-                 "data": trained[0][3].get("data"),
+                 "data": trained[0][3].get("data"), "tokenizer": trained[0][3].get("tokenizer"),
                  "train_time_s": {f"{m} (seed {s})": res["train_time_s"] for m, s, _, res in trained}},
-        "passkey": {**pk, "distance": {str(k * pk["context"]): passkey_distance(k * pk["context"], pk["prefix"])
-                                       for k in pk["multiples"]},
-                    "trained_distances": [1, passkey_distance(pk["context"], pk["prefix"])]},
-        "mqar": dict(preset["mqar"]),
     }
+    if "passkey" in preset:
+        for model, seed in runs:
+            rows += passkey_rows(model, seed, preset["passkey"], device, log)
+            rows += mqar_rows(model, seed, preset["mqar"], device, log)
+        pk = preset["passkey"]
+        settings["passkey"] = {**pk, "distance": {str(k * pk["context"]): passkey_distance(k * pk["context"],
+                                                                                          pk["prefix"])
+                                                  for k in pk["multiples"]},
+                               "trained_distances": [1, passkey_distance(pk["context"], pk["prefix"])]}
+        settings["mqar"] = dict(preset["mqar"])
     result = {"command": "python scripts/long_context.py " + " ".join(shlex.quote(a) for a in argv),
               "settings": settings, "rows": rows}
     missing = expected_keys(settings) - {(r["model"], r["task"], r["length"], r["seed"]) for r in rows}
@@ -594,10 +635,9 @@ def long_context(args, argv: list[str], log=print) -> dict:
     atomic_write_json(out / "results.json", result)
     table = markdown(result)
     (out / "results.md").write_text(table)
-    plot(result, out)
+    figures = plot(result, out)
     log(table)
-    log(f"[long_context] wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'loss_by_position.png'} and "
-        f"{out / 'recall.png'}")
+    log(f"[long_context] wrote {out / 'results.json'}, {out / 'results.md'} and " + ", ".join(map(str, figures)))
     return result
 
 

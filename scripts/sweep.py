@@ -64,6 +64,10 @@ MODELS = {
     "square:ce+tied": ["--mixer", "square:ce+tied"],
     "exp2:ce/attention": ["--set", "model.mixer={hybrid}"],
 }
+SWEEP_MODELS = list(MODELS)  # the sweep's own presets: every mixer with RoPE
+# the same models without a position encoding (position_embedding="none"), for the long-context comparison
+MODELS.update({f"{m} [none]": [*MODELS[m], "--set", "model.overrides.position_embedding=none"]
+               for m in ("attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied")})
 REFERENCES = ("gpt2", "attention")
 HEADLINE = ("attention", "dense", "exp2:ce")  # the models trained again with --seeds
 HYBRID = ("exp2:ce", "attention")
@@ -72,7 +76,7 @@ PRESETS = {
     # 4 layers x 128 (the tiny config's shape), context 128, 16 x 128 tokens per step
     "hour": {"shape": {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 256},
              "seq_len": 128, "batch": 16, "micro_batch": 16, "steps": 300, "lr": 2e-3, "warmup": 30,
-             "eval_windows": 512, "models": list(MODELS)},
+             "eval_windows": 512, "models": SWEEP_MODELS},
     "quick": {"shape": {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_inner": 64, "n_positions": 64},
               "seq_len": 32, "batch": 4, "micro_batch": 4, "steps": 20, "lr": 3e-3, "warmup": 2,
               "eval_windows": 64, "models": ["attention", "exp2:ce"]},
@@ -133,7 +137,7 @@ def plan(args) -> tuple[dict, list[tuple[str, int]]]:
 
 
 def run_dir(root: Path, model: str, seed: int) -> Path:
-    slug = model.replace(":", "_").replace("+", "-").replace("/", "-")
+    slug = model.replace(":", "_").replace("+", "-").replace("/", "-").replace(" [", "-").replace("]", "")
     return root / f"{slug}-seed{seed}"
 
 
