@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from hf_resolvent.backends import cpu
-from hf_resolvent.ops import dispatch, flash, parallel_mix, reference_mix
-from hf_resolvent.ops.dense import CpuDenseSolve, DenseSolve
+from hf_resolvent.ops import attention, dispatch, parallel_mix, reference_mix
+from hf_resolvent.ops.dense_solve import CpuDenseSolve, DenseSolve
 from hf_resolvent.ops.slots import SlotCombine, slot_layout, slot_probs
-from hf_resolvent.ops.solve import SparseSolve
+from hf_resolvent.ops.sparse_solve import SparseSolve
 from hf_resolvent.patterns import get_pattern
 
 F64 = torch.float64
@@ -66,12 +66,12 @@ def test_cpu_dense_solve_matches_the_pytorch_one(n, d, e, chunk):
 
 @pytest.mark.parametrize("n,d,e", [(1, 8, 8), (100, 16, 24), (512, 64, 64), (97, 8, 5)])
 def test_cpu_causal_attention_matches_sdpa(n, d, e, monkeypatch):
-    monkeypatch.setattr(flash, "COMPILED_CHUNK", 7 if n == 97 else 64)  # chunks that do not divide n
+    monkeypatch.setattr(attention, "COMPILED_CHUNK", 7 if n == 97 else 64)  # chunks that do not divide n
     gen = torch.Generator().manual_seed(n)
     q, k = (torch.randn(2, 3, n, d, generator=gen, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 3, n, e, generator=gen, requires_grad=True)
     dout = torch.randn(2, 3, n, e, generator=gen)
-    got = flash.causal_attention(q, k, v, 0.3)
+    got = attention.causal_attention(q, k, v, 0.3)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
@@ -81,12 +81,12 @@ def test_cpu_causal_attention_matches_sdpa(n, d, e, monkeypatch):
 def test_causal_attention_past_the_compiled_kernels_length_takes_sdpa(monkeypatch):
     """Past COMPILED_MAX_ROWS rows PyTorch's flash kernel is the faster one: it runs there, with the same results and
     gradients; at the limit the compiled kernel still runs."""
-    monkeypatch.setattr(flash, "COMPILED_MAX_ROWS", 96)
+    monkeypatch.setattr(attention, "COMPILED_MAX_ROWS", 96)
     gen = torch.Generator().manual_seed(4)
     for n, compiled in ((96, True), (97, False)):
         q, k, v = (torch.randn(1, 2, n, 8, generator=gen, requires_grad=True) for _ in range(3))
         with torch.profiler.profile() as prof:
-            got = flash.causal_attention(q, k, v, 0.3)
+            got = attention.causal_attention(q, k, v, 0.3)
         assert ("hf_resolvent::causal_attention_forward" in {e.name for e in prof.events()}) == compiled, n
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -96,10 +96,10 @@ def test_causal_attention_past_the_compiled_kernels_length_takes_sdpa(monkeypatc
 
 
 def test_cpu_causal_attention_gradcheck(monkeypatch):
-    monkeypatch.setattr(flash, "COMPILED_CHUNK", 8)
+    monkeypatch.setattr(attention, "COMPILED_CHUNK", 8)
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 29, 4, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))
-    assert torch.autograd.gradcheck(lambda *t: flash.causal_attention(*t, 0.6), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: attention.causal_attention(*t, 0.6), (q, k, v))
 
 
 def test_cpu_dense_solve_gradcheck():

@@ -15,12 +15,12 @@ import hf_resolvent.ops.gelu
 import hf_resolvent.ops.rope  # noqa: F401  (gelu and rope declare their twins on import, as the model imports them)
 from hf_resolvent.backends import cpu
 from hf_resolvent.ops import DecodeState, dispatch, extend_mix, recurrent_step
-from hf_resolvent.ops.dense import dense_solve
-from hf_resolvent.ops.flash import causal_attention
+from hf_resolvent.ops.attention import causal_attention
+from hf_resolvent.ops.dense_solve import dense_solve
 from hf_resolvent.ops.gelu import gelu_tanh
 from hf_resolvent.ops.rope import rotated_heads
 from hf_resolvent.ops.slots import slot_combine, slot_dot, slot_layout, slot_probs, slot_scatter
-from hf_resolvent.ops.solve import SparseSolve
+from hf_resolvent.ops.sparse_solve import SparseSolve
 from hf_resolvent.patterns import get_pattern
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -136,9 +136,9 @@ RECIPES = {
     "slots.slot_combine": _slot_combine,
     "slots.slot_scatter": _slot_scatter,
     "slots.slot_probs": _slot_probs,
-    "solve.SparseSolve": _sparse_solve,
-    "dense.dense_solve": _dense_solve,
-    "flash.causal_attention": _causal_attention,
+    "sparse_solve.SparseSolve": _sparse_solve,
+    "dense_solve.dense_solve": _dense_solve,
+    "attention.causal_attention": _causal_attention,
     "recurrent._mix": _recurrent_mix,
     "extend._outputs": _extend_outputs,
     "gelu.gelu_tanh": _gelu_tanh,
@@ -167,8 +167,8 @@ def test_every_operator_of_the_cpu_kernels_has_a_pytorch_twin():
 
 
 def test_a_twin_is_declared_once():
-    with pytest.raises(ValueError, match="the CPU twin of flash.causal_attention is already declared"):
-        dispatch.cpu_twin("flash.causal_attention", ("causal_attention_forward",))
+    with pytest.raises(ValueError, match="the CPU twin of attention.causal_attention is already declared"):
+        dispatch.cpu_twin("attention.causal_attention", ("causal_attention_forward",))
 
 
 @pytest.mark.parametrize("case_name", list(CASES))

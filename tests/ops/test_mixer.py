@@ -286,7 +286,7 @@ def check_gradients(key, form, form_tied):
 @pytest.mark.parametrize("spec", ["attention", "dense"])
 def test_parallel_at_split_causal_lengths(spec, cpu_path):
     """n = 400, d = e, left padding: the lengths where the PyTorch path's direct term is a row tree of flash calls
-    (ops.flash.causal_attention), and the compiled attention's chunks there; outputs and gradients equal the
+    (ops.attention.causal_attention), and the compiled attention's chunks there; outputs and gradients equal the
     reference's."""
     pattern = get_pattern(spec)
     inp, _, start = padded_case(400, 7, seed=9)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_resolvent.ops import dense as dense_mod
-from hf_resolvent.ops import flash as flash_mod
+from hf_resolvent.ops import attention as attention_mod
+from hf_resolvent.ops import dense_solve as dense_mod
 from hf_resolvent.ops import parallel_mix, reference_mix
 from hf_resolvent.ops import slots as slots_mod
-from hf_resolvent.ops import solve as solve_mod
-from hf_resolvent.ops.dense import DenseSolve
+from hf_resolvent.ops import sparse_solve as sparse_mod
+from hf_resolvent.ops.dense_solve import DenseSolve
 from hf_resolvent.ops.slots import (
     SlotCombine,
     SlotDot,
@@ -25,7 +25,7 @@ from hf_resolvent.ops.slots import (
     slot_probs,
     slot_scatter,
 )
-from hf_resolvent.ops.solve import SparseSolve, solve_unit_lower_
+from hf_resolvent.ops.sparse_solve import SparseSolve, solve_unit_lower_
 from hf_resolvent.patterns import get_pattern
 
 F64 = torch.float64
@@ -101,7 +101,7 @@ def test_solve_unit_lower_in_place(transpose):
 
 def _force_band(monkeypatch, blocks):
     """Make SparseSolve use a near-slot band of ``blocks`` chunks instead of the cheapest one."""
-    monkeypatch.setattr(solve_mod, "sparse_plan", lambda layout, chunk: solve_mod._SparsePlan(layout, chunk, chunk * blocks))
+    monkeypatch.setattr(sparse_mod, "sparse_plan", lambda layout, chunk: sparse_mod._SparsePlan(layout, chunk, chunk * blocks))
 
 
 @pytest.mark.parametrize("spec", ["exp2", "exp2:ce", "square", "square:ce", "f:3*k+1:ce", "banded:5"])
@@ -142,9 +142,9 @@ def test_sparse_solve_gradcheck(spec, chunk, band, one_thread, monkeypatch, torc
 def test_sparse_plan_picks_a_wide_band_only_where_it_saves_pieces(spec, n, blocks):
     """The cost rule (pieces + BAND_BLOCK_COST per band block) gives the bands measured fastest on CPU."""
     layout = slot_layout(get_pattern(spec), n)
-    plan = solve_mod.sparse_plan(layout, 32)
+    plan = sparse_mod.sparse_plan(layout, 32)
     assert plan.band == 32 * blocks
-    narrow = solve_mod._SparsePlan(layout, 32, 32)
+    narrow = sparse_mod._SparsePlan(layout, 32, 32)
     assert (plan.num_pieces < narrow.num_pieces / 2) == (blocks > 1)
 
 
@@ -171,15 +171,15 @@ def test_dense_solve_matches_direct_solve():
 
 @pytest.mark.parametrize("n, leaf", [(400, 128), (70, 8)])  # the default split; many levels, partial leaves
 def test_split_causal_attention_matches_sdpa(n, leaf, monkeypatch, torch_path):
-    monkeypatch.setattr(flash_mod, "LEAF", leaf)
-    monkeypatch.setattr(flash_mod, "SPLIT_MIN_ROWS", 1)
-    calls, real = [], flash_mod.attend_block
-    monkeypatch.setattr(flash_mod, "attend_block", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(attention_mod, "LEAF", leaf)
+    monkeypatch.setattr(attention_mod, "SPLIT_MIN_ROWS", 1)
+    calls, real = [], attention_mod.attend_block
+    monkeypatch.setattr(attention_mod, "attend_block", lambda *a: calls.append(a[-1]) or real(*a))
     gen = torch.Generator().manual_seed(7)
     q, k = (torch.randn(2, 3, n, 8, generator=gen, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 3, n, 8, generator=gen, requires_grad=True)
     dy = torch.randn(2, 3, n, 8, generator=gen)
-    out = flash_mod.causal_attention(q, k, v, 0.3)
+    out = attention_mod.causal_attention(q, k, v, 0.3)
     grads = torch.autograd.grad(out, (q, k, v), dy)
     assert calls.count(True) == -(-n // leaf) and calls.count(False) >= 1  # really split
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
@@ -189,10 +189,10 @@ def test_split_causal_attention_matches_sdpa(n, leaf, monkeypatch, torch_path):
 
 
 def test_split_causal_attention_gradcheck(one_thread, monkeypatch, torch_path):
-    monkeypatch.setattr(flash_mod, "LEAF", 4)
+    monkeypatch.setattr(attention_mod, "LEAF", 4)
     gen = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(1, 2, 13, 3, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))
-    assert torch.autograd.gradcheck(lambda *a: flash_mod._SplitCausalAttention.apply(*a, 0.5), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *a: attention_mod._SplitCausalAttention.apply(*a, 0.5), (q, k, v))
 
 
 def _saved_elements(pattern, n):

@@ -3,11 +3,12 @@
 Four forms compute the same function and are tested against each other:
 
 - ``reference``: materialised A and B and one triangular solve (O(n^2) memory, tests only);
-- ``parallel``: block forward substitution (training and prefill), in PyTorch (``dense``, ``slots``, ``solve``,
-  ``flash``) or on a backend's kernels;
+- ``parallel``: block forward substitution (training and prefill), in PyTorch (``dense_solve``, ``slots``,
+  ``sparse_solve``, ``attention``) or on a backend's kernels;
 - ``graph``: the same block forward substitution in tensor operations alone (``graph``), which ``torch.compile``
   and ``torch.export`` trace;
-- ``recurrent``: one token at a time from a :class:`DecodeState` (decode), or from a :class:`StaticDecodeState`, the same state in preallocated buffers (static cache, decoding in a ``torch.compile`` graph);
+- ``recurrent``: one token at a time from a :class:`DecodeState` (decode), or from a :class:`StaticDecodeState`,
+  the same state in preallocated buffers (static cache, decoding in a ``torch.compile`` graph);
 - ``extend``: several tokens at once after a :class:`DecodeState` (a chunked prefill, assisted decoding's drafts):
   the graph form's gathers and substitution over the held rows and the new ones.
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from .attention import causal_attention
 from .common import check_inputs, row_valid_mask, to_compute_dtype
-from .dense import dense_solve
-from .flash import causal_attention
+from .dense_solve import dense_solve
 from .patterns import Pattern, get_pattern
 from .slots import slot_attention, slot_layout, slot_probs
-from .solve import SparseSolve
+from .sparse_solve import SparseSolve
 from .threads import serial_for
 
 # Rows per block of the forward substitution (``chunk=None``), tuned on a 2-core CPU at n = 2048-8192.

@@ -4,7 +4,7 @@ Why: on CPU the sparse mixers are bound by the count of small PyTorch ops, not b
 n = 512 issues ~6,700 ops per layer forward + backward); compiled loops do the same work in a few calls. The
 dense solve and causal attention become chunks of rows per head whose gemms see every key at once, with no
 tree of kernel calls. Each kernel replaces one PyTorch function of the parallel form (``ops/slots.py``,
-``ops/solve.py``, ``ops/dense.py``, ``ops/flash.py``), the rotation of RoPE (``ops/rope.py``), the MLP's GELU
+``ops/sparse_solve.py``, ``ops/dense_solve.py``, ``ops/attention.py``), the rotation of RoPE (``ops/rope.py``), the MLP's GELU
 (``ops/gelu.py``) or the arithmetic of the decode step (``ops/recurrent.py``), which stays beside it as the
 reference it is tested against and the path taken wherever the kernels are not: other devices, other dtypes, no
 C++ compiler, or a choice of ``impl="torch"``. Each of those functions declares its twin and the condition under

@@ -1,6 +1,6 @@
 // Dense kernels of the parallel form on CPU, both made of chunked gemms per (batch, head):
-// - the dense solve Y = (I - diag(g) P)^-1 Z, P the causal softmax over earlier keys (ops/dense.py's DenseSolve);
-// - causal attention, the direct term Z = A~ X of the dense and attention patterns (ops/flash.py), at the end.
+// - the dense solve Y = (I - diag(g) P)^-1 Z, P the causal softmax over earlier keys (ops/dense_solve.py's DenseSolve);
+// - causal attention, the direct term Z = A~ X of the dense and attention patterns (ops/attention.py), at the end.
 //
 // Shapes (all contiguous, one dtype: float32 or float64):
 //   q, k  (B, H, n, d)     queries / keys of the B weights
@@ -17,7 +17,7 @@
 // gemm, mostly spinning, so that 2 threads lost to 1; see bench/NOTES.md). Rows go in chunks of C: a chunk's
 // scores against all earlier keys are one gemm, the contribution of the solved rows before it a second gemm, and
 // only the C x C unit lower-triangular in-chunk system is solved by substitution loops. Nothing of
-// size n x n is stored: per thread, two C x n scratch buffers. This is hf_resolvent/ops/dense.py's DenseSolve
+// size n x n is stored: per thread, two C x n scratch buffers. This is hf_resolvent/ops/dense_solve.py's DenseSolve
 // (its PyTorch twin and reference) without the row tree: the gemms see whole chunks of rows.
 //
 // Backward (chunks in reverse): dZ = (I - diag(g) P)^-T dY is solved by the transposed substitution,

@@ -1,5 +1,5 @@
 // Slot kernels of the sparse patterns on CPU: the compiled twins of hf_resolvent/ops/slots.py (scores and
-// weighted sums over each row's slots) and hf_resolvent/ops/solve.py (the forward substitution Y = Z + B Y
+// weighted sums over each row's slots) and hf_resolvent/ops/sparse_solve.py (the forward substitution Y = Z + B Y
 // and its transpose). The maths and the PyTorch versions live there; this file only makes them fast.
 //
 // Why C++: a sparse mixer is O(n K d) arithmetic, tiny next to a matmul, but written with PyTorch ops it

@@ -162,7 +162,7 @@ def sparse_plan(layout: SlotLayout, chunk: int) -> _SparsePlan:
     return _SparsePlan(layout, chunk, min(bands, key=cost))
 
 
-SPARSE_SOLVE_TWIN = cpu_twin("solve.SparseSolve", ("slot_solve", "slot_solve_transpose", "slot_dot"))
+SPARSE_SOLVE_TWIN = cpu_twin("sparse_solve.SparseSolve", ("slot_solve", "slot_solve_transpose", "slot_dot"))
 
 
 class SparseSolve(torch.autograd.Function):

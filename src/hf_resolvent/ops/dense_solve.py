@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from .attention import attend_block, attend_block_backward, merge_block, walk
 from .dispatch import cpu_ops, cpu_twin
-from .flash import attend_block, attend_block_backward, merge_block, walk
-from .solve import solve_unit_lower_
+from .sparse_solve import solve_unit_lower_
 from .threads import by_head_groups, head_groups
 
 _NEG = -1e30  # "minus infinity" that keeps exp(a - b) finite when both are "minus infinity"
@@ -195,7 +195,7 @@ class CpuDenseSolve(torch.autograd.Function):
         return dq, dk, dg, dz, None, None
 
 
-DENSE_SOLVE_TWIN = cpu_twin("dense.dense_solve", ("dense_solve_forward", "dense_solve_backward"))
+DENSE_SOLVE_TWIN = cpu_twin("dense_solve.dense_solve", ("dense_solve_forward", "dense_solve_backward"))
 
 
 def dense_solve(q, k, g, z, scale: float, chunk: int) -> torch.Tensor:

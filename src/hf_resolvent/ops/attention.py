@@ -173,7 +173,7 @@ class _CpuCausalAttention(torch.autograd.Function):
 # timings are in the message of the commit that set this limit, a68c3f7).
 COMPILED_MAX_ROWS = 4096
 
-CAUSAL_ATTENTION_TWIN = cpu_twin("flash.causal_attention", ("causal_attention_forward", "causal_attention_backward"),
+CAUSAL_ATTENTION_TWIN = cpu_twin("attention.causal_attention", ("causal_attention_forward", "causal_attention_backward"),
                                  applies=lambda q, k, v: q.shape[-2] <= COMPILED_MAX_ROWS)
 
 
