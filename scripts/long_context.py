@@ -78,7 +78,7 @@ sweep = _load_script("sweep")
 synthetic = _load_script("synthetic")
 
 from hf_resolvent.training import cli  # noqa: E402 - after the scripts that import the package
-from hf_resolvent.training import synthetic as S  # noqa: E402
+from hf_resolvent.training import synthetic as tasks  # noqa: E402
 
 SCALINGS = ("linear", "dynamic", "yarn")
 LOSS_TASKS = ("loss", *(f"loss:{s}" for s in SCALINGS))
@@ -313,8 +313,8 @@ def loss_rows(model_name: str, seed: int, folder: Path, windows: np.ndarray, lm:
 # Synthetic tasks: passkey and MQAR
 
 
-def passkey_batch(vocab: S.Vocab, distances: tuple[int, int], prefix: int, batch_size: int,
-                  rng: np.random.Generator) -> S.Batch:
+def passkey_batch(vocab: tasks.Vocab, distances: tuple[int, int], prefix: int, batch_size: int,
+                  rng: np.random.Generator) -> tasks.Batch:
     """``batch_size`` passkey samples: BOS, 0..``prefix`` fillers, key, value, d fillers (d drawn from
     ``distances``, both ends included), the key again, labelled with the value; right-padded with PAD."""
     samples = []
@@ -324,16 +324,16 @@ def passkey_batch(vocab: S.Vocab, distances: tuple[int, int], prefix: int, batch
         key = vocab.key0 + int(rng.integers(0, vocab.n_keys))
         value = vocab.value0 + int(rng.integers(0, vocab.n_values))
         filler = rng.integers(vocab.noise0, vocab.noise0 + vocab.n_noise, size=p + d)
-        samples.append((np.concatenate([[S.BOS], filler[:p], [key, value], filler[p:], [key]]).astype(np.int64),
+        samples.append((np.concatenate([[tasks.BOS], filler[:p], [key, value], filler[p:], [key]]).astype(np.int64),
                         value))
     width = max(len(s) for s, _ in samples)
-    ids = np.full((batch_size, width), S.PAD, dtype=np.int64)
-    labels = np.full((batch_size, width), S.IGNORE, dtype=np.int64)
+    ids = np.full((batch_size, width), tasks.PAD, dtype=np.int64)
+    labels = np.full((batch_size, width), tasks.IGNORE, dtype=np.int64)
     for b, (s, value) in enumerate(samples):
         ids[b, :len(s)] = s
         labels[b, len(s) - 1] = value  # answered at the repeated key
-    query = labels != S.IGNORE
-    return S.Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(np.where(query, 0, -1)),
+    query = labels != tasks.IGNORE
+    return tasks.Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(np.where(query, 0, -1)),
                    torch.from_numpy(query))
 
 
@@ -387,7 +387,7 @@ def accuracy(model, draw, n_samples: int, seed: int, device, batch_size: int = 3
 
 
 def passkey_rows(name: str, seed: int, cfg: dict, device, log) -> list[dict]:
-    vocab, T, prefix = S.Vocab(*cfg["vocab"]), cfg["context"], cfg["prefix"]
+    vocab, T, prefix = tasks.Vocab(*cfg["vocab"]), cfg["context"], cfg["prefix"]
     longest = passkey_distance(T, prefix)
     if longest < 1:
         raise LongContextError(f"passkey: context {T} leaves no distance after a prefix of up to {prefix}")
@@ -422,8 +422,8 @@ def _values(rows: list[dict]) -> str:
     return ", ".join(f"{r['length']}: " + ("n/a" if r["value"] is None else f"{r['value']:.2f}") for r in rows)
 
 
-def mqar_spec(cfg: dict, length: int) -> S.TaskSpec:
-    return S.TaskSpec("mqar", length, cfg["pairs"], vocab=S.Vocab(*cfg["vocab"]))
+def mqar_spec(cfg: dict, length: int) -> tasks.TaskSpec:
+    return tasks.TaskSpec("mqar", length, cfg["pairs"], vocab=tasks.Vocab(*cfg["vocab"]))
 
 
 def mqar_rows(name: str, seed: int, cfg: dict, device, log) -> list[dict]:
@@ -431,11 +431,11 @@ def mqar_rows(name: str, seed: int, cfg: dict, device, log) -> list[dict]:
     spec = mqar_spec(cfg, L)
     t0 = time.time()
     model, loss = train_task(name, seed, cfg, spec.vocab.size, L,
-                             lambda rng, n: S.make_batch(spec, n, rng), device)
+                             lambda rng, n: tasks.make_batch(spec, n, rng), device)
 
     def samples_of(n: int):  # the same pairs in a longer sequence
         longer = mqar_spec(cfg, n)
-        return lambda rng, b: S.make_batch(longer, b, rng)
+        return lambda rng, b: tasks.make_batch(longer, b, rng)
 
     return recall_rows(name, "mqar", seed, cfg, L, model, samples_of, device, log, loss, t0)
 
@@ -484,12 +484,12 @@ def markdown(result: dict) -> str:
             (f"MQAR accuracy ({s['mqar']['pairs']} pairs), trained on sequences of {s['mqar']['length']}; "
              "column n: sequences of n tokens", ("mqar",),
              [k * s["mqar"]["length"] for k in s["mqar"]["multiples"]], "length")]
-    for title, tasks, lengths, unit in sections:
+    for title, task_names, lengths, unit in sections:
         lines += [title + " (mean ± std over seeds where there are several; n/a: the model cannot run there):", "",
                   "| model | task | " + " | ".join(f"{unit} {n}" for n in lengths) + " |",
                   "|---|---|" + "---:|" * len(lengths)]
         for model in s["models"]:
-            for task in tasks:
+            for task in task_names:
                 cells = [_cell(by_key.get((model, task, n), [None])) for n in lengths]
                 lines.append(f"| {model} | {task} | " + " | ".join(cells) + " |")
         lines.append("")

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_resolvent.training import cli, models
-from hf_resolvent.training import synthetic as S
+from hf_resolvent.training import synthetic as tasks
 from hf_resolvent.training.optim import build_optimizer, lr_at
 
 PRESETS = {
@@ -91,7 +91,7 @@ MQAR = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=S.TASKS)
+    p.add_argument("--task", choices=tasks.TASKS)
     p.add_argument("--mixer", help="pattern spec (dense, exp2:ce, attention, ...) or gpt2")
     p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=None)
@@ -116,11 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def task_spec(task: str, preset: dict) -> S.TaskSpec:
-    vocab = S.Vocab(*preset["vocab"])
+def task_spec(task: str, preset: dict) -> tasks.TaskSpec:
+    vocab = tasks.Vocab(*preset["vocab"])
     if task == "copy":
-        return S.TaskSpec("copy", preset["copy_len"], vocab=vocab)
-    return S.TaskSpec(task, preset["recall_len"], preset["pairs"], vocab=vocab, min_pairs=preset.get("min_pairs", 0))
+        return tasks.TaskSpec("copy", preset["copy_len"], vocab=vocab)
+    return tasks.TaskSpec(task, preset["recall_len"], preset["pairs"], vocab=vocab, min_pairs=preset.get("min_pairs", 0))
 
 
 def _parse_curriculum(text: str) -> tuple[int, ...]:
@@ -137,20 +137,20 @@ def build_model(mixer: str, vocab_size: int, context: int, d: int, layers: int, 
     """A causal LM over the task vocabulary: resolvent (any mixer) or GPT-2 (``mixer='gpt2'``), from the
     training package's one model factory."""
     shape = {"n_layer": layers, "n_embd": d, "n_head": heads, "n_inner": 4 * d, "n_positions": context,
-             "bos_token_id": S.BOS, "eos_token_id": S.SEP, "pad_token_id": S.PAD}
+             "bos_token_id": tasks.BOS, "eos_token_id": tasks.SEP, "pad_token_id": tasks.PAD}
     model_cfg = {"type": "gpt2" if mixer == "gpt2" else "resolvent", "preset": "tiny", "mixer": mixer,
                  "overrides": shape}
     return models.build_model(model_cfg, vocab_size, context)
 
 
-def _loss(model, batch: S.Batch, device) -> torch.Tensor:
+def _loss(model, batch: tasks.Batch, device) -> torch.Tensor:
     ids, labels = batch.input_ids.to(device), batch.labels.to(device)
     logits = model(input_ids=ids).logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=S.IGNORE)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=tasks.IGNORE)
 
 
 @torch.no_grad()
-def evaluate(model, spec: S.TaskSpec, n_samples: int, seed: int, device, batch_size: int = 64) -> dict:
+def evaluate(model, spec: tasks.TaskSpec, n_samples: int, seed: int, device, batch_size: int = 64) -> dict:
     """Accuracy on ``n_samples`` fresh full-size samples drawn with ``seed`` (never seen in training)."""
     rng = np.random.default_rng([seed, 2**31 - 1])
     was = model.training
@@ -158,11 +158,11 @@ def evaluate(model, spec: S.TaskSpec, n_samples: int, seed: int, device, batch_s
     right = total = seq_right = seqs = inter_right = inter_total = 0
     by_hops: dict[int, list[int]] = {}
     for i in range(0, n_samples, batch_size):
-        batch = S.make_batch(spec, min(batch_size, n_samples - i), rng)
+        batch = tasks.make_batch(spec, min(batch_size, n_samples - i), rng)
         pred = model(input_ids=batch.input_ids.to(device)).logits.argmax(-1).cpu()
         ok = pred == batch.labels
         q = batch.query_mask
-        inter = (batch.labels != S.IGNORE) & ~q
+        inter = (batch.labels != tasks.IGNORE) & ~q
         right += int((ok & q).sum())
         total += int(q.sum())
         inter_right += int((ok & inter).sum())
@@ -225,20 +225,20 @@ def run(args) -> dict:
         f"{batch_size}, device {device}")
     if device.type == "cpu" and args.mixer != "gpt2":
         with torch.no_grad():  # the first forward compiles the CPU kernels (first use only): before the progress bar
-            model(input_ids=S.make_batch(spec, 1, np.random.default_rng(0)).input_ids.to(device))
+            model(input_ids=tasks.make_batch(spec, 1, np.random.default_rng(0)).input_ids.to(device))
     history = []
     t0 = time.time()
     from tqdm.auto import tqdm
 
     bar = tqdm(range(steps), disable=args.quiet, unit="step", dynamic_ncols=True)
     for step in bar:
-        div = S.curriculum_divisor(step, steps, phases)
+        div = tasks.curriculum_divisor(step, steps, phases)
         phase = spec.phase(div)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, schedule)
         total_loss = 0.0
         for _ in range(accum):
-            batch = S.make_batch(phase, micro, rng)
+            batch = tasks.make_batch(phase, micro, rng)
             with amp:
                 loss = _loss(model, batch, device)
             (loss / accum).backward()

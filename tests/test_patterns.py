@@ -8,9 +8,6 @@ Positions are 1-indexed as in the papers unless a name says otherwise; ``source_
 from __future__ import annotations
 
 import math
-import runpy
-import sys
-import warnings
 
 import pytest
 import torch
@@ -365,13 +362,12 @@ def test_cost_and_cache_growth_follow_the_classes():
     assert get_pattern("banded:8").cost(n) == 9 and get_pattern("banded:8").cache_size(n) == 8
 
 
-def test_plot_cli_writes_png(tmp_path, monkeypatch, capsys):
-    """``python -m hf_resolvent.patterns --plot X.png`` (run in-process with runpy: no second torch import)."""
+def test_plot_cli_writes_png(tmp_path, capsys):
+    """``python -m hf_resolvent --plot X.png`` (its main, in-process: no second torch import)."""
+    from hf_resolvent.__main__ import main
+
     out = tmp_path / "patterns.png"
-    monkeypatch.setattr(sys, "argv", ["hf_resolvent.patterns", "--plot", str(out), "-n", "64"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is already imported
-        runpy.run_module("hf_resolvent.patterns", run_name="__main__")
+    main(["--plot", str(out), "-n", "64"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "exp2:ce" in printed and "wrote" in printed

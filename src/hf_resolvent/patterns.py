@@ -542,7 +542,5 @@ def plot_patterns(path: str, specs: "list[str] | None" = None, n: int = 64) -> N
     plt.close(fig)
 
 
-if __name__ == "__main__":  # the older command: ``python -m hf_resolvent`` runs the same without runpy's warning
-    from hf_resolvent.__main__ import main
-
-    main()
+if __name__ == "__main__":
+    raise SystemExit("the patterns command is `python -m hf_resolvent [SPEC ...] [-n N] [--plot FILE.png]`")

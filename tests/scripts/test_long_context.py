@@ -90,16 +90,16 @@ def test_tables_and_figures(result):
 
 
 def test_passkey_samples_state_the_pair_once_and_ask_the_key_at_the_end():
-    vocab = lc.S.Vocab(3, 5, 5)
+    vocab = lc.tasks.Vocab(3, 5, 5)
     batch = lc.passkey_batch(vocab, (7, 7), 2, 32, np.random.default_rng(0))
     for ids, labels in zip(batch.input_ids.numpy(), batch.labels.numpy()):
-        real = ids[ids != lc.S.PAD]
-        assert real[0] == lc.S.BOS and 11 <= len(real) <= 13  # 7 fillers between, 0 to 2 before
+        real = ids[ids != lc.tasks.PAD]
+        assert real[0] == lc.tasks.BOS and 11 <= len(real) <= 13  # 7 fillers between, 0 to 2 before
         keys = np.flatnonzero(vocab.is_key(real))
         values = np.flatnonzero(vocab.is_value(real))
         assert len(keys) == 2 and len(values) == 1 and keys[-1] == len(real) - 1
         assert values[0] == keys[0] + 1 and real[keys[0]] == real[keys[1]] and keys[1] - values[0] == 8
-        assert np.flatnonzero(labels != lc.S.IGNORE).tolist() == [len(real) - 1]
+        assert np.flatnonzero(labels != lc.tasks.IGNORE).tolist() == [len(real) - 1]
         assert labels[len(real) - 1] == real[values[0]]
     assert lc.passkey_distance(64, 2) == 58
 

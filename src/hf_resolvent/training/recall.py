@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import synthetic as S
+from . import synthetic as tasks
 from .models import build_model
 from .optim import build_optimizer
 
@@ -82,9 +82,9 @@ def build_task_model(mixer, s: RecallSettings, position_embedding: str):
     """A causal LM over the task's vocabulary: the resolvent model of ``mixer`` (a spec or one per layer) with
     ``position_embedding`` (one of POSITIONS: ``rope:a`` is RoPE on the A channel only, ``rope_channels="a"``), or
     GPT-2 (``mixer="gpt2"``, learned positions) at the same shape."""
-    vocab = S.Vocab(*s.vocab)
+    vocab = tasks.Vocab(*s.vocab)
     shape = {"n_layer": s.layers, "n_embd": s.d, "n_head": s.heads, "n_inner": 4 * s.d, "n_positions": s.context,
-             "bos_token_id": S.BOS, "eos_token_id": S.SEP, "pad_token_id": S.PAD}
+             "bos_token_id": tasks.BOS, "eos_token_id": tasks.SEP, "pad_token_id": tasks.PAD}
     if mixer != "gpt2":
         kind, _, channels = position_embedding.partition(":")
         shape["position_embedding"] = kind
@@ -94,9 +94,9 @@ def build_task_model(mixer, s: RecallSettings, position_embedding: str):
     return build_model(cfg, vocab.size, s.context)
 
 
-def _answer_loss(model, batch: S.Batch, device) -> torch.Tensor:
+def _answer_loss(model, batch: tasks.Batch, device) -> torch.Tensor:
     logits = model(input_ids=batch.input_ids.to(device)).logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten().to(device), ignore_index=S.IGNORE)
+    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten().to(device), ignore_index=tasks.IGNORE)
 
 
 @torch.no_grad()
@@ -105,11 +105,11 @@ def accuracy(model, s: RecallSettings, length: int, n_samples: int, seed: int, d
     """Accuracy over the answers of ``n_samples`` fresh samples of ``length`` tokens: the asked pairs far back
     (``far=True``, how lengths are read), or laid out as in training (``far=False``: the pairs anywhere, the
     training's queries)."""
-    vocab, rng = S.Vocab(*s.vocab), np.random.default_rng([seed, length, 2**31 - 1])
+    vocab, rng = tasks.Vocab(*s.vocab), np.random.default_rng([seed, length, 2**31 - 1])
     was, right, q = model.training, 0, s.read_queries if far else s.train_queries
     model.eval()
     for i in range(0, n_samples, batch_size):
-        batch = S.passkey_batch(vocab, length, s.pairs, min(batch_size, n_samples - i), rng, far=far, queries=q)
+        batch = tasks.passkey_batch(vocab, length, s.pairs, min(batch_size, n_samples - i), rng, far=far, queries=q)
         answers = model(input_ids=batch.input_ids.to(device)).logits[:, -q:].argmax(-1).cpu()
         right += int((answers == batch.labels[:, -q:]).sum())
     model.train(was)
@@ -128,14 +128,14 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     torch.manual_seed(seed)
     model = build_task_model(mixer, s, position_embedding).to(device).train()
     opt = build_optimizer(model, s.lr, betas=(0.9, 0.98), weight_decay=0.1, fused=False)
-    vocab, rng = S.Vocab(*s.vocab), np.random.default_rng([seed, 0])
+    vocab, rng = tasks.Vocab(*s.vocab), np.random.default_rng([seed, 0])
     name, queries = _name(mixer, position_embedding), s.train_queries
     length = min(s.context, 1 + 2 * s.pairs + queries)  # BOS, the pairs and the queries, no filler
     t0, acc, step = time.time(), 0.0, 0
     while step < s.max_steps:
         for group in opt.param_groups:
             group["lr"] = s.lr * min(1.0, (step + 1) / s.warmup)
-        loss = _answer_loss(model, S.passkey_batch(vocab, length, s.pairs, s.batch, rng, queries=queries), device)
+        loss = _answer_loss(model, tasks.passkey_batch(vocab, length, s.pairs, s.batch, rng, queries=queries), device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

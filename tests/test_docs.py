@@ -27,12 +27,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the dev extra installs it there)
     import tomli as tomllib
 
-ROOT = REPO
-README = (ROOT / "README.md").read_text()
+README = (REPO / "README.md").read_text()
 # What a user reads as instructions: the README, the docs, and model cards where the repository has them.
-USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("model_cards/**/*.md"))]
+USER_DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("model_cards/**/*.md"))]
 # Every Markdown file whose links are checked.
-LINKED_DOCS = [*USER_DOCS, ROOT / "kernels" / "README.md", ROOT / "bench" / "NOTES.md"]
+LINKED_DOCS = [*USER_DOCS, REPO / "kernels" / "README.md", REPO / "bench" / "NOTES.md"]
 
 
 def _blocks(text: str, language: str) -> list[str]:
@@ -53,7 +52,7 @@ def _python(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedP
 
 
 def _name(path: Path) -> str:
-    return str(path.relative_to(ROOT))
+    return str(path.relative_to(REPO))
 
 
 # (file, index of the Python block in it), one test each
@@ -70,7 +69,7 @@ def test_the_docs_have_python_blocks_beyond_the_readme():
     assert len(PYTHON_BLOCKS) > len(_blocks(README, "python"))
 
 
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)
 _HEADING = re.compile(r"^#{1,6} ", flags=re.M)
 # pip install "hf-resolvent[export]", pip install hf-resolvent, pip install -e ".[dev]", pip install -e .
@@ -177,7 +176,7 @@ def _bench_commands() -> list[list[str]]:
 
 
 def test_doc_commands_write_to_an_untracked_folder():
-    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
                                  check=True).stdout.split())
     outs = []
     for words in _bench_commands():
@@ -187,7 +186,7 @@ def test_doc_commands_write_to_an_untracked_folder():
     assert len(outs) >= 10
     for out in outs:
         assert not out.startswith("bench/") and out not in tracked, out
-        ignored = subprocess.run(["git", "check-ignore", "-q", out], cwd=ROOT).returncode == 0
+        ignored = subprocess.run(["git", "check-ignore", "-q", out], cwd=REPO).returncode == 0
         assert ignored, f"{out}: a command of the docs writes where git would see it"
 
 
@@ -250,7 +249,7 @@ def test_broken_links_are_found(tmp_path):
 
 def test_bench_kernels_default_output_is_untracked():
     out = load_script("bench/bench_kernels").parse_args([]).out
-    assert subprocess.run(["git", "check-ignore", "-q", out + ".json"], cwd=ROOT).returncode == 0, out
+    assert subprocess.run(["git", "check-ignore", "-q", out + ".json"], cwd=REPO).returncode == 0, out
 
 
 def test_the_patterns_command_prints_no_warning(tmp_path):
@@ -261,16 +260,16 @@ def test_the_patterns_command_prints_no_warning(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Warning" not in result.stderr, result.stderr[-3000:]  # runpy's, when the package ran patterns.py again
     assert "diagonal" in result.stdout and png.stat().st_size > 0
-    # the older command still runs it (Python itself warns there: the package has imported patterns.py already)
+    # running the module itself names the command instead of doing nothing
     older = subprocess.run([sys.executable, "-m", "hf_resolvent.patterns", "-n", "64"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=120)
-    assert older.returncode == 0 and older.stdout == result.stdout.replace(f"wrote {png}\n", ""), older.stderr
+    assert older.returncode == 1 and "python -m hf_resolvent [SPEC" in older.stderr and not older.stdout
 
 
 def test_demo_mixer_draws_the_patterns_of_its_table_where_git_ignores_it(tmp_path, monkeypatch):
     demo = load_script("bench/demo_mixer")
     default = demo.parse_args([]).plot
-    assert subprocess.run(["git", "check-ignore", "-q", default], cwd=ROOT).returncode == 0, default
+    assert subprocess.run(["git", "check-ignore", "-q", default], cwd=REPO).returncode == 0, default
     drawn = []
 
     def plot_patterns(path, specs=None, n=64):
