@@ -32,7 +32,7 @@ the context the task was trained at):
   length L, evaluated on sequences of kL with the same number of pairs (the queries spread over the longer
   sequence). Metric: accuracy over the queries.
 
-The synthetic tasks train small models in-process (the model factory of ``scripts/synthetic.py``: the same
+The synthetic tasks train small models in-process (``hf_resolvent.training.synthetic.task_model``: the same
 shape for every mixer, a fixed number of steps, no curriculum) and are not saved.
 
 GPT-2 has a learned position table, trained only up to the context it was trained at: its rows past T have ``value``
@@ -75,7 +75,6 @@ def _load_script(name: str):
 
 
 sweep = _load_script("sweep")
-synthetic = _load_script("synthetic")
 
 from hf_resolvent.training import cli  # noqa: E402 - after the scripts that import the package
 from hf_resolvent.training import synthetic as tasks  # noqa: E402
@@ -343,7 +342,7 @@ def passkey_distance(length: int, prefix: int) -> int:
 
 
 def model_spec(name: str, layers: int) -> str | list[str]:
-    """The mixer spec of a sweep model for ``scripts/synthetic.py``'s model factory (``gpt2`` for GPT-2)."""
+    """The mixer spec of a sweep model for the tasks' model factory (``gpt2`` for GPT-2)."""
     if name == "exp2:ce/attention":
         return [sweep.HYBRID[i % len(sweep.HYBRID)] for i in range(layers)]
     return name
@@ -355,8 +354,8 @@ def train_task(name: str, seed: int, cfg: dict, vocab_size: int, context: int, d
     from hf_resolvent.training.optim import build_optimizer, lr_at
 
     torch.manual_seed(seed)
-    model = synthetic.build_model(model_spec(name, cfg["layers"]), vocab_size, context, cfg["d"], cfg["layers"],
-                                  cfg["heads"]).to(device)
+    model = tasks.task_model(model_spec(name, cfg["layers"]), vocab_size, context, cfg["d"], cfg["layers"],
+                             cfg["heads"]).to(device)
     opt = build_optimizer(model, cfg["lr"], betas=(0.9, 0.98), weight_decay=0.1, fused=False)
     schedule = {"lr": cfg["lr"], "warmup_steps": cfg["warmup"], "max_steps": cfg["steps"], "min_lr_ratio": 0.1}
     rng = np.random.default_rng([seed, 0])
@@ -364,7 +363,7 @@ def train_task(name: str, seed: int, cfg: dict, vocab_size: int, context: int, d
     for step in range(int(cfg["steps"])):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, schedule)
-        loss = synthetic._loss(model, draw(rng, int(cfg["batch"])), device)
+        loss = tasks.task_loss(model, draw(rng, int(cfg["batch"])), device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -56,9 +56,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from hf_resolvent.training import cli, models
+from hf_resolvent.training import cli
 from hf_resolvent.training import synthetic as tasks
 from hf_resolvent.training.optim import build_optimizer, lr_at
 
@@ -133,22 +132,6 @@ def _parse_curriculum(text: str) -> tuple[int, ...]:
     return phases
 
 
-def build_model(mixer: str, vocab_size: int, context: int, d: int, layers: int, heads: int):
-    """A causal LM over the task vocabulary: resolvent (any mixer) or GPT-2 (``mixer='gpt2'``), from the
-    training package's one model factory."""
-    shape = {"n_layer": layers, "n_embd": d, "n_head": heads, "n_inner": 4 * d, "n_positions": context,
-             "bos_token_id": tasks.BOS, "eos_token_id": tasks.SEP, "pad_token_id": tasks.PAD}
-    model_cfg = {"type": "gpt2" if mixer == "gpt2" else "resolvent", "preset": "tiny", "mixer": mixer,
-                 "overrides": shape}
-    return models.build_model(model_cfg, vocab_size, context)
-
-
-def _loss(model, batch: tasks.Batch, device) -> torch.Tensor:
-    ids, labels = batch.input_ids.to(device), batch.labels.to(device)
-    logits = model(input_ids=ids).logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=tasks.IGNORE)
-
-
 @torch.no_grad()
 def evaluate(model, spec: tasks.TaskSpec, n_samples: int, seed: int, device, batch_size: int = 64) -> dict:
     """Accuracy on ``n_samples`` fresh full-size samples drawn with ``seed`` (never seen in training)."""
@@ -207,7 +190,7 @@ def run(args) -> dict:
     spec = task_spec(args.task, preset)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
-    model = build_model(args.mixer, spec.vocab.size, spec.total_length(), preset["d"], preset["layers"],
+    model = tasks.task_model(args.mixer, spec.vocab.size, spec.total_length(), preset["d"], preset["layers"],
                         preset["heads"]).to(device)
     params = sum(p.numel() for p in model.parameters())
     # The per-tensor AdamW loop (fused=False) is the one the README's table was measured with.
@@ -240,7 +223,7 @@ def run(args) -> dict:
         for _ in range(accum):
             batch = tasks.make_batch(phase, micro, rng)
             with amp:
-                loss = _loss(model, batch, device)
+                loss = tasks.task_loss(model, batch, device)
             (loss / accum).backward()
             total_loss += loss.item() / accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -13,6 +13,7 @@ import torch
 from conftest import load_script
 
 from hf_resolvent.training import recall
+from hf_resolvent.training import synthetic as tasks
 
 TINY = recall.RecallSettings(context=32, pairs=2, d=32, max_steps=80, check_every=20, check_samples=20, grow=100.0,
                              grow_at=0.0, eval_samples=20, multiples=(1, 2))  # at T after the first check
@@ -29,7 +30,7 @@ def test_training_stops_at_competence_and_says_when_it_did_not(tmp_path):
     assert not record["reached"] and record["steps"] == TINY.max_steps and 0 <= record["accuracy_at_T"] <= 1
     assert any("NOT competent after 80 steps" in line for line in logs)
     assert model.config.position_embedding == "none" and not model.training
-    one_channel = recall.build_task_model("exp2:ce", TINY, "rope:b").config
+    one_channel = tasks.task_model("exp2:ce", 64, 32, 32, 2, 2, "rope:b").config
     assert (one_channel.position_embedding, one_channel.rope_channels) == ("rope", "b")
 
 

@@ -244,7 +244,6 @@ class _Fixed(torch.nn.Module):
 
 
 def test_mqar_loss_is_on_the_answers_only():
-    mod = load_script("synthetic")
     batch = S.make_batch(MQAR, 8, np.random.default_rng(9))
     labelled = batch.labels != S.IGNORE
     gen = torch.Generator().manual_seed(0)
@@ -252,17 +251,17 @@ def test_mqar_loss_is_on_the_answers_only():
     right = logits.clone()
     right[labelled] = 0.0
     right[labelled.nonzero(as_tuple=True) + (batch.labels[labelled],)] = 50.0  # certain of every answer
-    assert mod._loss(_Fixed(right), batch, "cpu").item() < 1e-6
+    assert S.task_loss(_Fixed(right), batch, "cpu").item() < 1e-6
     # changing what is predicted anywhere else leaves the loss as it is
     other = right.clone()
     other[~labelled] = torch.randn(int((~labelled).sum()), V.size, generator=gen) * 10
-    assert mod._loss(_Fixed(other), batch, "cpu").item() == pytest.approx(mod._loss(_Fixed(right), batch, "cpu").item())
+    assert S.task_loss(_Fixed(other), batch, "cpu").item() == pytest.approx(S.task_loss(_Fixed(right), batch, "cpu").item())
     # an answer left uniform costs log(vocab), averaged over the answers only
     wrong = right.clone()
     b, t = labelled.nonzero()[0].tolist()
     wrong[b, t] = 0.0
     expected = math.log(V.size) / int(labelled.sum())
-    assert mod._loss(_Fixed(wrong), batch, "cpu").item() == pytest.approx(expected, rel=1e-4)
+    assert S.task_loss(_Fixed(wrong), batch, "cpu").item() == pytest.approx(expected, rel=1e-4)
 
 
 def test_mqar_spec_errors_name_the_fix():

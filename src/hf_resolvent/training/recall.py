@@ -26,10 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import synthetic as tasks
-from .models import build_model
 from .optim import build_optimizer
 
 
@@ -78,27 +76,6 @@ TASKS = {"decoy": "Passkey with decoys", "mqar": "MQAR at a distance"}
 POSITIONS = ("rope", "rope:a", "rope:b", "learned", "none")
 
 
-def build_task_model(mixer, s: RecallSettings, position_embedding: str):
-    """A causal LM over the task's vocabulary: the resolvent model of ``mixer`` (a spec or one per layer) with
-    ``position_embedding`` (one of POSITIONS: ``rope:a`` is RoPE on the A channel only, ``rope_channels="a"``), or
-    GPT-2 (``mixer="gpt2"``, learned positions) at the same shape."""
-    vocab = tasks.Vocab(*s.vocab)
-    shape = {"n_layer": s.layers, "n_embd": s.d, "n_head": s.heads, "n_inner": 4 * s.d, "n_positions": s.context,
-             "bos_token_id": tasks.BOS, "eos_token_id": tasks.SEP, "pad_token_id": tasks.PAD}
-    if mixer != "gpt2":
-        kind, _, channels = position_embedding.partition(":")
-        shape["position_embedding"] = kind
-        if channels:
-            shape["rope_channels"] = channels
-    cfg = {"type": "gpt2" if mixer == "gpt2" else "resolvent", "preset": "tiny", "mixer": mixer, "overrides": shape}
-    return build_model(cfg, vocab.size, s.context)
-
-
-def _answer_loss(model, batch: tasks.Batch, device) -> torch.Tensor:
-    logits = model(input_ids=batch.input_ids.to(device)).logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten().to(device), ignore_index=tasks.IGNORE)
-
-
 @torch.no_grad()
 def accuracy(model, s: RecallSettings, length: int, n_samples: int, seed: int, device, batch_size: int = 50,
              far: bool = True) -> float:
@@ -126,7 +103,8 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     ``s.target``. ``record``: steps, whether the target was reached, the longest length trained on, the accuracy
     at T when training stopped, seconds."""
     torch.manual_seed(seed)
-    model = build_task_model(mixer, s, position_embedding).to(device).train()
+    model = tasks.task_model(mixer, tasks.Vocab(*s.vocab).size, s.context, s.d, s.layers, s.heads,
+                             position_embedding).to(device).train()
     opt = build_optimizer(model, s.lr, betas=(0.9, 0.98), weight_decay=0.1, fused=False)
     vocab, rng = tasks.Vocab(*s.vocab), np.random.default_rng([seed, 0])
     name, queries = _name(mixer, position_embedding), s.train_queries
@@ -135,7 +113,7 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     while step < s.max_steps:
         for group in opt.param_groups:
             group["lr"] = s.lr * min(1.0, (step + 1) / s.warmup)
-        loss = _answer_loss(model, tasks.passkey_batch(vocab, length, s.pairs, s.batch, rng, queries=queries), device)
+        loss = tasks.task_loss(model, tasks.passkey_batch(vocab, length, s.pairs, s.batch, rng, queries=queries), device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

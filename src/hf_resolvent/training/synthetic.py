@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 PAD, BOS, SEP = 0, 1, 2
 IGNORE = -100
@@ -381,3 +382,32 @@ def _follow(link: dict[int, int], key: int, v: Vocab) -> int:
         seen.add(key)
         key = link[key]
     return key
+
+
+# --------------------------------------------------------------------------------------------------
+# Models of the tasks
+
+
+def task_model(mixer, vocab_size: int, context: int, d: int, layers: int, heads: int,
+               position_embedding: str = "rope"):
+    """A causal LM over a task's vocabulary (4 x d MLP, the task's BOS, SEP and PAD ids): the resolvent model of
+    ``mixer`` (a spec, or one per layer) or GPT-2 (``mixer="gpt2"``, learned positions), from the training package's
+    one model factory. ``position_embedding``: ``rope``, ``learned``, ``none``, or ``rope:a`` / ``rope:b`` for RoPE
+    on one channel only (``rope_channels``); GPT-2 ignores it."""
+    from .models import build_model
+
+    shape = {"n_layer": layers, "n_embd": d, "n_head": heads, "n_inner": 4 * d, "n_positions": context,
+             "bos_token_id": BOS, "eos_token_id": SEP, "pad_token_id": PAD}
+    if mixer != "gpt2":
+        kind, _, channels = position_embedding.partition(":")
+        shape["position_embedding"] = kind
+        if channels:
+            shape["rope_channels"] = channels
+    cfg = {"type": "gpt2" if mixer == "gpt2" else "resolvent", "preset": "tiny", "mixer": mixer, "overrides": shape}
+    return build_model(cfg, vocab_size, context)
+
+
+def task_loss(model, batch: Batch, device) -> torch.Tensor:
+    """Cross-entropy over a batch's labelled positions (``labels[b, t]`` is the prediction at t: no shift)."""
+    logits = model(input_ids=batch.input_ids.to(device)).logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten().to(device), ignore_index=IGNORE)
