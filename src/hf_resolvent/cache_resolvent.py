@@ -4,7 +4,9 @@ Each layer keeps only what its pattern lets future tokens read (docs/DESIGN.md s
 attention, dense and plain f-patterns, the last w - 1 for local attention, the last w for banded patterns, and the distinct
 positions of the slot register for cache-efficient patterns (12 rows after 2048 tokens for ``exp2:ce``).
 A row holds the keys of both channels (after RoPE), the input x and the output y; the tied variant keeps its
-B keys and z only; attention kinds keep their keys and values.
+B keys and z only; attention kinds keep their keys and values. A model with a short convolution (``conv_size`` K)
+also keeps, per layer, the last K - 1 projected rows the convolution reads (all of them since
+:meth:`~ResolventCacheLayer.activate_past_recording`, so that a crop can go back).
 
 With ``max_cache_len`` (``generate(cache_implementation="static")``) the states are preallocated for that many
 tokens and written in place (:class:`~hf_resolvent.ops.StaticDecodeState`): the cache is then compileable, and a
@@ -47,6 +49,10 @@ class ResolventCacheLayer:
         self._state: DecodeState | None = None
         self.device = None
         self.record_past = False
+        # the short convolution's input rows before the next token (B, R, C), row 0 at position conv_first (rows
+        # before the sequence are zeros); None without a convolution or before the first forward
+        self.conv_rows: torch.Tensor | None = None
+        self.conv_first, self.conv_width = 0, 0
 
     def __repr__(self) -> str:
         rows = 0 if self.state is None else self.state.rows()
@@ -86,6 +92,15 @@ class ResolventCacheLayer:
         if self.is_compileable:
             state = StaticDecodeState.preallocate(self.pattern, state, self.max_cache_len)
         self.state = state
+
+    def keep_conv_rows(self, rows: torch.Tensor, width: int) -> None:
+        """Take the convolution's input rows up to the newest token (the held ones, then the new): keep the last
+        ``width`` - 1, or all while recording (:meth:`activate_past_recording`)."""
+        if self.conv_rows is None:  # a prefill: its rows start with width - 1 zero rows before position 0
+            self.conv_first, self.conv_width = -(width - 1), width
+        keep = rows.shape[1] if self.record_past else width - 1
+        self.conv_first += rows.shape[1] - keep
+        self.conv_rows = rows[:, rows.shape[1] - keep:]
 
     @property
     def keeps_every_position(self) -> bool:
@@ -128,14 +143,18 @@ class ResolventCacheLayer:
         return self.get_seq_length() + query_length, 0
 
     def nbytes(self) -> int:
-        return 0 if self.state is None else self.state.nbytes()
+        rows = 0 if self.conv_rows is None else self.conv_rows.numel() * self.conv_rows.element_size()
+        return rows + (0 if self.state is None else self.state.nbytes())
 
     def reset(self) -> None:
         self._state = None
+        self.conv_rows, self.conv_first, self.conv_width = None, 0, 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.state is not None:
             self.state.select_batch(indices)
+        if self.conv_rows is not None:
+            self.conv_rows = self.conv_rows.index_select(0, indices.to(self.conv_rows.device))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -143,6 +162,8 @@ class ResolventCacheLayer:
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.state is not None:
             self.state.repeat_batch(repeats)
+        if self.conv_rows is not None:
+            self.conv_rows = self.conv_rows.repeat_interleave(repeats, dim=0)
 
     def target_length(self, length: int) -> int:
         """The tokens left by ``crop(length)``: ``length`` > 0 keeps that many, <= 0 drops ``-length`` newest ones."""
@@ -151,7 +172,16 @@ class ResolventCacheLayer:
 
     def can_crop(self, length: int) -> bool:
         """True when ``crop(length)`` is exact (see :meth:`crop`)."""
-        return self.state is None or self.state.can_crop_to(self.pattern, self.target_length(length))
+        if self.state is None:
+            return True
+        target = self.target_length(length)
+        return self.state.can_crop_to(self.pattern, target) and self._conv_rows_reach(target)
+
+    def _conv_rows_reach(self, length: int) -> bool:
+        """Whether the convolution's rows held go back to the K - 1 before token ``length`` (no convolution: True)."""
+        if self.conv_rows is None or length >= self.get_seq_length():
+            return True
+        return length - (self.conv_width - 1) >= self.conv_first
 
     def crop(self, length: int) -> None:
         """Drop the ``-length`` newest tokens (``length`` <= 0, ``transformers``' convention), or keep the first
@@ -159,8 +189,17 @@ class ResolventCacheLayer:
         where the state cannot go back that far (see :meth:`DecodeState.crop`)."""
         if self.state is None:
             return
-        self.state.crop(self.pattern, self.target_length(length))
+        target, seen = self.target_length(length), self.get_seq_length()
+        if not self._conv_rows_reach(target):
+            raise ValueError(
+                f"the short convolution of this layer holds its input rows from token {self.conv_first} on, and a "
+                f"crop back {seen - target} token(s) needs them from token {target - self.conv_width + 1}: record "
+                "them first (cache.activate_past_recording(), which generate() does for assisted and prompt-lookup "
+                "decoding)")
+        self.state.crop(self.pattern, target)
         self.state.forget_history()
+        if self.conv_rows is not None and target < seen:
+            self.conv_rows = self.conv_rows[:, : target - self.conv_first]
 
     def offload(self) -> None:
         if self.state is None:
@@ -168,10 +207,14 @@ class ResolventCacheLayer:
         if self.state.positions is not None:
             self.device = self.state.positions.device  # where prefetch() brings it back
         self.state.to("cpu", non_blocking=True)
+        if self.conv_rows is not None:
+            self.conv_rows = self.conv_rows.to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
         if self.device is not None and self.state is not None:
             self.state.to(self.device, non_blocking=True)
+            if self.conv_rows is not None:
+                self.conv_rows = self.conv_rows.to(self.device, non_blocking=True)
 
 
 class ResolventCache(Cache):
@@ -192,6 +235,10 @@ class ResolventCache(Cache):
             raise ValueError("ResolventCache needs the model's ResolventConfig: ResolventCache(model.config)")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive number of tokens or None, got {max_cache_len!r}")
+        if max_cache_len is not None and getattr(config, "conv_size", 0):
+            raise ValueError("a static cache (max_cache_len, cache_implementation='static', the exported decode step) "
+                             "does not hold the short convolution's rows yet (conv_size = "
+                             f"{config.conv_size}); use the dynamic cache (leave cache_implementation unset)")
         layers = [ResolventCacheLayer(spec["pattern"], spec["tied"], max_cache_len) for spec in config.layer_mixers]
         super().__init__(layers=layers)
         self.head_shape = (config.n_head, config.head_dim)
@@ -284,16 +331,21 @@ class ResolventCache(Cache):
 
 
 def _cache_children(cache: ResolventCache) -> tuple[list, tuple]:
-    layers = tuple((layer.pattern.name, layer.tied, layer.max_cache_len, layer.record_past) for layer in cache.layers)
-    return [layer.state for layer in cache.layers], (cache.head_shape, layers)
+    layers = tuple((layer.pattern.name, layer.tied, layer.max_cache_len, layer.record_past, layer.conv_first,
+                    layer.conv_width) for layer in cache.layers)
+    children = [layer.state for layer in cache.layers] + [layer.conv_rows for layer in cache.layers]
+    return children, (cache.head_shape, layers)
 
 
-def _cache_from_children(states, context) -> ResolventCache:
+def _cache_from_children(children, context) -> ResolventCache:
     head_shape, specs = context
+    states, conv_rows = children[:len(specs)], children[len(specs):]
     layers = []
-    for state, (pattern, tied, max_cache_len, record_past) in zip(states, specs):
+    for state, rows, (pattern, tied, max_cache_len, record_past, conv_first, conv_width) in zip(states, conv_rows,
+                                                                                              specs):
         layer = ResolventCacheLayer(pattern, tied, max_cache_len)
         layer.record_past, layer._state = record_past, state  # as flattened: no new recording starts
+        layer.conv_rows, layer.conv_first, layer.conv_width = rows, conv_first, conv_width
         layers.append(layer)
     cache = ResolventCache.__new__(ResolventCache)
     Cache.__init__(cache, layers=layers)
@@ -302,8 +354,8 @@ def _cache_from_children(states, context) -> ResolventCache:
 
 
 def _cache_children_with_keys(cache: ResolventCache) -> tuple[list, tuple]:
-    states, context = _cache_children(cache)
-    return [(torch.utils._pytree.SequenceKey(i), state) for i, state in enumerate(states)], context
+    children, context = _cache_children(cache)
+    return [(torch.utils._pytree.SequenceKey(i), child) for i, child in enumerate(children)], context
 
 
 torch.utils._pytree.register_pytree_node(

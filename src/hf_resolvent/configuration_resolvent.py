@@ -142,6 +142,11 @@ class ResolventConfig(PretrainedConfig):
             dt_bias) exp(A_log)), softplus(dt_bias) log-uniform in [1e-3, 1e-1], exp(A_log) uniform in [1, 16]),
             ``"closed"`` (g = e^-16 ~ 1.1e-7 at start, input-independent: the layer starts as its direct channel,
             used by :meth:`ResolventForCausalLM.from_gpt2`) or a float v in (0, 1) (g = v at start).
+        conv_size: width K of a short depthwise causal convolution on every projected part the mixer reads (queries,
+            keys and inputs), as fla's ``use_short_conv`` and Mamba's ``d_conv`` put one: each part at token i becomes
+            SiLU of a per-channel weighted sum of its values at tokens i - K + 1 .. i, so one layer sees the last few
+            tokens at once. 0 (default) is off; otherwise at least 2. Weights start as PyTorch's ``nn.Conv1d``
+            (uniform in +-1/sqrt(K), bias likewise). Its decode state is the last K - 1 projected rows per layer.
         bos_token_id, eos_token_id: default ``vocab_size - 1`` (GPT-2's ``<|endoftext|>`` for its vocabulary); ids
             (and ``pad_token_id``) must lie in the vocabulary, or be None.
         tie_word_embeddings: share the input embedding and the LM head.
@@ -187,6 +192,7 @@ class ResolventConfig(PretrainedConfig):
         head_dim: int | None = None,
         mixer: Any = "exp2:ce",
         gate_init: str | float = "mamba2",
+        conv_size: int = 0,
         use_cache: bool = True,
         bos_token_id: int | None = LAST_ID,
         eos_token_id: int | list[int] | None = LAST_ID,
@@ -223,6 +229,7 @@ class ResolventConfig(PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         self.mixer_impl = mixer_impl
         self.chunk_size_feed_forward = chunk_size_feed_forward
+        self.conv_size = conv_size
         self._validate()
         if self.head_dim is None:
             self.head_dim = n_embd // n_head
@@ -265,6 +272,8 @@ class ResolventConfig(PretrainedConfig):
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding must be one of {', '.join(map(repr, POSITION_EMBEDDINGS))}, got "
                              f"{self.position_embedding!r}")
+        if type(self.conv_size) is not int or self.conv_size == 1 or self.conv_size < 0:
+            raise ValueError(f"conv_size must be 0 (no convolution) or a width of at least 2, got {self.conv_size!r}")
         if self.rope_channels not in ROPE_CHANNELS:
             raise ValueError(f"rope_channels must be one of {', '.join(map(repr, ROPE_CHANNELS))} (the channels whose "
                              f"queries and keys RoPE rotates), got {self.rope_channels!r}")

@@ -158,6 +158,9 @@ class ResolventMixer(nn.Module):
             self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         if self.tied:
             self.skip_proj = nn.Linear(width, self.num_heads)
+        # the short causal convolution (config.conv_size): depthwise over every part, applied in _convolve
+        channels = len(self.parts) * inner
+        self.conv = nn.Conv1d(channels, channels, config.conv_size, groups=channels) if config.conv_size else None
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
     def extra_repr(self) -> str:
@@ -189,7 +192,10 @@ class ResolventMixer(nn.Module):
         """(B, n, width) -> (B, n, width). ``rope``: (cos, sin) or None; ``start``: (B,) left padding or None;
         ``layer_cache``: this layer's :class:`~hf_resolvent.cache_resolvent.ResolventCacheLayer` or None."""
         batch, n, width = hidden_states.shape
-        proj = self.in_proj(hidden_states).view(batch, n, len(self.parts), self.num_heads, self.head_dim)
+        proj = self.in_proj(hidden_states)
+        if self.conv is not None:
+            proj = self._convolve(proj, start, layer_cache)
+        proj = proj.view(batch, n, len(self.parts), self.num_heads, self.head_dim)
         impl = self.config.mixer_impl
         # split and unbind, not proj[:, :, i]: their backwards are one cat and one stack, where each index's backward
         # zero-fills a proj-sized gradient that autograd then sums (figures: bench/NOTES.md)
@@ -215,6 +221,26 @@ class ResolventMixer(nn.Module):
             y = self._decode(state, t, g, d, impl)
         out = y.transpose(1, 2).reshape(batch, n, self.num_heads * self.head_dim)
         return self.resid_dropout(self.out_proj(out))
+
+    def _convolve(self, proj: torch.Tensor, start, layer_cache) -> torch.Tensor:
+        """SiLU of the depthwise causal convolution of the projected parts (B, n, C) over each token and the K - 1
+        before it. In a prefill the rows of left padding are zeros, so that no hidden token reaches a real one (and
+        the first real token sees what it sees unpadded); after a cache, the rows before the new tokens are the
+        cache's, which then keeps the last ones (:meth:`ResolventCacheLayer.keep_conv_rows`)."""
+        k = self.conv.kernel_size[0]
+        prefill = layer_cache is None or layer_cache.state is None
+        if prefill and start is not None:
+            real = torch.arange(proj.shape[1], device=proj.device)[None, :] >= start[:, None]
+            proj = proj * real[..., None].to(proj.dtype)
+        before = None if prefill else layer_cache.conv_rows
+        if before is None:
+            before = proj.new_zeros(proj.shape[0], k - 1, proj.shape[2])
+        rows = torch.cat([before.to(proj.dtype), proj], dim=1)
+        if layer_cache is not None:
+            layer_cache.keep_conv_rows(rows, k)
+        window = rows[:, rows.shape[1] - proj.shape[1] - (k - 1):]  # the new tokens and the k - 1 before them
+        out = F.conv1d(window.transpose(1, 2), self.conv.weight, self.conv.bias, groups=proj.shape[2])
+        return F.silu(out.transpose(1, 2))
 
     def _state_rows(self, t, y, d, start) -> dict[str, torch.Tensor]:
         """The per-position tensors a decode state stores (docs/DESIGN.md section 4), each (B, H, n, .)."""
@@ -310,6 +336,10 @@ class ResolventPreTrainedModel(PreTrainedModel):
             # GPT-2's scaled init of the residual projections (two per block).
             init.normal_(module.out_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
             module.init_gate()
+            if module.conv is not None:  # nn.Conv1d's own initialisation, not the base class's normal(0, std)
+                bound = 1 / math.sqrt(module.conv.kernel_size[0])
+                init.uniform_(module.conv.weight, -bound, bound)
+                init.uniform_(module.conv.bias, -bound, bound)
         elif isinstance(module, ResolventMLP):
             init.normal_(module.c_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
 

@@ -1,0 +1,155 @@
+"""``conv_size``: a short depthwise causal convolution on the parts each mixer reads. Held to a convolution written
+out by hand (outputs and gradients), and through every generation path it takes part in: the cache against no
+cache, chunked prefill, a padded batch against each sequence alone, masks with holes, packed documents, beam
+search's reordering, assisted decoding's rollback, remote code; the static cache refuses it by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FAMILIES, VOCAB, family_model
+
+import hf_resolvent as hr
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+K = 4
+
+
+def tiny_model(family: str, seed: int = 0, **kw):
+    return family_model(family, seed=seed, conv_size=K, **kw)
+
+
+def prompt(batch: int = 2, n: int = 7, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_convolution_is_the_windowed_sum_written_out():
+    mixer = tiny_model("ce").transformer.h[0].mixer
+    proj = torch.randn(2, 9, mixer.conv.in_channels, dtype=torch.float64, requires_grad=True)
+    mixer = mixer.double()
+    got = mixer._convolve(proj, None, None)
+    w, b = mixer.conv.weight[:, 0], mixer.conv.bias  # (C, K): tap K - 1 reads the token itself
+    want = torch.stack([F.silu(b + sum(w[:, j] * proj[:, t - (K - 1) + j] for j in range(K) if t - (K - 1) + j >= 0))
+                        for t in range(9)], dim=1)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    grads = torch.autograd.grad((got * g).sum(), (proj, mixer.conv.weight, mixer.conv.bias))
+    grads_want = torch.autograd.grad((want * g).sum(), (proj, mixer.conv.weight, mixer.conv.bias))
+    for a, e in zip(grads, grads_want):
+        torch.testing.assert_close(a, e)
+
+
+def test_settings_parameters_and_initialisation():
+    model = tiny_model("ce")
+    conv = model.transformer.h[0].mixer.conv
+    assert conv.kernel_size == (K,) and conv.groups == conv.in_channels == 5 * 32  # qa, ka, x, qb, kb
+    assert conv.weight.abs().max() <= 0.5 and conv.weight.std() > 0.2  # nn.Conv1d's uniform in +-1/sqrt(K)
+    assert family_model("ce").transformer.h[0].mixer.conv is None  # off by default
+    for bad in (1, -2, 2.0, True):
+        with pytest.raises(ValueError, match="conv_size must be 0 .* at least 2"):
+            hr.ResolventConfig(conv_size=bad)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generation_with_a_cache_chunks_padding_and_beams(family):
+    model, ids = tiny_model(family), prompt()
+    greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(greedy, model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False))
+    assert torch.equal(greedy, model.generate(ids, max_new_tokens=8, do_sample=False, prefill_chunk_size=3))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids[:1, :4]], 1)
+    alone = model.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)
+    out = model.generate(padded, attention_mask=(torch.arange(7)[None] >= 3).long(), max_new_tokens=5,
+                         do_sample=False)
+    assert torch.equal(out[:, 3:], alone)
+    beams = model.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False)
+    assert torch.equal(beams, model.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False, use_cache=False))
+
+
+@pytest.mark.parametrize("family", ["ce", "dense", "tied", "attention"])
+def test_the_window_carries_across_chunk_borders(family):
+    model, ids = tiny_model(family), prompt(2, 11)
+    with torch.no_grad():
+        whole = model(ids).logits
+        cache = hr.ResolventCache(model.config)
+        parts = [model(ids[:, a:b], past_key_values=cache).logits for a, b in ((0, 2), (2, 3), (3, 8), (8, 11))]
+    torch.testing.assert_close(torch.cat(parts, 1), whole, atol=1e-5, rtol=1e-5)
+    assert all(layer.conv_rows.shape == (2, K - 1, layer.conv_rows.shape[2]) for layer in cache.layers)
+
+
+def test_assisted_decoding_rolls_the_window_back(monkeypatch):
+    model, ids = tiny_model("ce"), prompt(1, 10)
+    greedy = model.generate(ids, max_new_tokens=12, do_sample=False)
+    crops, crop = [], hr.ResolventCache.crop
+    monkeypatch.setattr(hr.ResolventCache, "crop", lambda self, n: crops.append(n) or crop(self, n))
+    assistant = tiny_model("ce", seed=1)
+    config = assistant.generation_config
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = 4, "constant"
+    config.assistant_confidence_threshold = 0.0
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant), greedy)
+    assert any(n < 0 for n in crops), "no draft was rejected: the rollback was not exercised"
+
+
+def test_a_crop_without_recording_is_refused_and_with_it_is_exact():
+    model, ids = tiny_model("attention"), prompt(1, 9)
+    with torch.no_grad():
+        cache = hr.ResolventCache(model.config)
+        model(ids[:, :6], past_key_values=cache)
+        model(ids[:, 6:], past_key_values=cache)
+        with pytest.raises(ValueError, match="short convolution .* from token 6 on, and a crop back 3 .* from token 3: .*activate_past_recording"):
+            cache.crop(6)
+        again = hr.ResolventCache(model.config)
+        model(ids[:, :6], past_key_values=again)
+        again.activate_past_recording()
+        model(ids[:, 6:], past_key_values=again)
+        again.crop(6)
+        assert again.get_seq_length() == 6
+        torch.testing.assert_close(model(ids[:, 6:], past_key_values=again).logits, model(ids).logits[:, 6:],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_hidden_tokens_and_packed_documents_do_not_leak_through_the_window():
+    model = tiny_model("ce")
+    ids = prompt(2, 10)
+    mask = torch.tensor([[1, 0, 1, 1, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask).logits
+        for b in range(2):
+            real = mask[b].bool()
+            torch.testing.assert_close(out[b][real], model(ids[b][real][None]).logits[0], atol=1e-5, rtol=1e-5)
+        docs = [ids[0, :4], ids[0, 4:10]]
+        packed = model(ids[:1], position_ids=torch.cat([torch.arange(4), torch.arange(6)])[None]).logits[0]
+        alone = torch.cat([model(d[None]).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_the_static_cache_refuses_it_by_name():
+    model, ids = tiny_model("ce"), prompt()
+    with pytest.raises(ValueError, match="static cache .* short convolution's rows"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="static")
+
+
+def test_a_saved_model_loads_with_remote_code_and_gives_the_same_logits(tmp_path):
+    model = tiny_model("hybrid")
+    model.save_pretrained(tmp_path / "m")
+    ids = prompt(1, 6)
+    with torch.no_grad():
+        want = model(ids).logits
+    torch.save(ids, tmp_path / "ids.pt")
+    code = (
+        "import sys, torch; sys.modules['hf_resolvent'] = None\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r}, trust_remote_code=True).eval()\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        "assert m.config.conv_size == 4\n"
+        f"with torch.no_grad(): torch.save(m(ids).logits, {str(tmp_path / 'got.pt')!r})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "got.pt"), want, atol=1e-5, rtol=1e-5)
+    again = hr.ResolventForCausalLM.from_pretrained(tmp_path / "m")
+    torch.testing.assert_close(again.transformer.h[0].mixer.conv.weight, model.transformer.h[0].mixer.conv.weight)
