@@ -42,7 +42,8 @@ class ResolventCacheLayer:
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, pattern: Pattern | str, tied: bool = False, max_cache_len: int | None = None):
+    def __init__(self, pattern: Pattern | str, tied: bool = False, max_cache_len: int | None = None,
+                 conv_size: int = 0):
         self.pattern = get_pattern(pattern)
         self.tied = tied
         self.max_cache_len = max_cache_len
@@ -52,7 +53,7 @@ class ResolventCacheLayer:
         # the short convolution's input rows before the next token (B, R, C), row 0 at position conv_first (rows
         # before the sequence are zeros); None without a convolution or before the first forward
         self.conv_rows: torch.Tensor | None = None
-        self.conv_first, self.conv_width = 0, 0
+        self.conv_first, self.conv_width = 0, conv_size
 
     def __repr__(self) -> str:
         rows = 0 if self.state is None else self.state.rows()
@@ -93,14 +94,22 @@ class ResolventCacheLayer:
             state = StaticDecodeState.preallocate(self.pattern, state, self.max_cache_len)
         self.state = state
 
-    def keep_conv_rows(self, rows: torch.Tensor, width: int) -> None:
+    def keep_conv_rows(self, rows: torch.Tensor) -> None:
         """Take the convolution's input rows up to the newest token (the held ones, then the new): keep the last
-        ``width`` - 1, or all while recording (:meth:`activate_past_recording`)."""
-        if self.conv_rows is None:  # a prefill: its rows start with width - 1 zero rows before position 0
-            self.conv_first, self.conv_width = -(width - 1), width
-        keep = rows.shape[1] if self.record_past else width - 1
-        self.conv_first += rows.shape[1] - keep
-        self.conv_rows = rows[:, rows.shape[1] - keep:]
+        K - 1, or all while recording (:meth:`activate_past_recording`). A static layer writes them into its
+        buffer in place."""
+        last = rows.shape[1] - (self.conv_width - 1)
+        if self.is_compileable:  # fixed shape: K - 1 rows, no recording
+            if self.conv_rows is None:
+                self.conv_rows = rows[:, last:].clone()
+            else:
+                self.conv_rows.copy_(rows[:, last:])
+            return
+        if self.conv_rows is None:  # a prefill: its rows start with K - 1 zero rows before position 0
+            self.conv_first = -(self.conv_width - 1)
+        keep = 0 if self.record_past else last
+        self.conv_first += keep
+        self.conv_rows = rows[:, keep:]
 
     @property
     def keeps_every_position(self) -> bool:
@@ -120,6 +129,9 @@ class ResolventCacheLayer:
             raise ValueError(
                 f"a static cache cannot record past states for pattern {self.pattern.name!r} (it drops past positions), "
                 "so assisted and prompt-lookup decoding cannot roll it back; leave cache_implementation unset")
+        if self.is_compileable and self.conv_width:
+            raise ValueError("a static cache cannot record the short convolution's past rows (conv_size), so "
+                             "assisted and prompt-lookup decoding cannot roll it back; leave cache_implementation unset")
         self.record_past = True
         if self.state is not None:
             self.state.record_history()
@@ -235,11 +247,9 @@ class ResolventCache(Cache):
             raise ValueError("ResolventCache needs the model's ResolventConfig: ResolventCache(model.config)")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive number of tokens or None, got {max_cache_len!r}")
-        if max_cache_len is not None and getattr(config, "conv_size", 0):
-            raise ValueError("a static cache (max_cache_len, cache_implementation='static', the exported decode step) "
-                             "does not hold the short convolution's rows yet (conv_size = "
-                             f"{config.conv_size}); use the dynamic cache (leave cache_implementation unset)")
-        layers = [ResolventCacheLayer(spec["pattern"], spec["tied"], max_cache_len) for spec in config.layer_mixers]
+        conv_size = getattr(config, "conv_size", 0)
+        layers = [ResolventCacheLayer(spec["pattern"], spec["tied"], max_cache_len, conv_size)
+                  for spec in config.layer_mixers]
         super().__init__(layers=layers)
         self.head_shape = (config.n_head, config.head_dim)
 
@@ -343,9 +353,9 @@ def _cache_from_children(children, context) -> ResolventCache:
     layers = []
     for state, rows, (pattern, tied, max_cache_len, record_past, conv_first, conv_width) in zip(states, conv_rows,
                                                                                               specs):
-        layer = ResolventCacheLayer(pattern, tied, max_cache_len)
+        layer = ResolventCacheLayer(pattern, tied, max_cache_len, conv_width)
         layer.record_past, layer._state = record_past, state  # as flattened: no new recording starts
-        layer.conv_rows, layer.conv_first, layer.conv_width = rows, conv_first, conv_width
+        layer.conv_rows, layer.conv_first = rows, conv_first
         layers.append(layer)
     cache = ResolventCache.__new__(ResolventCache)
     Cache.__init__(cache, layers=layers)

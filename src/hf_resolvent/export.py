@@ -46,11 +46,18 @@ class ResolventDecodeStep(nn.Module):
         param = next(model.parameters())
         self._layout = ResolventCache(model.config, max_cache_len=self.max_cache_len).allocate(
             batch_size, dtype=param.dtype, device=param.device).states
-        self.state_names = [f"layer{i}.{name}" for i, state in enumerate(self._layout) for name in state.buffers()]
+        # with a short convolution (conv_size K), each layer's last K - 1 projected rows, zeros before the first token
+        width = model.config.conv_size
+        self._conv_rows = [None if block.mixer.conv is None else
+                           torch.zeros(batch_size, width - 1, block.mixer.conv.in_channels, dtype=param.dtype,
+                                       device=param.device) for block in model.transformer.h]
+        self.state_names = [f"layer{i}.{name}" for i, state in enumerate(self._layout)
+                            for name in [*state.buffers(), *(["conv_rows"] if width else [])]]
 
     def initial_state(self) -> tuple[torch.Tensor, ...]:
         """The states before the first token (fresh tensors), in :attr:`state_names` order."""
-        return tuple(t.clone() for state in self._layout for t in state.buffers().values())
+        return tuple(t.clone() for state, rows in zip(self._layout, self._conv_rows)
+                     for t in [*state.buffers().values(), *([] if rows is None else [rows])])
 
     def example_inputs(self, length: int = 1) -> tuple[torch.Tensor, ...]:
         """(input_ids (B, length), *initial_state()): the arguments of :meth:`forward`, for tracing."""
@@ -65,10 +72,14 @@ class ResolventDecodeStep(nn.Module):
                              f"got {len(state)}")
         cache = ResolventCache(self.model.config, max_cache_len=self.max_cache_len)
         given = iter(state)
-        for layer, layout in zip(cache.layers, self._layout):
+        for layer, layout, rows in zip(cache.layers, self._layout, self._conv_rows):
             layer.state = layout.with_buffers({name: next(given).clone() for name in layout.buffers()})
+            if rows is not None:
+                layer.conv_rows = next(given).clone()
         logits = self.model(input_ids, past_key_values=cache, use_cache=True).logits
-        return (logits, *(t for layer in cache.layers for t in layer.state.buffers().values()))
+        return (logits, *(t for layer in cache.layers
+                          for t in [*layer.state.buffers().values(), *([] if layer.conv_rows is None else
+                                                                       [layer.conv_rows])]))
 
 
 def export_decode_step(model: nn.Module, batch_size: int = 1,

@@ -224,20 +224,20 @@ class ResolventMixer(nn.Module):
 
     def _convolve(self, proj: torch.Tensor, start, layer_cache) -> torch.Tensor:
         """SiLU of the depthwise causal convolution of the projected parts (B, n, C) over each token and the K - 1
-        before it. In a prefill the rows of left padding are zeros, so that no hidden token reaches a real one (and
-        the first real token sees what it sees unpadded); after a cache, the rows before the new tokens are the
-        cache's, which then keeps the last ones (:meth:`ResolventCacheLayer.keep_conv_rows`)."""
+        before it. Rows of left padding are zeros, so that no hidden token reaches a real one (and the first real
+        token sees what it sees unpadded); after a cache, the rows before the new tokens are the cache's, which then
+        keeps the last ones (:meth:`ResolventCacheLayer.keep_conv_rows`)."""
         k = self.conv.kernel_size[0]
-        prefill = layer_cache is None or layer_cache.state is None
-        if prefill and start is not None:
-            real = torch.arange(proj.shape[1], device=proj.device)[None, :] >= start[:, None]
+        before = None if layer_cache is None or layer_cache.state is None else layer_cache.conv_rows
+        if start is not None:
+            past = 0 if before is None else layer_cache.get_seq_length()
+            real = torch.arange(proj.shape[1], device=proj.device)[None, :] + past >= start[:, None]
             proj = proj * real[..., None].to(proj.dtype)
-        before = None if prefill else layer_cache.conv_rows
         if before is None:
             before = proj.new_zeros(proj.shape[0], k - 1, proj.shape[2])
         rows = torch.cat([before.to(proj.dtype), proj], dim=1)
         if layer_cache is not None:
-            layer_cache.keep_conv_rows(rows, k)
+            layer_cache.keep_conv_rows(rows)
         window = rows[:, rows.shape[1] - proj.shape[1] - (k - 1):]  # the new tokens and the k - 1 before them
         out = F.conv1d(window.transpose(1, 2), self.conv.weight, self.conv.bias, groups=proj.shape[2])
         return F.silu(out.transpose(1, 2))

@@ -46,11 +46,13 @@ def padded_batch(n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+@pytest.mark.parametrize("conv_size", [0, 4])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fullgraph_forward_of_every_family_equals_eager(family):
-    """One graph (dynamo's eager backend: the trace itself) for the whole forward, padding included; the logits of
-    real tokens equal the eager forward's (the parallel form on the CPU kernels) to 1e-5."""
-    model = family_model(family)
+def test_fullgraph_forward_of_every_family_equals_eager(family, conv_size):
+    """One graph (dynamo's eager backend: the trace itself) for the whole forward, padding included, with and
+    without a short convolution; the logits of real tokens equal the eager forward's (the parallel form on the CPU
+    kernels) to 1e-5."""
+    model = family_model(family, conv_size=conv_size)
     ids, mask = padded_batch()
     torch._dynamo.reset()
     with torch.no_grad():
@@ -60,13 +62,14 @@ def test_fullgraph_forward_of_every_family_equals_eager(family):
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_training_step_gradients_equal_eager():
+@pytest.mark.parametrize("conv_size", [0, 4])
+def test_compiled_training_step_gradients_equal_eager(conv_size):
     """A training step compiled by inductor (fullgraph, forward and backward) for a cache-efficient sparse layer and a
     tied dense one, with left and right padding: loss and every parameter's gradient equal eager to 1e-5. (Dynamo's
     aot_eager backend fails on this backward: it views a linear layer's gradient that inductor's lowering
     reshapes.)"""
-    model = tiny_model(mixer=["exp2:ce", "dense+tied"], resid_pdrop=0.0,
-                       embd_pdrop=0.0).train()  # no dropout: the two runs draw no random numbers
+    model = tiny_model(mixer=["exp2:ce", "dense+tied"], resid_pdrop=0.0, embd_pdrop=0.0,
+                       conv_size=conv_size).train()  # no dropout: the two runs draw no random numbers
     ids, mask = padded_batch(32)
     labels = ids.masked_fill(mask == 0, -100)
 
@@ -92,12 +95,13 @@ def test_the_cpu_backend_named_inside_a_graph_is_refused_not_replaced():
         torch.compile(model, fullgraph=True)(torch.randint(1, 61, (1, 8)), use_cache=False)
 
 
-def test_inductor_compiled_static_decoding_equals_eager():
+@pytest.mark.parametrize("conv_size", [0, 4])
+def test_inductor_compiled_static_decoding_equals_eager(conv_size):
     """A hybrid stack of every kind of decode state (register, window, every position, tied), decoded by generate()
     with a static cache and inductor's compiled step: one graph for all tokens, logits equal to eager decoding on the
     growing cache to 1e-5 (float32)."""
     model = tiny_model(mixer=["exp2:ce", "banded:3", "dense+tied"], n_layer=3, initializer_range=0.3,
-                       pad_token_id=0)
+                       pad_token_id=0, conv_size=conv_size)
     ids = torch.randint(1, 61, (2, 6), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
     want = model.generate(ids, **kw)

@@ -17,11 +17,11 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 MIXERS = ["exp2:ce", "banded:3", "dense+tied", "attention", "exp2"]  # register, window, every position, plain f
 
 
-def tiny_model(positions: str = "rope") -> hr.ResolventForCausalLM:
+def tiny_model(positions: str = "rope", conv_size: int = 0) -> hr.ResolventForCausalLM:
     torch.manual_seed(0)
     config = hr.ResolventConfig(vocab_size=61, n_positions=64, n_embd=32, n_layer=len(MIXERS), n_head=2,
                                 mixer=MIXERS, bos_token_id=0, eos_token_id=None, initializer_range=0.3,
-                                position_embedding=positions)
+                                position_embedding=positions, conv_size=conv_size)
     return hr.ResolventForCausalLM(config).eval()
 
 
@@ -43,9 +43,12 @@ def run_steps(step, seq, state):
     return torch.stack(logits, 1)
 
 
-@pytest.mark.parametrize("positions", ["rope", "none"])
-def test_torch_export_of_the_decode_step_runs_prompt_and_new_tokens(positions):
-    model = tiny_model(positions)
+VARIANTS = [("rope", 0), ("none", 0), ("rope", 4)]  # the last with a short convolution: its rows are state too
+
+
+@pytest.mark.parametrize(("positions", "conv_size"), VARIANTS)
+def test_torch_export_of_the_decode_step_runs_prompt_and_new_tokens(positions, conv_size):
+    model = tiny_model(positions, conv_size)
     seq, want = tokens_and_logits(model)
     program = export_decode_step(model, batch_size=2, max_cache_len=32)
     step = ResolventDecodeStep(model, batch_size=2, max_cache_len=32)
@@ -56,11 +59,13 @@ def test_torch_export_of_the_decode_step_runs_prompt_and_new_tokens(positions):
     torch.testing.assert_close(eager, want[:, :-1], atol=1e-5, rtol=1e-5)
     assert step.state_names[:6] == ["layer0.keys_a", "layer0.keys_b", "layer0.values", "layer0.outputs",
                                     "layer0.positions", "layer0.seen"]
+    assert ("layer0.conv_rows" in step.state_names) == bool(conv_size)
 
 
-def test_torch_export_of_the_prefill_then_the_decode_step():
+@pytest.mark.parametrize("conv_size", [0, 4])
+def test_torch_export_of_the_prefill_then_the_decode_step(conv_size):
     """The prefill program (the parallel form's graph) leaves the state the decode-step program continues from."""
-    model = tiny_model()
+    model = tiny_model(conv_size=conv_size)
     seq, want = tokens_and_logits(model)
     prefill = export_prefill(model, 6, batch_size=2, max_cache_len=32).module()
     step = export_decode_step(model, batch_size=2, max_cache_len=32).module()
@@ -86,11 +91,11 @@ def test_the_step_leaves_its_inputs_and_checks_their_count():
         step(torch.tensor([[5]]), *state[:-1])
 
 
-@pytest.mark.parametrize("positions", ["rope", "none"])
-def test_onnx_export_matches_pytorch_in_onnxruntime(tmp_path, positions):
+@pytest.mark.parametrize(("positions", "conv_size"), VARIANTS)
+def test_onnx_export_matches_pytorch_in_onnxruntime(tmp_path, positions, conv_size):
     import onnxruntime as ort  # in the dev extra, as onnx and onnxscript (the export extra)
 
-    model = tiny_model(positions)
+    model = tiny_model(positions, conv_size)
     seq, want = tokens_and_logits(model, batch=1)
     path = export_onnx(model, tmp_path / "step.onnx", batch_size=1, max_cache_len=32)
     session = ort.InferenceSession(str(path))
@@ -107,11 +112,12 @@ def test_onnx_export_matches_pytorch_in_onnxruntime(tmp_path, positions):
     torch.testing.assert_close(got, want[:, :-1], atol=1e-4, rtol=1e-4)
 
 
-def test_torch_export_of_the_model_with_its_defaults_returns_a_cache_that_continues():
+@pytest.mark.parametrize("conv_size", [0, 4])
+def test_torch_export_of_the_model_with_its_defaults_returns_a_cache_that_continues(conv_size):
     """torch.export.export(model, (ids,)) as users call it: eval mode, use_cache=True, so the output holds a
     ResolventCache (a registered pytree). The exported program's logits and cache equal eager ones, and the cache
     continues two tokens exactly as the eager prefill's does."""
-    model = tiny_model()
+    model = tiny_model(conv_size=conv_size)
     ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(4))
     new = torch.randint(1, 61, (2, 2), generator=torch.Generator().manual_seed(5))
     program = torch.export.export(model, (ids,))

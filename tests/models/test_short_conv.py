@@ -1,7 +1,8 @@
 """``conv_size``: a short depthwise causal convolution on the parts each mixer reads. Held to a convolution written
 out by hand (outputs and gradients), and through every generation path it takes part in: the cache against no
 cache, chunked prefill, a padded batch against each sequence alone, masks with holes, packed documents, beam
-search's reordering, assisted decoding's rollback, remote code; the static cache refuses it by name."""
+search's reordering, assisted decoding's rollback, the static cache, remote code (export and ONNX:
+tests/models/test_export.py)."""
 
 from __future__ import annotations
 
@@ -126,10 +127,21 @@ def test_hidden_tokens_and_packed_documents_do_not_leak_through_the_window():
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
-def test_the_static_cache_refuses_it_by_name():
-    model, ids = tiny_model("ce"), prompt()
-    with pytest.raises(ValueError, match="static cache .* short convolution's rows"):
-        model.generate(ids, max_new_tokens=2, cache_implementation="static")
+@pytest.mark.parametrize("family", ["ce", "attention", "hybrid"])
+def test_the_static_cache_and_its_compiled_step(family):
+    model, ids = tiny_model(family), prompt()
+    greedy = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(greedy, model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static"))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids[:1, :4]], 1)
+    alone = model.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)
+    out = model.generate(padded, attention_mask=(torch.arange(7)[None] >= 3).long(), max_new_tokens=5,
+                         do_sample=False, cache_implementation="static")
+    assert torch.equal(out[:, 3:], alone)
+    cache = hr.ResolventCache(model.config, max_cache_len=16)
+    model(ids, past_key_values=cache)
+    why = "the short convolution's past rows" if family == "attention" else "past states for pattern"
+    with pytest.raises(ValueError, match=f"static cache cannot record {why}"):
+        cache.activate_past_recording()
 
 
 def test_a_saved_model_loads_with_remote_code_and_gives_the_same_logits(tmp_path):
