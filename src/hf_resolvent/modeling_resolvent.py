@@ -829,7 +829,9 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
         attention: q, k, v -> q^A, k^A, x, and also q, k -> q^B, k^B for resolvent mixers. With ``mixer=
         "attention"`` and learned positions the logits equal GPT-2's; with ``mixer="dense"`` and the default
         closed gate (g = e^-16 at start) they equal GPT-2's up to ~1e-6. Sparse patterns read only P^A_i through A,
-        so their logits differ from GPT-2's until fine-tuned. The tied variant has no A channel to copy into.
+        so their logits differ from GPT-2's until fine-tuned. The tied variant has no A channel to copy into. With
+        ``conv_size`` the convolution starts as the identity tap on each token (the SiLU after it still changes q, k
+        and v, so the logits differ from GPT-2's until fine-tuned).
         """
         from transformers import GPT2LMHeadModel
 
@@ -877,6 +879,10 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
                     mixer_mod.in_proj.bias[i * width:(i + 1) * width].copy_(b[j * width:(j + 1) * width])
                 mixer_mod.out_proj.weight.copy_(block_src.attn.c_proj.weight.t())
                 mixer_mod.out_proj.bias.copy_(block_src.attn.c_proj.bias)
+                if mixer_mod.conv is not None:  # the identity tap: each token's own projection
+                    mixer_mod.conv.weight.zero_()
+                    mixer_mod.conv.weight[:, 0, -1] = 1.0
+                    mixer_mod.conv.bias.zero_()
             if not model.config.tie_word_embeddings:
                 model.lm_head.weight.copy_(gpt2.lm_head.weight)
         return model

@@ -81,16 +81,26 @@ def test_the_window_carries_across_chunk_borders(family):
     assert all(layer.conv_rows.shape == (2, K - 1, layer.conv_rows.shape[2]) for layer in cache.layers)
 
 
-def test_assisted_decoding_rolls_the_window_back(monkeypatch):
-    model, ids = tiny_model("ce"), prompt(1, 10)
+def _crops(monkeypatch) -> list[int]:
+    calls, crop = [], hr.ResolventCache.crop
+    monkeypatch.setattr(hr.ResolventCache, "crop", lambda self, n: calls.append(n) or crop(self, n))
+    return calls
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_assisted_and_prompt_lookup_decoding_roll_the_window_back(family, monkeypatch):
+    model, ids = tiny_model(family), prompt(1, 10)
     greedy = model.generate(ids, max_new_tokens=12, do_sample=False)
-    crops, crop = [], hr.ResolventCache.crop
-    monkeypatch.setattr(hr.ResolventCache, "crop", lambda self, n: crops.append(n) or crop(self, n))
-    assistant = tiny_model("ce", seed=1)
+    crops = _crops(monkeypatch)
+    assistant = tiny_model(family, seed=1)
     config = assistant.generation_config
     config.num_assistant_tokens, config.num_assistant_tokens_schedule = 4, "constant"
     config.assistant_confidence_threshold = 0.0
     assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant), greedy)
+    piece = prompt(1, 6, seed=4)
+    ids = torch.cat([piece, piece, piece[:, :3]], 1)  # repeats, so that prompt lookup finds drafts
+    greedy = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3), greedy)
     assert any(n < 0 for n in crops), "no draft was rejected: the rollback was not exercised"
 
 
@@ -165,3 +175,16 @@ def test_a_saved_model_loads_with_remote_code_and_gives_the_same_logits(tmp_path
     torch.testing.assert_close(torch.load(tmp_path / "got.pt"), want, atol=1e-5, rtol=1e-5)
     again = hr.ResolventForCausalLM.from_pretrained(tmp_path / "m")
     torch.testing.assert_close(again.transformer.h[0].mixer.conv.weight, model.transformer.h[0].mixer.conv.weight)
+
+
+def test_gpt2_conversion_starts_the_convolution_as_the_identity_tap():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0)).eval()
+    model = hr.ResolventForCausalLM.from_gpt2(gpt2, conv_size=K).eval()
+    conv = model.transformer.h[0].mixer.conv
+    assert conv.bias.abs().max() == 0 and torch.equal(conv.weight[:, 0, -1], torch.ones(conv.in_channels))
+    assert conv.weight[:, 0, :-1].abs().max() == 0
+    proj = torch.randn(1, 5, conv.in_channels)
+    torch.testing.assert_close(model.transformer.h[0].mixer._convolve(proj, None, None), F.silu(proj))
