@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=16384)
     p.add_argument("--min-context", type=int, default=512)
     p.add_argument("--mixers", nargs="+", default=list(MIXERS), help="resolvent mixer specs to time")
+    p.add_argument("--conv-sizes", nargs="+", type=int, default=[0], metavar="K",
+                   help="time every mixer with each of these short convolutions (conv_size; 0: none), side by side: "
+                        "a model with one is named 'MIXER [conv K]'")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -88,9 +91,12 @@ def build_models(args, n_positions: int) -> dict[str, torch.nn.Module]:
     shape = dict(n_positions=n_positions, n_embd=args.width, n_layer=args.layers, n_head=args.heads,
                  n_inner=4 * args.width)
     models = {}
-    for name in (GPT2, *args.mixers):
+    for name, mixer, conv in [(GPT2, GPT2, 0)] + [(m + (f" [conv {k}]" if k else ""), m, k)
+                                                   for k in args.conv_sizes for m in args.mixers]:
         torch.manual_seed(0)
-        cfg = {"type": "gpt2" if name == GPT2 else "resolvent", "preset": "tiny", "mixer": name, "overrides": shape}
+        overrides = {**shape, **({"conv_size": conv} if conv else {})}
+        cfg = {"type": "gpt2" if name == GPT2 else "resolvent", "preset": "tiny", "mixer": mixer,
+               "overrides": overrides}
         models[name] = build_model(cfg, args.vocab, n_positions).eval()
     return models
 
@@ -116,6 +122,9 @@ def filled_cache(name: str, model, context: int, gen: torch.Generator, capacity:
             names = ("keys_a", "values", "keys_b", "outputs")
         shape = (1, mixer.num_heads, context, mixer.head_dim)
         layer.store_prefill({n: torch.randn(shape, generator=gen) for n in names}, None)
+        if mixer.conv is not None:  # the convolution's last K - 1 input rows, as a prefill leaves them
+            layer.keep_conv_rows(torch.randn(1, context + layer.conv_width - 1, mixer.conv.in_channels,
+                                             generator=gen))
     return cache
 
 

@@ -52,13 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", default=None, metavar="NAME=VALUE[,NAME=VALUE...]",
                    help="Triton kernel variant (BlockConfig settings) to train every mixer under; repeat it to time "
                         "the variants side by side, each model named 'MIXER [SETTINGS]' (default: one, the defaults)")
+    p.add_argument("--conv-sizes", nargs="+", type=int, default=[0], metavar="K",
+                   help="train every mixer with each of these short convolutions (conv_size; 0: none), side by "
+                        "side: a model with one is named 'MIXER [conv K]'")
     p.add_argument("--skip", action="append", default=[], metavar="NAME",
                    help="leave out the model of this name (e.g. 'exp2:ce [attn_bwd=split]'); repeatable")
     return p
 
 
-def make_model(name: str, preset: str, vocab: int, seq_len: int):
+def make_model(name: str, preset: str, vocab: int, seq_len: int, conv_size: int = 0):
     shape = {k: v for k, v in PRESETS[preset].items() if k != "n_positions"}  # same shape for every model
+    if conv_size:
+        shape["conv_size"] = conv_size
     cfg = {"type": "gpt2" if name == "gpt2" else "resolvent", "preset": preset, "mixer": name, "overrides": shape,
            "pad_vocab_multiple": 1}
     return build_model(cfg, vocab, seq_len)
@@ -96,17 +101,18 @@ def run(args) -> dict:
     if device.type == "cpu":
         keep_freed_memory()  # as pretrain.py does: no fresh pages for the 100 MB blocks of every step
     seq_len = args.seq_len or PRESETS[args.preset]["n_positions"]
-    # (name, mixer, settings): GPT-2 once, every mixer once per kernel variant
-    models = [("gpt2", "gpt2", {})] + [(m + (f" [{aot.config_label(c)}]" if c else ""), m, c)
-                                       for c in args.configs for m in args.mixers]
+    # (name, mixer, settings, conv_size): GPT-2 once, every mixer once per kernel variant and convolution
+    models = [("gpt2", "gpt2", {}, 0)] + [
+        (m + "".join(f" [{tag}]" for tag in (aot.config_label(c) if c else "", f"conv {k}" if k else "") if tag),
+         m, c, k) for c in args.configs for k in args.conv_sizes for m in args.mixers]
     models = [model for model in models if model[0] not in args.skip]
-    names = [name for name, _, _ in models]
+    names = [name for name, *_ in models]
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, args.vocab, (args.batch, seq_len + 1), generator=gen).to(device)
     trainees = []
-    for _, mixer, settings in models:
+    for _, mixer, settings, conv_size in models:
         torch.manual_seed(0)
-        model = make_model(mixer, args.preset, args.vocab, seq_len).to(device).train()
+        model = make_model(mixer, args.preset, args.vocab, seq_len, conv_size).to(device).train()
         trainees.append(Trainee(model, device, args.bf16, settings))
         trainees[-1].step(batch)  # warm-up: allocates the optimizer state, first-call caches
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -119,7 +125,7 @@ def run(args) -> dict:
     tokens = args.batch * seq_len
     base, base_params = times["gpt2"], count_parameters(trainees[0].model)
     rows = []
-    for (name, mixer, settings), t in zip(models, trainees):
+    for (name, mixer, settings, conv_size), t in zip(models, trainees):
         step = statistics.median(times[name])
         params = count_parameters(t.model)
         ratios = [a / b for a, b in zip(times[name], base)]
@@ -127,7 +133,8 @@ def run(args) -> dict:
         rows.append({"model": name, "tokens_per_s": tokens / step, "step_ms": step * 1000,
                      "ratio_to_gpt2": statistics.median(ratios), "ratio_quartiles": [q1, q3],
                      "params": params, "params_ratio_to_gpt2": params / base_params,
-                     "complexity": complexity_of(mixer), "mixer": mixer, "config": settings})
+                     "complexity": complexity_of(mixer), "mixer": mixer, "config": settings,
+                     "conv_size": conv_size})
     return {"rows": rows, "shape": {**PRESETS[args.preset], "seq_len": seq_len, "vocab": args.vocab},
             "batch": args.batch, "rounds": args.rounds, "device": str(device),
             "threads": torch.get_num_threads() if device.type == "cpu" else None, "bf16": args.bf16,

@@ -25,10 +25,12 @@ def test_bench_mixer_writes_rows_for_every_impl(tmp_path):
 def test_bench_train_writes_one_row_per_model(tmp_path):
     out = tmp_path / "train.json"
     assert load_script("bench/bench_train").main(["--out", str(out), "--preset", "tiny", "--mixers", "exp2:ce", "dense",
-                                             "--rounds", "2", "--seq-len", "32", "--vocab", "300"]) == 0
+                                             "--rounds", "2", "--seq-len", "32", "--vocab", "300",
+                                             "--conv-sizes", "0", "4"]) == 0
     result = json.loads(out.read_text())
     rows = {r["model"]: r for r in result["rows"]}
-    assert list(rows) == ["gpt2", "exp2:ce", "dense"]
+    assert list(rows) == ["gpt2", "exp2:ce", "dense", "exp2:ce [conv 4]", "dense [conv 4]"]
+    assert rows["exp2:ce [conv 4]"]["conv_size"] == 4 and rows["exp2:ce [conv 4]"]["params"] > rows["exp2:ce"]["params"]
     for name, r in rows.items():
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and len(result["step_s"][name]) == 2
         q1, q3 = r["ratio_quartiles"]
@@ -42,10 +44,13 @@ def test_bench_decode_times_eager_and_compiled_steps(tmp_path):
     assert load_script("bench/bench_decode").main([
         "--out", str(out), "--mixers", "exp2:ce", "--min-context", "32", "--max-context", "64", "--width", "32",
         "--heads", "2", "--layers", "1", "--vocab", "97", "--steps", "2", "--warmup", "1", "--threads", "1",
-        "--compiled"]) == 0
+        "--compiled", "--conv-sizes", "0", "4"]) == 0
     result = json.loads(out.read_text())
     at = {(r["model"], r["context"]): r for r in result["rows"]}
-    assert set(at) == {(m, c) for m in ("gpt2 (DynamicCache)", "exp2:ce", "exp2:ce compiled") for c in (32, 64)}
+    models = ("gpt2 (DynamicCache)", "exp2:ce", "exp2:ce [conv 4]", "exp2:ce compiled", "exp2:ce [conv 4] compiled")
+    assert set(at) == {(m, c) for m in models for c in (32, 64)}
+    # the convolution's state: 3 rows of its 5 x 32 channels (float32), at every context
+    assert at[("exp2:ce [conv 4]", 64)]["cache_bytes"] - at[("exp2:ce", 64)]["cache_bytes"] == 3 * 160 * 4
     assert all(r["ms_per_token"] > 0 for r in result["rows"])
     # the growing cache holds the register's rows; the static one its capacity's slots, the same at every context
     assert at[("exp2:ce", 64)]["cache_bytes"] < at[("gpt2 (DynamicCache)", 64)]["cache_bytes"]
