@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--d", type=int, default=d.d, help="model width")
     p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--conv-size", type=int, default=d.conv_size,
+                   help="the resolvent models' short causal convolution (conv_size; 0: none)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--max-steps", type=int, default=d.max_steps, help="training stops here if not competent before")
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check(parser, device=args.device, folders=[("--out", args.out)])
-    settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers, heads=args.heads,
+    settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers,
+                              heads=args.heads, conv_size=args.conv_size,
                               lr=args.lr, batch=args.batch,
                               max_steps=args.max_steps, target=args.target, eval_samples=args.eval_samples,
                               multiples=tuple(args.multiples))

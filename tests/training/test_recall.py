@@ -30,8 +30,8 @@ def test_training_stops_at_competence_and_says_when_it_did_not(tmp_path):
     assert not record["reached"] and record["steps"] == TINY.max_steps and 0 <= record["accuracy_at_T"] <= 1
     assert any("NOT competent after 80 steps" in line for line in logs)
     assert model.config.position_embedding == "none" and not model.training
-    one_channel = tasks.task_model("exp2:ce", 64, 32, 32, 2, 2, "rope:b").config
-    assert (one_channel.position_embedding, one_channel.rope_channels) == ("rope", "b")
+    one_channel = tasks.task_model("exp2:ce", 64, 32, 32, 2, 2, "rope:b", conv_size=4).config
+    assert (one_channel.position_embedding, one_channel.rope_channels, one_channel.conv_size) == ("rope", "b", 4)
 
 
 def test_the_training_length_grows_only_with_competence():
@@ -127,4 +127,4 @@ def test_mqar_runs_end_to_end_and_names_its_task(tmp_path):
     result = recall.run(["attention"], [0], ["none"], replace(TINY, task="mqar"), tmp_path, torch.device("cpu"),
                         lambda *a: None)
     assert result["settings"]["task"] == "mqar" and set(result["rows"][0]["accuracy"]) == {32, 64}
-    assert recall.markdown(result).startswith("MQAR at a distance, 2 pairs, trained at T = 32")
+    assert recall.markdown(result).startswith("MQAR at a distance, 2 pairs, trained at T = 32 (2 layers of width 32)")

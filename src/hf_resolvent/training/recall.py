@@ -40,6 +40,7 @@ class RecallSettings:
     d: int = 64
     layers: int = 2
     heads: int = 2
+    conv_size: int = 0  # the short convolution of the resolvent models (0: none; GPT-2 has none)
     lr: float = 1e-3
     warmup: int = 100
     batch: int = 32
@@ -104,7 +105,7 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     at T when training stopped, seconds."""
     torch.manual_seed(seed)
     model = tasks.task_model(mixer, tasks.Vocab(*s.vocab).size, s.context, s.d, s.layers, s.heads,
-                             position_embedding).to(device).train()
+                             position_embedding, s.conv_size).to(device).train()
     opt = build_optimizer(model, s.lr, betas=(0.9, 0.98), weight_decay=0.1, fused=False)
     vocab, rng = tasks.Vocab(*s.vocab), np.random.default_rng([seed, 0])
     name, queries = _name(mixer, position_embedding), s.train_queries
@@ -220,7 +221,9 @@ def markdown(result: dict) -> str:
     """The accuracy table: mean over seeds (min-max), the training length's accuracy and steps per model."""
     s = result["settings"]
     lengths = [k * s["context"] for k in s["multiples"]]
-    lines = [f"{_task_title(s)}, trained at T = {s['context']}; chance {1 / s['vocab'][2]:.3f} "
+    conv = f", short convolution of {s['conv_size']}" if s.get("conv_size") else ""
+    lines = [f"{_task_title(s)}, trained at T = {s['context']} ({s['layers']} layers of width {s['d']}{conv}); "
+             f"chance {1 / s['vocab'][2]:.3f} "
              f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell.", "",
              "| model | seeds | steps to competence | " + " | ".join(f"{n}" for n in lengths) + " |",
              "|---|---:|---|" + "---:|" * len(lengths)]

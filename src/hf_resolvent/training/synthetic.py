@@ -389,11 +389,11 @@ def _follow(link: dict[int, int], key: int, v: Vocab) -> int:
 
 
 def task_model(mixer, vocab_size: int, context: int, d: int, layers: int, heads: int,
-               position_embedding: str = "rope"):
+               position_embedding: str = "rope", conv_size: int = 0):
     """A causal LM over a task's vocabulary (4 x d MLP, the task's BOS, SEP and PAD ids): the resolvent model of
     ``mixer`` (a spec, or one per layer) or GPT-2 (``mixer="gpt2"``, learned positions), from the training package's
     one model factory. ``position_embedding``: ``rope``, ``learned``, ``none``, or ``rope:a`` / ``rope:b`` for RoPE
-    on one channel only (``rope_channels``); GPT-2 ignores it."""
+    on one channel only (``rope_channels``); GPT-2 ignores it, and ``conv_size`` (the short convolution)."""
     from .models import build_model
 
     shape = {"n_layer": layers, "n_embd": d, "n_head": heads, "n_inner": 4 * d, "n_positions": context,
@@ -403,6 +403,8 @@ def task_model(mixer, vocab_size: int, context: int, d: int, layers: int, heads:
         shape["position_embedding"] = kind
         if channels:
             shape["rope_channels"] = channels
+        if conv_size:
+            shape["conv_size"] = conv_size
     cfg = {"type": "gpt2" if mixer == "gpt2" else "resolvent", "preset": "tiny", "mixer": mixer, "overrides": shape}
     return build_model(cfg, vocab_size, context)
 
