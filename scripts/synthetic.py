@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=None, help="split each batch (gradient accumulation)")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--conv-size", type=int, default=0,
+                   help="the short causal convolution of a resolvent model (conv_size; 0: none)")
     p.add_argument("--pairs", type=int, default=None, help="most key-value pairs (recall tasks)")
     p.add_argument("--min-pairs", type=int, default=None, help="fewest key-value pairs of a sample (recall tasks)")
     p.add_argument("--length", type=int, default=None, help="longest sequence (recall) or copied length (copy)")
@@ -191,7 +193,7 @@ def run(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
     model = tasks.task_model(args.mixer, spec.vocab.size, spec.total_length(), preset["d"], preset["layers"],
-                        preset["heads"]).to(device)
+                             preset["heads"], conv_size=args.conv_size).to(device)
     params = sum(p.numel() for p in model.parameters())
     # The per-tensor AdamW loop (fused=False) is the one the README's table was measured with.
     opt = build_optimizer(model, preset["lr"], betas=(0.9, 0.98), weight_decay=0.1, fused=False)
@@ -237,7 +239,8 @@ def run(args) -> dict:
             bar.write(f"[synthetic] step {step + 1}: loss {total_loss:.3f}, held-out accuracy {ev['accuracy']:.3f}")
     train_time = time.time() - t0
     result = evaluate(model, spec, preset["eval_samples"], args.seed, device)
-    result.update({"task": args.task, "mixer": args.mixer, "preset": args.preset, "params": params, "steps": steps,
+    result.update({"task": args.task, "mixer": args.mixer, "conv_size": args.conv_size, "preset": args.preset,
+                   "params": params, "steps": steps,
                    "batch_size": batch_size, "lr": preset["lr"], "curriculum": list(phases),
                    "final_loss": total_loss, "train_time_s": round(train_time, 1), "device": str(device),
                    "seed": args.seed, "history": history,
@@ -248,11 +251,16 @@ def run(args) -> dict:
         per = max(16, preset["eval_samples"] // 2)
         result["by_pairs"] = {str(m): evaluate(model, spec.with_pairs(m), per, args.seed, device)["accuracy"]
                               for m in counts}
-    log(f"[synthetic] {args.task} / {args.mixer}: held-out accuracy {result['accuracy']:.4f} "
+    log(f"[synthetic] {args.task} / {_model(result)}: held-out accuracy {result['accuracy']:.4f} "
         f"(sequences {result['sequence_accuracy']:.4f}; by hops "
         + ", ".join(f"{h}: {v['accuracy']:.3f}" for h, v in result["by_hops"].items())
         + f") after {train_time:.0f}s")
     return result
+
+
+def _model(r: dict) -> str:
+    """The mixer of a result, and its short convolution if it had one."""
+    return r["mixer"] + (f" [conv {r['conv_size']}]" if r.get("conv_size") else "")
 
 
 def _label(r: dict) -> str:
@@ -263,8 +271,8 @@ def _label(r: dict) -> str:
 def summary_table(rows: list[dict]) -> str:
     """Markdown: one row per mixer, one column per task and preset (accuracy over the final answers)."""
     settings = sorted({_label(r) for r in rows})
-    mixers = list(dict.fromkeys(r["mixer"] for r in rows))
-    cell = {(r["mixer"], _label(r)): r for r in rows}
+    mixers = list(dict.fromkeys(_model(r) for r in rows))
+    cell = {(_model(r), _label(r)): r for r in rows}
     lines = ["| mixer | " + " | ".join(settings) + " |", "|---|" + "---:|" * len(settings)]
     for m in mixers:
         cells = []
@@ -292,14 +300,14 @@ def plot_by_pairs(rows: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     settings = sorted({_label(r) for r in mqar})
-    mixers = sorted({r["mixer"] for r in mqar})
+    mixers = sorted({_model(r) for r in mqar})
     color = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(mixers)}  # one colour per mixer in every panel
     fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False)
     for ax, st in zip(axes[0], settings):
-        for r in sorted((r for r in mqar if _label(r) == st), key=lambda r: r["mixer"]):
+        for r in sorted((r for r in mqar if _label(r) == st), key=_model):
             pairs = [int(k) for k in r["by_pairs"]]
-            ax.plot(pairs, [100 * v for v in r["by_pairs"].values()], "o-", label=r["mixer"], ms=4,
-                    color=color[r["mixer"]])
+            ax.plot(pairs, [100 * v for v in r["by_pairs"].values()], "o-", label=_model(r), ms=4,
+                    color=color[_model(r)])
         pairs = sorted({int(k) for r in mqar if _label(r) == st for k in r["by_pairs"]})
         ax.plot(pairs, [100 / m for m in pairs], "k:", lw=1, label="guessing among the m values in the context")
         ax.set_xscale("log", base=2)

@@ -301,19 +301,22 @@ def test_long_and_mqar_presets_resolve():
 def test_mqar_script_smoke_and_summary(tmp_path, capsys):
     mod = load_script("synthetic")
     results = []
-    for mixer in ("attention", "dense"):
-        out = tmp_path / f"mqar_{mixer}.json"
-        assert mod.main(["--task", "mqar", "--mixer", mixer, "--preset", "smoke", "--quiet", "--out", str(out)]) == 0
+    for mixer, conv in (("attention", "0"), ("dense", "0"), ("dense", "4")):
+        out = tmp_path / f"mqar_{mixer}_{conv}.json"
+        assert mod.main(["--task", "mqar", "--mixer", mixer, "--preset", "smoke", "--quiet", "--out", str(out),
+                         "--conv-size", conv]) == 0
         res = json.loads(out.read_text())
+        assert res["conv_size"] == int(conv)
         assert res["task"] == "mqar" and set(res["by_pairs"]) == {"1", "4"}
         assert all(0.0 <= v <= 1.0 for v in res["by_pairs"].values()) and res["spec"]["min_pairs"] == 1
         results.append(str(out))
     summary = tmp_path / "sum" / "mqar.json"
     assert mod.main(["--summary", *results, "--out", str(summary)]) == 0
     rows = json.loads(summary.read_text())["rows"]
-    assert [r["mixer"] for r in rows] == ["attention", "dense"] and "history" not in rows[0]
+    assert [r["mixer"] for r in rows] == ["attention", "dense", "dense"] and "history" not in rows[0]
     table = summary.with_suffix(".md").read_text()
     assert "| attention |" in table and "| dense |" in table and "up to 4 pairs in 16 tokens, 8 steps" in table
+    assert "| dense [conv 4] |" in table
     assert summary.with_suffix(".png").stat().st_size > 1000
     capsys.readouterr()
     (tmp_path / "bad.json").write_text("{}")
