@@ -218,28 +218,34 @@ def _accuracy_at(row: dict, n: int) -> float | None:
 
 
 def markdown(result: dict) -> str:
-    """The accuracy table: mean over seeds (min-max), the training length's accuracy and steps per model."""
+    """The accuracy table, a row per model: how many seeds reached the target at T, each seed's steps, the accuracy
+    at T of every seed, and past T the accuracy of the competent seeds only (mean, min-max over seeds; "-" where
+    none was competent: no length past T is read off a model that did not learn the task)."""
     s = result["settings"]
     lengths = [k * s["context"] for k in s["multiples"]]
     conv = f", short convolution of {s['conv_size']}" if s.get("conv_size") else ""
     lines = [f"{_task_title(s)}, trained at T = {s['context']} ({s['layers']} layers of width {s['d']}{conv}); "
              f"chance {1 / s['vocab'][2]:.3f} "
-             f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell.", "",
-             "| model | seeds | steps to competence | " + " | ".join(f"{n}" for n in lengths) + " |",
+             f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell. "
+             f"Column T: every seed; longer lengths: the competent seeds (accuracy >= {s['target']} at T) only.", "",
+             "| model | competent seeds | steps | " + " | ".join(f"{n}" for n in lengths) + " |",
              "|---|---:|---|" + "---:|" * len(lengths)]
     for model, rows in _by_model(result["rows"]).items():
         steps = ", ".join(f"{r['training']['steps']}" + _short_of_T(r["training"], s["context"]) for r in rows)
-        cells = []
-        for n in lengths:
-            values = [v for v in (_accuracy_at(r, n) for r in rows) if v is not None]
-            if not values:
-                cells.append("-")
-            elif len(values) == 1:
-                cells.append(f"{values[0]:.2f}")
-            else:
-                cells.append(f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f})")
-        lines.append(f"| {model} | {len(rows)} | {steps} | " + " | ".join(cells) + " |")
+        competent = [r for r in rows if r["training"]["reached"]]
+        cells = [_spread([_accuracy_at(r, n) for r in (rows if n == s["context"] else competent)]) for n in lengths]
+        lines.append(f"| {model} | {len(competent)} of {len(rows)} | {steps} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _spread(values: list) -> str:
+    """"0.97" for one value, "0.97 (0.93-1.00)" for several, "-" for none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def plot(result: dict, path: Path) -> None:
