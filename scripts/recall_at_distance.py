@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Recall at a distance (the passkey with decoys, MQAR): train small models to competence at context T, read them at up to 16 x T
-(``hf_resolvent.training.recall`` describes the task and the rule; docs/benchmarks.md the results).
+"""Recall at a distance (the passkey with decoys, MQAR): train small models to competence at context T, read them at
+up to 16 x T (``hf_resolvent.training.recall`` describes the task and the rule; docs/benchmarks.md the results).
 
-    python scripts/recall_at_distance.py --out runs/recall                      # 5 mixers x RoPE / none, seed 0
-    python scripts/recall_at_distance.py --mixers attention exp2:ce --positions none --seeds 0 1 2 --pairs 8 --out runs/r8
+    python scripts/recall_at_distance.py --out runs/recall                      # 5 mixers x RoPE / none, 3 seeds
+    python scripts/recall_at_distance.py --conv-size 4 --out runs/recall_conv4  # with the short convolution
+    python scripts/recall_at_distance.py --mixers attention exp2:ce --positions none --pairs 8 --out runs/r8
     python scripts/recall_at_distance.py --task mqar --context 128 --pairs 8 --out runs/mqar8
     python scripts/recall_at_distance.py --quick --out runs/recall_quick        # the plumbing, a minute
     python scripts/recall_at_distance.py --out runs/recall --resume             # continue a run that was cut short
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixers", nargs="+", default=MIXERS, help="mixer specs, and gpt2 (learned positions)")
     p.add_argument("--positions", nargs="+", default=["rope", "none"], choices=POSITIONS,
                    help="position encodings to compare; rope:a and rope:b rotate one channel only (rope_channels)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--task", default=d.task, choices=sorted(TASKS),
                    help="decoy: the passkey with decoys (one pair asked); mqar: every pair asked, all far back")
     p.add_argument("--pairs", type=int, default=d.pairs)

@@ -15,7 +15,7 @@ from conftest import load_script
 from hf_resolvent.training import recall
 from hf_resolvent.training import synthetic as tasks
 
-TINY = recall.RecallSettings(context=32, pairs=2, d=32, max_steps=80, check_every=20, check_samples=20, grow=100.0,
+TINY = recall.RecallSettings(context=32, pairs=2, d=32, layers=2, max_steps=80, check_every=20, check_samples=20, grow=100.0,
                              grow_at=0.0, eval_samples=20, multiples=(1, 2))  # at T after the first check
 
 
