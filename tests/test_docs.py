@@ -124,7 +124,8 @@ def test_the_install_lines_are_found():
     for doc in USER_DOCS:
         text = doc.read_text()
         assert len(_python_blocks_and_extras(text)) == len(_blocks(text, "python")), _name(doc)
-    assert any("onnxruntime" in code and extras == {"export"} for code, extras in _python_blocks_and_extras(README))
+    assert any("onnxruntime" in code and extras == {"export"}
+               for code, extras in _python_blocks_and_extras((REPO / "docs" / "serving.md").read_text()))
 
 
 @pytest.mark.parametrize("doc, index", PYTHON_BLOCKS, ids=[f"{_name(d)}:{i}" for d, i in PYTHON_BLOCKS])
