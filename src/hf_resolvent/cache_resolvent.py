@@ -160,7 +160,7 @@ class ResolventCacheLayer:
 
     def reset(self) -> None:
         self._state = None
-        self.conv_rows, self.conv_first, self.conv_width = None, 0, 0
+        self.conv_rows, self.conv_first = None, 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.state is not None:

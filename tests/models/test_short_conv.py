@@ -147,8 +147,14 @@ def test_the_static_cache_and_its_compiled_step(family):
     out = model.generate(padded, attention_mask=(torch.arange(7)[None] >= 3).long(), max_new_tokens=5,
                          do_sample=False, cache_implementation="static")
     assert torch.equal(out[:, 3:], alone)
+    again = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert torch.equal(greedy, again)  # generate() reuses the model's static cache after a reset
     cache = hr.ResolventCache(model.config, max_cache_len=16)
-    model(ids, past_key_values=cache)
+    with torch.no_grad():
+        first = model(ids, past_key_values=cache).logits
+        cache.reset()
+        assert cache.layers[0].conv_rows is None and cache.layers[0].conv_width == K
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits, first)
     why = "the short convolution's past rows" if family == "attention" else "past states for pattern"
     with pytest.raises(ValueError, match=f"static cache cannot record {why}"):
         cache.activate_past_recording()
