@@ -124,7 +124,8 @@ class ResolventMixer(nn.Module):
 
     Parameters: ``in_proj`` (width -> parts x width; parts ``qa, ka, x`` for attention kinds, ``qa, ka, x, qb,
     kb`` for resolvent ones, ``x, qb, kb`` tied; GPT-2's ``c_attn`` order q, k, v first), ``out_proj``, and for
-    resolvent kinds the gate (``gate_proj`` width -> heads, ``dt_bias``, ``A_log``) and, tied, ``skip_proj``.
+    resolvent kinds the gate (``gate_proj`` width -> heads, ``dt_bias``, ``A_log``), tied, ``skip_proj``, and with
+    ``config.conv_size``, ``conv`` (one causal filter per projected channel).
     """
 
     def __init__(self, config: ResolventConfig, layer_idx: int):
