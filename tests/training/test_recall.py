@@ -91,6 +91,15 @@ def test_a_run_cut_short_resumes_without_retraining_and_never_overwrites(tmp_pat
     assert [r["seed"] for r in second["rows"]] == [0, 1]
     assert sum("seed 0: kept from" in line for line in logs) == 1 and not any("seed 0 step" in line for line in logs)
     assert len(json.loads((tmp_path / "results.json").read_text())["rows"]) == 2
+    # a file written before a setting existed resumes at that setting's default, and not at another value
+    saved = json.loads((tmp_path / "results.json").read_text())
+    del saved["settings"]["conv_size"]
+    (tmp_path / "results.json").write_text(json.dumps(saved))
+    assert len(recall.run(["attention"], [0, 1], ["none"], TINY, tmp_path, torch.device("cpu"), logs.append,
+                          resume=True)["rows"]) == 2
+    with pytest.raises(ValueError, match=r"conv_size \(0 there, 4 now\)"):
+        recall.run(["attention"], [0], ["none"], replace(TINY, conv_size=4), tmp_path, torch.device("cpu"),
+                   logs.append, resume=True)
 
 
 class _Oracle(torch.nn.Module):

@@ -183,11 +183,14 @@ def _earlier_rows(path: Path, settings: dict, resume: bool) -> list[dict]:
         raise FileExistsError(f"{path} holds an earlier run's results: continue it with --resume (resume=True), or "
                               "write to another folder")
     earlier = json.loads(path.read_text())
-    changed = sorted(k for k in settings.keys() | earlier["settings"].keys()
-                     if settings.get(k) != earlier["settings"].get(k))
+    # a setting the earlier file lacks did not exist then: its default is what that run did
+    defaults = {**asdict(RecallSettings()), "vocab": list(RecallSettings().vocab),
+                "multiples": list(RecallSettings().multiples)}
+    before = {**{k: v for k, v in defaults.items() if k not in earlier["settings"]}, **earlier["settings"]}
+    changed = sorted(k for k in settings.keys() | before.keys() if settings.get(k) != before.get(k))
     if changed:
         raise ValueError(f"cannot resume {path}: its settings differ in " + ", ".join(
-            f"{k} ({earlier['settings'].get(k)} there, {settings.get(k)} now)" for k in changed)
+            f"{k} ({before.get(k)} there, {settings.get(k)} now)" for k in changed)
             + "; run with the same settings, or write to another folder")
     return earlier["rows"]
 
