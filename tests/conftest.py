@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +169,21 @@ def family_model(family: str, seed: int = 0, **kw):
     # A generated pad token would read as a hole in the mask that generate() derives from the ids when it continues.
     model.generation_config.suppress_tokens = [fields["pad_token_id"]]
     return model
+
+
+def remote_code_logits(folder: Path, ids: torch.Tensor, workdir: Path, check: str = "") -> torch.Tensor:
+    """The logits for ``ids`` of the model saved in ``folder``, loaded with ``trust_remote_code`` in a process where
+    hf_resolvent cannot be imported; ``check``, a line of Python run there first, sees the model as ``m``."""
+    torch.save(ids, workdir / "ids.pt")
+    code = (
+        "import sys, torch; sys.modules['hf_resolvent'] = None\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()\n"
+        f"ids = torch.load({str(workdir / 'ids.pt')!r})\n"
+        f"{check}\n"
+        f"with torch.no_grad(): torch.save(m(ids).logits, {str(workdir / 'got.pt')!r})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=workdir,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(workdir)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(workdir / "got.pt")

@@ -4,12 +4,9 @@ code); GPT-2 conversion refuses it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import FAMILIES, VOCAB
+from conftest import FAMILIES, VOCAB, remote_code_logits
 from conftest import family_model as tiny_model
 
 import hf_resolvent as hr
@@ -53,19 +50,8 @@ def test_a_saved_model_loads_with_remote_code_and_gives_the_same_logits(tmp_path
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = model(ids).logits
-    torch.save(ids, tmp_path / "ids.pt")
-    code = (
-        "import sys, torch; sys.modules['hf_resolvent'] = None\n"
-        "from transformers import AutoModelForCausalLM\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r}, trust_remote_code=True).eval()\n"
-        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
-        "assert m.config.position_embedding == 'none'\n"
-        f"with torch.no_grad(): torch.save(m(ids).logits, {str(tmp_path / 'got.pt')!r})\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    torch.testing.assert_close(torch.load(tmp_path / "got.pt"), want, atol=1e-5, rtol=1e-5)
+    got = remote_code_logits(tmp_path / "m", ids, tmp_path, "assert m.config.position_embedding == 'none'")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # the weights say which positions they were trained with: loading them into a RoPE config warns
     with pytest.warns(UserWarning, match="position_embedding='none'"):
         hr.ResolventForCausalLM.from_pretrained(tmp_path / "m", position_embedding="rope")
