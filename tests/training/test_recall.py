@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -140,7 +140,7 @@ def test_mqar_runs_end_to_end_and_names_its_task(tmp_path):
 
 
 def test_the_table_reads_past_T_only_the_seeds_competent_at_T():
-    settings = {**asdict(TINY), "vocab": list(TINY.vocab), "multiples": [1, 2]}
+    settings = TINY.record()
     rows = [{"model": "m", "seed": seed, "training": {"steps": steps, "reached": reached, "trained_length": length},
              "accuracy": {"32": at_t, "64": past}}
             for seed, steps, reached, length, at_t, past in ((0, 40, True, 32, 1.0, 0.9), (1, 80, False, 14, 0.3, 0.7))]

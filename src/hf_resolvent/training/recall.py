@@ -72,6 +72,10 @@ class RecallSettings:
     def chance(self) -> dict:
         return {"values": 1 / self.vocab[2], "values_present": 1 / self.pairs}
 
+    def record(self) -> dict:
+        """The settings as results.json holds them (tuples as lists)."""
+        return {**asdict(self), "vocab": list(self.vocab), "multiples": list(self.multiples)}
+
 
 TASKS = {"decoy": "Passkey with decoys", "mqar": "MQAR at a distance"}
 POSITIONS = ("rope", "rope:a", "rope:b", "learned", "none")
@@ -156,7 +160,7 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
 
     ``resume``: keep the rows of the ``out/results.json`` an earlier run with the same settings wrote, and train
     only the models it lacks. Without it, an existing ``results.json`` is refused rather than overwritten."""
-    settings = {**asdict(s), "vocab": list(s.vocab), "multiples": list(s.multiples)}
+    settings = s.record()
     result = {"settings": settings, "chance": s.chance, "rows": _earlier_rows(out / "results.json", settings, resume)}
     out.mkdir(parents=True, exist_ok=True)
     for mixer in mixers:
@@ -184,9 +188,7 @@ def _earlier_rows(path: Path, settings: dict, resume: bool) -> list[dict]:
                               "write to another folder")
     earlier = json.loads(path.read_text())
     # a setting the earlier file lacks did not exist then: its default is what that run did
-    defaults = {**asdict(RecallSettings()), "vocab": list(RecallSettings().vocab),
-                "multiples": list(RecallSettings().multiples)}
-    before = {**{k: v for k, v in defaults.items() if k not in earlier["settings"]}, **earlier["settings"]}
+    before = {**RecallSettings().record(), **earlier["settings"]}
     changed = sorted(k for k in settings.keys() | before.keys() if settings.get(k) != before.get(k))
     if changed:
         raise ValueError(f"cannot resume {path}: its settings differ in " + ", ".join(
