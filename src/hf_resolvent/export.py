@@ -56,8 +56,7 @@ class ResolventDecodeStep(nn.Module):
 
     def initial_state(self) -> tuple[torch.Tensor, ...]:
         """The states before the first token (fresh tensors), in :attr:`state_names` order."""
-        return tuple(t.clone() for state, rows in zip(self._layout, self._conv_rows)
-                     for t in [*state.buffers().values(), *([] if rows is None else [rows])])
+        return tuple(t.clone() for state, rows in zip(self._layout, self._conv_rows) for t in _layer_tensors(state, rows))
 
     def example_inputs(self, length: int = 1) -> tuple[torch.Tensor, ...]:
         """(input_ids (B, length), *initial_state()): the arguments of :meth:`forward`, for tracing."""
@@ -77,9 +76,13 @@ class ResolventDecodeStep(nn.Module):
             if rows is not None:
                 layer.conv_rows = next(given).clone()
         logits = self.model(input_ids, past_key_values=cache, use_cache=True).logits
-        return (logits, *(t for layer in cache.layers
-                          for t in [*layer.state.buffers().values(), *([] if layer.conv_rows is None else
-                                                                       [layer.conv_rows])]))
+        return (logits, *(t for layer in cache.layers for t in _layer_tensors(layer.state, layer.conv_rows)))
+
+
+def _layer_tensors(state, conv_rows: torch.Tensor | None) -> list[torch.Tensor]:
+    """One layer's state tensors in :attr:`ResolventDecodeStep.state_names` order: the static state's buffers, then
+    the short convolution's rows where the model has one."""
+    return [*state.buffers().values(), *([] if conv_rows is None else [conv_rows])]
 
 
 def export_decode_step(model: nn.Module, batch_size: int = 1,
