@@ -56,7 +56,8 @@ class ResolventDecodeStep(nn.Module):
 
     def initial_state(self) -> tuple[torch.Tensor, ...]:
         """The states before the first token (fresh tensors), in :attr:`state_names` order."""
-        return tuple(t.clone() for state, rows in zip(self._layout, self._conv_rows) for t in _layer_tensors(state, rows))
+        return tuple(t.clone() for state, rows in zip(self._layout, self._conv_rows)
+                     for t in _layer_tensors(state, rows))
 
     def example_inputs(self, length: int = 1) -> tuple[torch.Tensor, ...]:
         """(input_ids (B, length), *initial_state()): the arguments of :meth:`forward`, for tracing."""
