@@ -118,7 +118,8 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     while step < s.max_steps:
         for group in opt.param_groups:
             group["lr"] = s.lr * min(1.0, (step + 1) / s.warmup)
-        loss = tasks.task_loss(model, tasks.passkey_batch(vocab, length, s.pairs, s.batch, rng, queries=queries), device)
+        batch = tasks.passkey_batch(vocab, length, s.pairs, s.batch, rng, queries=queries)
+        loss = tasks.task_loss(model, batch, device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
