@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from hf_resolvent.training import data as D
 from hf_resolvent.training.checkpoints import latest_checkpoint
 from hf_resolvent.training.config import batch_layout, load_config
+from hf_resolvent.training.evaluate import strided_perplexity
 from hf_resolvent.training.metrics import read_metrics
 from hf_resolvent.training.models import PAPER_MIXERS, build_model, mixer_slug
 from hf_resolvent.training.optim import build_optimizer, lr_at
@@ -249,10 +250,10 @@ def test_strided_perplexity_scores_every_token_once():
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens)[None]).logits[0]
     full = torch.nn.functional.cross_entropy(logits[:-1], torch.from_numpy(tokens[1:])).item()
-    one = evaluate_script.strided_perplexity(model, tokens, 64, 32, 4, torch.device("cpu"))
+    one = strided_perplexity(model, tokens, 64, 32, 4, torch.device("cpu"))
     assert one["tokens"] == 44 and one["loss"] == pytest.approx(full, rel=1e-5)
     # non-overlapping windows of 16 (+1 shared boundary token): the mean of the per-window losses
-    disjoint = evaluate_script.strided_perplexity(model, tokens, 16, 15, 2, torch.device("cpu"))
+    disjoint = strided_perplexity(model, tokens, 16, 15, 2, torch.device("cpu"))
     nll = 0.0
     for b in range(0, 44, 15):
         w = torch.from_numpy(tokens[b:b + 16])
@@ -261,11 +262,11 @@ def test_strided_perplexity_scores_every_token_once():
         nll += torch.nn.functional.cross_entropy(lg[:-1], w[1:], reduction="sum").item()
     assert disjoint["tokens"] == 44 and disjoint["loss"] == pytest.approx(nll / 44, rel=1e-5)
     for stride in (1, 5, 8, 15):
-        assert evaluate_script.strided_perplexity(model, tokens, 16, stride, 8, torch.device("cpu"))["tokens"] == 44
+        assert strided_perplexity(model, tokens, 16, stride, 8, torch.device("cpu"))["tokens"] == 44
     # disjoint windows cannot score the first token of each window (no context inside the window)
-    assert evaluate_script.strided_perplexity(model, tokens, 16, 16, 8, torch.device("cpu"))["tokens"] == 42
+    assert strided_perplexity(model, tokens, 16, 16, 8, torch.device("cpu"))["tokens"] == 42
     with pytest.raises(ValueError, match="stride"):
-        evaluate_script.strided_perplexity(model, tokens, 16, 17, 8, torch.device("cpu"))
+        strided_perplexity(model, tokens, 16, 17, 8, torch.device("cpu"))
 
 
 def test_evaluate_script_writes_table_figure_and_samples(straight, tmp_path, capsys):

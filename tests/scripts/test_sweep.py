@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from conftest import load_script
 
-sweep = load_script("sweep")
+from hf_resolvent.training import sweep  # noqa: E402
+
+script = load_script("sweep")
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def quick(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
     argv = ["--quick", "--data", str(tiny_data), "--runs-dir", str(root / "runs"), "--out", str(root / "out"),
             "--steps", "6", "--seeds", "0", "1", "--run-timeout", "300"]
-    assert sweep.main(argv) == 0
+    assert script.main(argv) == 0
     return root, json.loads((root / "out" / "sweep.json").read_text())
 
 
@@ -78,11 +80,11 @@ def test_bootstrap_interval_and_pareto_front():
 
 def test_hybrid_and_tied_models_reach_pretrain_as_per_layer_specs():
     preset = dict(sweep.PRESETS["hour"])
-    cmd = sweep.pretrain_command("exp2:ce/attention", 0, preset, Path("r"), None)
+    cmd = sweep.pretrain_command(script.PRETRAIN, "exp2:ce/attention", 0, preset, Path("r"), None)
     assert "model.mixer=[exp2:ce, attention, exp2:ce, attention]" in cmd and "--mixer" not in cmd
-    tied = sweep.pretrain_command("exp2:ce+tied", 0, preset, Path("r"), None)
+    tied = sweep.pretrain_command(script.PRETRAIN, "exp2:ce+tied", 0, preset, Path("r"), None)
     assert tied[tied.index("--mixer") + 1] == "exp2:ce+tied"
-    assert "model.type=gpt2" in sweep.pretrain_command("gpt2", 0, preset, Path("r"), None)
+    assert "model.type=gpt2" in sweep.pretrain_command(script.PRETRAIN, "gpt2", 0, preset, Path("r"), None)
     names = set(sweep.MODELS)
     for required in ("gpt2", "attention", "local_attention:8", "dense", "banded:8", "diagonal", "exp2", "exp2:ce",
                      "square", "square:ce"):
@@ -90,12 +92,12 @@ def test_hybrid_and_tied_models_reach_pretrain_as_per_layer_specs():
 
 
 def test_bad_requests_fail_clearly(tiny_data, tmp_path, capsys):
-    assert sweep.main(["--quick", "--models", "attention", "nope", "--out", str(tmp_path)]) == 2
+    assert script.main(["--quick", "--models", "attention", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown model(s) ['nope']" in capsys.readouterr().err
-    assert sweep.main(["--quick", "--seeds", "0", "0", "--out", str(tmp_path)]) == 2
+    assert script.main(["--quick", "--seeds", "0", "0", "--out", str(tmp_path)]) == 2
     assert "repeats a seed" in capsys.readouterr().err
     # a failing training run names the model and the command that reproduces it
-    assert sweep.main(["--quick", "--models", "attention", "--data", str(tmp_path / "missing"), "--runs-dir",
+    assert script.main(["--quick", "--models", "attention", "--data", str(tmp_path / "missing"), "--runs-dir",
                        str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--run-timeout", "120"]) == 2
     err = capsys.readouterr().err
     assert "training attention (seed 0) failed" in err and "pretrain.py" in err
