@@ -23,8 +23,10 @@ from safetensors.torch import load_file, save_file
 
 from hf_resolvent import files
 from hf_resolvent.training import data as D
+from hf_resolvent.training import loop
 from hf_resolvent.training.checkpoints import latest_checkpoint, write_manifest
 from hf_resolvent.training.config import NUMERIC_SETTINGS, ConfigError, load_config
+from hf_resolvent.training.evaluate import EVAL_KEYS
 from hf_resolvent.training.optim import lr_at
 
 pretrain = load_script("pretrain")
@@ -182,7 +184,7 @@ def test_a_kill_while_the_final_model_is_written_leaves_no_folder_that_loads(tin
     def killed(*args, **kwargs):  # the model's weights and config are written by now, the rest is not
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pretrain, "plot_loss", killed)
+    monkeypatch.setattr(loop, "plot_loss", killed)
     with pytest.raises(KeyboardInterrupt):
         pretrain.train(tiny_run_args(tiny_data, out, "--max-steps", "3"))
     assert not (out / "config.json").exists()
@@ -226,7 +228,7 @@ def test_resuming_a_finished_run_with_non_finite_weights_is_refused(tiny_data, s
     last = out / "checkpoints" / "step_0000007"
     _poison(last)
     state = json.loads((last / "trainer_state.json").read_text())
-    for key in pretrain.EVAL_KEYS:  # no stored result: the final evaluation runs on the poisoned weights
+    for key in EVAL_KEYS:  # no stored result: the final evaluation runs on the poisoned weights
         state.pop(key, None)
     (last / "trainer_state.json").write_text(json.dumps(state))
     write_manifest(last)
@@ -351,7 +353,7 @@ def test_a_full_device_while_the_final_model_is_written_leaves_nothing_that_load
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(pretrain, "plot_loss", full)  # the weights and config are staged by now
+    monkeypatch.setattr(loop, "plot_loss", full)  # the weights and config are staged by now
     out = tmp_path / "run"
     code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "3"), capsys)
     assert code == 2

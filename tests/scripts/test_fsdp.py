@@ -25,8 +25,14 @@ from conftest import REPO, load_script, tiny_run_args
 from safetensors.torch import load_file
 
 from hf_resolvent.training import data as D
-from hf_resolvent.training import launch
-from hf_resolvent.training.checkpoints import finalize_checkpoint, latest_checkpoint, manifest_problem, sharded_problem
+from hf_resolvent.training import launch, loop
+from hf_resolvent.training.checkpoints import (
+    check_layout,
+    finalize_checkpoint,
+    latest_checkpoint,
+    manifest_problem,
+    sharded_problem,
+)
 from hf_resolvent.training.config import ConfigError, RunError
 from hf_resolvent.training.fsdp import FSDP_SETTINGS, fit_wrap_classes, fsdp_env, fsdp_plugin
 from hf_resolvent.training.launch import relaunch_cpu_processes_if_needed
@@ -249,8 +255,8 @@ def test_a_sharded_checkpoint_resumes_in_one_process_and_only_with_fsdp(tiny_dat
 def test_a_whole_checkpoint_is_refused_under_fsdp(straight, tmp_path):
     out = _unfinished_copy(straight[0], tmp_path / "run")
     with pytest.raises(ConfigError, match="whole .unsharded. checkpoint, written by one process, no sharding"):
-        pretrain._check_layout(out / "checkpoints" / "step_0000006", True, "FSDP2, 2 processes, full shard (cpu)")
-    pretrain._check_layout(out / "checkpoints" / "step_0000006", False, "one process, no sharding (cpu)")
+        check_layout(out / "checkpoints" / "step_0000006", True, "FSDP2, 2 processes, full shard (cpu)")
+    check_layout(out / "checkpoints" / "step_0000006", False, "one process, no sharding (cpu)")
 
 
 def test_fsdp_asked_for_and_not_set_up_is_an_error():
@@ -261,10 +267,10 @@ def test_fsdp_asked_for_and_not_set_up_is_an_error():
     ddp = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"FSDP was asked for \(--fsdp\) but Accelerate set up DDP, 2 processes, "
                                             r"replicated \(cpu\).*or drop --fsdp"):
-        pretrain._require_fsdp(ddp, "--fsdp")
+        loop._require_fsdp(ddp, "--fsdp")
     one = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="set up one process, no sharding"):
-        pretrain._require_fsdp(one, "the accelerate config")
+        loop._require_fsdp(one, "the accelerate config")
 
 
 def test_the_fsdp_configs_are_one_setting_that_fits_both_model_types():

@@ -17,7 +17,7 @@ from conftest import REPO, load_script, tiny_run_args
 from safetensors.torch import load_file
 
 from hf_resolvent.training import data as D
-from hf_resolvent.training.checkpoints import latest_checkpoint
+from hf_resolvent.training.checkpoints import latest_checkpoint, tied_weights_notice_hidden
 from hf_resolvent.training.config import batch_layout, load_config
 from hf_resolvent.training.evaluate import strided_perplexity
 from hf_resolvent.training.metrics import read_metrics
@@ -137,7 +137,7 @@ def test_only_the_notice_of_the_models_own_tied_weights_is_hidden(caplog):
                            "overrides": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32}}, 50, 16)
     shared = torch.zeros(3)
     untied = {"a.weight": shared, "b.weight": shared}  # a sharing the model does not declare: still reported
-    with caplog.at_level(logging.WARNING), pretrain._tied_weights_notice_hidden(model):
+    with caplog.at_level(logging.WARNING), tied_weights_notice_hidden(model):
         clean_state_dict_for_safetensors(model.state_dict())
         clean_state_dict_for_safetensors(untied)
         logging.getLogger("accelerate.utils.other").warning("another warning")

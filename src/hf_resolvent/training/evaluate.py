@@ -298,3 +298,50 @@ def evaluate(model_dirs: list[Path], out: Path, s: EvalSettings, device: torch.d
         (out / "eval.md").write_text(table)
         plot_comparison(results + reference, out / "perplexity_vs_complexity.png")
     return results, table
+
+
+# The validation loss of a training run (scripts/pretrain.py), over fixed non-overlapping windows
+
+EVAL_KEYS = ("val_loss", "val_ppl", "val_tokens", "val_windows", "val_window")
+
+
+def describe_eval(ev: dict) -> str:
+    """The validation figures with what they measure (scripts/evaluate.py's strided perplexity differs)."""
+    return (f"val loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f} ({ev['val_windows']} non-overlapping "
+            f"windows of {ev['val_window']} tokens, {ev['val_tokens']:,} tokens scored)")
+
+
+def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of windows ``batch`` (B, L + 1): inputs [:, :-1], targets [:, 1:]."""
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def evaluate_loss(accelerator, model, val: hdata.TokenShards, seq_len: int, max_windows: int, micro: int) -> dict:
+    """Mean validation loss over fixed non-overlapping windows, split across processes.
+
+    Runs the prepared (wrapped) model so that sharded (FSDP) parameters work; every process runs the same number
+    of forward passes (a process short of windows repeats its last one with weight 0)."""
+    starts = hdata.eval_windows(val, seq_len, max_windows)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    mine = starts[rank::world]
+    n_batches = math.ceil(math.ceil(len(starts) / world) / micro)
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for i in range(n_batches):
+        chunk = mine[i * micro:(i + 1) * micro]
+        weight = 1.0 if chunk else 0.0
+        chunk = chunk or starts[:1]
+        rows = np.stack([val.read(s, seq_len + 1) for s in chunk])
+        batch = torch.from_numpy(rows).to(accelerator.device)
+        with accelerator.autocast():
+            loss = lm_loss(model, batch)
+        n = batch[:, 1:].numel() * weight
+        total += torch.tensor([loss.item() * n, n], dtype=torch.float64, device=accelerator.device)
+    model.train(was_training)
+    total = accelerator.reduce(total, reduction="sum")
+    val_loss = (total[0] / total[1]).item()  # eval_windows refused a split without a window
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(total[1].item()),
+            "val_windows": len(starts), "val_window": seq_len}
