@@ -21,7 +21,7 @@ _JIT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jit.py")
 NOT_READY = (
     "the Triton kernels cannot run here: {why}. They need CUDA tensors on a GPU with Triton installed, "
     "or TRITON_INTERPRET=1 in the environment to run them on CPU tensors through Triton's interpreter "
-    "(slow: tests only). Use impl='parallel' (the PyTorch form) otherwise."
+    "(slow: tests only). Use impl='torch' (PyTorch) or 'auto' otherwise."
 )
 
 

@@ -594,7 +594,7 @@ def _prepare(x, start, pattern, *tensors):
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"the Triton kernels take float32, bfloat16 or float16 inputs, got {x.dtype}; "
-            "use impl='parallel' or impl='reference' for float64")
+            "use impl='torch' for float64")
     batch, _, n, _ = x.shape
     if start is None:
         start = torch.zeros(batch, dtype=torch.int32, device=x.device)

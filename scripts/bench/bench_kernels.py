@@ -228,7 +228,7 @@ def bench_length(args, n, dtype) -> list[dict]:
             candidates.append((f"triton:{p}" + (f" [{label}]" if label else ""), settings,
                                lambda ins=ins, p=p: resolvent_mix(*ins, p, impl="triton")))
     if n <= args.parallel_max_n:
-        candidates += [(f"parallel:{p}", None, lambda ins=ins, p=p: resolvent_mix(*ins, p, impl="parallel"))
+        candidates += [(f"parallel:{p}", None, lambda ins=ins, p=p: resolvent_mix(*ins, p, impl="torch"))
                        for p, ins in inputs.items()]
     if args.fla:
         candidates.append(("fla:gated_deltanet", None, _gated_deltanet(B, H, n, d, dtype, gen, leaves)))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from hf_resolvent.ops import resolvent_mix
+from hf_resolvent.ops import recurrent_mix, reference_mix, resolvent_mix
 from hf_resolvent.patterns import get_pattern, plot_patterns
 
 SPECS = ["attention", "local_attention:8", "dense", "banded:8", "diagonal", "exp2", "exp2:ce", "square", "square:ce"]
@@ -34,11 +34,11 @@ def main(argv: "list[str] | None" = None) -> None:
           f"and the cost of token 2048 / cache after 2048 tokens")
     print(f"{'pattern':<18}{'|par-ref|':>11}{'|rec-ref|':>11}{'par ms':>9}{'cost':>7}{'cache':>7}")
     for spec in SPECS:
-        ref = resolvent_mix(qa, ka, qb, kb, x, g, spec, impl="reference")
+        ref = reference_mix(qa, ka, qb, kb, x, g, spec)
         t0 = time.perf_counter()
-        par = resolvent_mix(qa, ka, qb, kb, x, g, spec, impl="parallel")
+        par = resolvent_mix(qa, ka, qb, kb, x, g, spec)  # the parallel form
         ms = 1e3 * (time.perf_counter() - t0)
-        rec = resolvent_mix(qa, ka, qb, kb, x, g, spec, impl="recurrent")
+        rec = recurrent_mix(qa, ka, qb, kb, x, g, spec)
         p = get_pattern(spec)
         print(f"{spec:<18}{(par - ref).abs().max().item():>11.1e}{(rec - ref).abs().max().item():>11.1e}"
               f"{ms:>9.1f}{p.cost(2048):>7}{p.cache_size(2048):>7}")

@@ -21,7 +21,7 @@ __all__ = ["ResolventConfig", "parse_mixer_spec", "GATE_INITS", "MIXER_IMPLS", "
 # Gate initialisations, see ResolventConfig. A float in (0, 1) is accepted too.
 GATE_INITS = ("mamba2", "closed")
 # The choices of hf_resolvent.ops.dispatch.IMPLS (a test holds the two equal; this file ships without ops).
-MIXER_IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "graph", "reference", "recurrent")
+MIXER_IMPLS = ("auto", "torch", "cpu", "triton")
 # "closed" starts with g = exp(-16) ~ 1.1e-7 for every token: the layer is its direct channel A (plus ~1e-7),
 # yet the gate keeps a non-zero gradient in log space (d log g / d A_log = -16), so fine-tuning can open it.
 CLOSED_GATE_VALUE = math.exp(-16.0)
@@ -153,9 +153,8 @@ class ResolventConfig(PretrainedConfig):
         mixer_impl: which code runs the mixers, passed as ``impl`` to the ops (``hf_resolvent/ops/dispatch.py``):
             ``"auto"`` (default: the environment variable ``HF_RESOLVENT_MIXER_IMPL`` if set, else the Triton
             kernels for CUDA tensors, the compiled CPU kernels on CPU, PyTorch elsewhere), ``"torch"``, ``"cpu"``,
-            ``"triton"``, ``"parallel"`` (never Triton), ``"graph"`` (what ``torch.compile`` runs), ``"reference"``
-            or ``"recurrent"``. A runtime choice:
-            override it with ``from_pretrained(..., mixer_impl=...)``.
+            ``"triton"``: a backend, as ``attn_implementation`` names one. A runtime choice: override it with
+            ``from_pretrained(..., mixer_impl=...)``.
         chunk_size_feed_forward: ``transformers``' name for the rows each block's position-wise half (LayerNorm, MLP,
             residual) takes at a time in a sequence longer than it (default 1024), so that the MLP's activations stay
             in the processor's caches during a long prefill; 0 takes the whole sequence at once. The same function
@@ -298,6 +297,10 @@ class ResolventConfig(PretrainedConfig):
         value = self.chunk_size_feed_forward
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"chunk_size_feed_forward must be a whole number of rows (0: no chunks), got {value!r}")
+        if self.mixer_impl in ("parallel", "graph", "reference", "recurrent"):
+            raise ValueError(f"mixer_impl={self.mixer_impl!r} names a form of the mixer, not a backend: a model runs "
+                             f"the form its backend needs; choose one of {MIXER_IMPLS} (the forms are functions of "
+                             "hf_resolvent.ops, for tests and oracles)")
         if self.mixer_impl not in MIXER_IMPLS:
             raise ValueError(
                 f"mixer_impl must be one of {MIXER_IMPLS} (see hf_resolvent/ops/dispatch.py), got {self.mixer_impl!r}"

@@ -295,7 +295,7 @@ def test_resolvent_mix_dispatches_to_triton(monkeypatch):
     monkeypatch.setattr(kernels, "triton_mix", lambda *a, **k: calls.append(1) or real(*a, **k))
     y = resolvent_mix(qa, ka, qb, kb, x, g, "exp2", impl="triton")
     assert calls, "impl='triton' did not reach hf_resolvent.backends.triton.triton_mix"
-    torch.testing.assert_close(y, resolvent_mix(qa, ka, qb, kb, x, g, "exp2", impl="parallel"), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, resolvent_mix(qa, ka, qb, kb, x, g, "exp2", impl="torch"), rtol=1e-4, atol=1e-4)
 
 
 def test_clear_error_when_triton_cannot_run(monkeypatch):
@@ -481,12 +481,12 @@ def test_model_decodes_through_the_triton_step(monkeypatch):
     prompt = torch.tensor([[5, 9, 3, 7, 1, 2, 8], [0, 0, 4, 6, 11, 12, 13]])
     mask = (prompt != 0).long()
     out = {}
-    for impl in ("parallel", "triton"):
+    for impl in ("torch", "triton"):
         model.config.mixer_impl = impl
         out[impl] = model.generate(prompt, attention_mask=mask, max_new_tokens=5, do_sample=False,
                                    output_scores=True, return_dict_in_generate=True)
     new_tokens = 5 - 1  # the first new token comes from the prefill
     assert calls == {"mix": 3, "step": 3 * new_tokens}
-    assert torch.equal(out["triton"].sequences, out["parallel"].sequences)
-    for got, want in zip(out["triton"].scores, out["parallel"].scores):
+    assert torch.equal(out["triton"].sequences, out["torch"].sequences)
+    for got, want in zip(out["triton"].scores, out["torch"].scores):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

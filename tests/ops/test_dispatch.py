@@ -48,6 +48,8 @@ def test_the_config_accepts_exactly_the_choices_of_the_switch():
     assert MIXER_IMPLS == dispatch.IMPLS
     with pytest.raises(ValueError, match="mixer_impl must be one of .*got 'cuda'"):
         hr.ResolventConfig(mixer_impl="cuda")
+    with pytest.raises(ValueError, match="mixer_impl='graph' names a form of the mixer, not a backend"):
+        hr.ResolventConfig(mixer_impl="graph")
 
 
 def test_precedence_argument_then_environment_then_auto(monkeypatch):
@@ -61,6 +63,14 @@ def test_precedence_argument_then_environment_then_auto(monkeypatch):
         dispatch.resolve("auto")
     with pytest.raises(ValueError, match="impl must be one of .*got 'fast'"):
         dispatch.resolve("fast")
+    monkeypatch.setenv(dispatch.ENV, "graph")  # a form, from either source, names the function to call instead
+    with pytest.raises(ValueError, match=f"{dispatch.ENV}='graph' names a form, not a backend: call "
+                                         "hf_resolvent.ops.graph_mix"):
+        dispatch.resolve(None)
+    monkeypatch.delenv(dispatch.ENV)
+    with pytest.raises(ValueError, match="impl='recurrent' names a form, not a backend: call hf_resolvent.ops"
+                                         ".recurrent_mix"):
+        dispatch.resolve("recurrent")
 
 
 @pytest.mark.parametrize("spec", ["exp2:ce", "dense"])
@@ -68,7 +78,7 @@ def test_torch_and_cpu_run_what_they_name_in_forward_and_backward(spec):
     assert cpu.available(), "the compiled CPU kernels did not build (see the warning)"
     qa, ka, qb, kb, x, g = _inputs(requires_grad=True)
     ref = reference_mix(qa, ka, qb, kb, x, g, spec)
-    for impl, expect_cpu_kernels in (("torch", False), ("cpu", True), ("auto", True), ("parallel", True)):
+    for impl, expect_cpu_kernels in (("torch", False), ("cpu", True), ("auto", True)):
         out = {}
 
         def step(out=out, impl=impl):
@@ -92,7 +102,7 @@ def test_the_environment_reaches_the_model_and_the_config_beats_it(monkeypatch):
     assert not _cpu_ops_run(lambda: model(ids))
     model.config.mixer_impl = "cpu"
     assert _cpu_ops_run(lambda: model(ids))
-    monkeypatch.setenv(dispatch.ENV, "reference")
+    monkeypatch.setenv(dispatch.ENV, "torch")
     model.config.mixer_impl = "auto"
     assert not _cpu_ops_run(lambda: model(ids))
 
@@ -113,7 +123,7 @@ def test_decoding_runs_the_recurrent_step_except_on_triton(monkeypatch):
     """On CPU the recurrent step runs its compiled twin unless impl="torch" asks for PyTorch alone; a named "cpu"
     that cannot run is an error, not a fallback."""
     qa, ka, qb, kb, x, g = _inputs(n=1)
-    for impl in ("auto", "cpu", "parallel", "reference"):
+    for impl in ("auto", "cpu"):
         assert dispatch.choose_decode(impl, x) == "recurrent"
     assert dispatch.choose_decode("torch", x) == "torch"
     token = (qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0])
@@ -141,13 +151,10 @@ def test_a_static_state_decodes_with_the_pytorch_step_and_refuses_triton():
 
 
 def test_a_graph_takes_the_graph_form(monkeypatch):
-    """Inside torch.compile / torch.export the eager parallel form's slices and kernels do not trace: "auto",
-    "parallel" and "torch" run the graph form there, and a named form that traces runs as named."""
+    """Inside torch.compile / torch.export the eager parallel form's slices and kernels do not trace: "auto" and
+    "torch" run the graph form there (and only there)."""
     x = torch.empty(1, 2, 4, 8)
-    assert dispatch.choose("graph", x) == "graph"  # also eagerly, by name
     assert dispatch.choose("torch", x) == "torch"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    for impl in ("auto", "parallel", "torch", "graph"):
+    for impl in ("auto", "torch"):
         assert dispatch.choose(impl, x) == "graph", impl
-    for impl in ("reference", "recurrent"):
-        assert dispatch.choose(impl, x) == impl

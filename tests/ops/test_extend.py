@@ -120,7 +120,7 @@ def test_chunks_run_where_the_dispatch_says_and_steps_elsewhere():
     inp, start = _inputs(pattern, seed=5)
     state, _ = _states(pattern, inp, start)
     assert choose_extend("auto", state, pattern) == "extend"
-    for impl in ("recurrent", "reference", "cpu", "triton"):  # they name another path: one step per token
+    for impl in ("cpu", "triton"):  # they name another backend: one step per token
         assert choose_extend(impl, state, pattern) == "steps", impl
     state.record_history()  # a rollback needs the state before each token: steps
     assert choose_extend("auto", state, pattern) == "steps"
@@ -133,12 +133,12 @@ def test_chunks_run_where_the_dispatch_says_and_steps_elsewhere():
     # both paths of decode_tokens give the same outputs
     chunked, stepped = _states(pattern, inp, start)
     y = decode_tokens(chunked, *_part(inp, FIRST, N), pattern)
-    assert_close(y, decode_tokens(stepped, *_part(inp, FIRST, N), pattern, impl="recurrent"), "decode_tokens",
+    assert_close(y, decode_tokens(stepped, *_part(inp, FIRST, N), pattern, impl="cpu"), "decode_tokens",
                  tol=1e-12)
     tied_in = _part(inp, FIRST, N, ("qb", "kb", "x", "g", "d_skip"))
     chunked, stepped = _states(pattern, inp, start, tied=True)
     assert_close(decode_tokens_tied(chunked, *tied_in, pattern),
-                 decode_tokens_tied(stepped, *tied_in, pattern, impl="recurrent"), "decode_tokens_tied", tol=1e-12)
+                 decode_tokens_tied(stepped, *tied_in, pattern, impl="cpu"), "decode_tokens_tied", tol=1e-12)
 
 
 def test_a_state_that_lacks_the_rows_a_pattern_reads_is_refused():

@@ -6,6 +6,8 @@ Shapes: B batch, H heads, n positions, d key width, e value width.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import cubic_plus_one, make_mixer_inputs
@@ -20,6 +22,7 @@ from hf_resolvent.ops import (
     parallel_mix,
     parallel_mix_tied,
     recurrent_mix,
+    recurrent_mix_tied,
     recurrent_step,
     reference_mix,
     reference_mix_tied,
@@ -49,16 +52,27 @@ FORMS = ("reference", "parallel", "graph", "recurrent")
 TOL = 1e-5  # float32 agreement
 
 
-def mix(spec, inp, impl, start=None, **kw):
-    """resolvent_mix on a dict of inputs; attention patterns get None for the unused qb, kb, g."""
+# the forms are functions; "parallel" is resolvent_mix's own (on the CPU kernels or PyTorch, as cpu_path sets)
+FORM_FUNCTIONS = {"reference": (reference_mix, reference_mix_tied), "graph": (graph_mix, graph_mix_tied),
+                  "recurrent": (recurrent_mix, recurrent_mix_tied)}
+
+
+def mix(spec, inp, form, start=None, **kw):
+    """The mixer in ``form`` (a form's name, or an ``impl`` of resolvent_mix) on a dict of inputs; attention patterns
+    get None for the unused qb, kb, g."""
     pattern = get_pattern(spec)
     qb, kb, g = (inp["qb"], inp["kb"], inp["g"]) if pattern.has_recurrence else (None, None, None)
-    return resolvent_mix(inp["qa"], inp["ka"], qb, kb, inp["x"], g, pattern, impl=impl, start=start, **kw)
+    args = (inp["qa"], inp["ka"], qb, kb, inp["x"], g, pattern)
+    if form in FORM_FUNCTIONS:
+        return FORM_FUNCTIONS[form][0](*args, start=start, **kw)
+    return resolvent_mix(*args, impl="auto" if form == "parallel" else form, start=start, **kw)
 
 
-def mix_tied(spec, inp, impl, start=None, **kw):
-    return resolvent_mix_tied(inp["qb"], inp["kb"], inp["x"], inp["g"], inp["d_skip"], spec, impl=impl,
-                              start=start, **kw)
+def mix_tied(spec, inp, form, start=None, **kw):
+    args = (inp["qb"], inp["kb"], inp["x"], inp["g"], inp["d_skip"], spec)
+    if form in FORM_FUNCTIONS:
+        return FORM_FUNCTIONS[form][1](*args, start=start, **kw)
+    return resolvent_mix_tied(*args, impl="auto" if form == "parallel" else form, start=start, **kw)
 
 
 def padded_case(n, pad, seed):
@@ -513,14 +527,17 @@ def _shape_error_cases():
     ]
 
 
-@pytest.mark.parametrize("impl", FORMS)
-def test_shape_errors(impl):
+@pytest.mark.parametrize("form", FORMS)
+def test_shape_errors(form):
     for what, args, kwargs, fragments in _shape_error_cases():
-        fn = resolvent_mix
-        if args[0] == "tied":
-            fn, args = resolvent_mix_tied, args[1:]
+        tied = args[0] == "tied"
+        args = args[1:] if tied else args
+        if form in FORM_FUNCTIONS:
+            fn = FORM_FUNCTIONS[form][tied]
+        else:
+            fn = functools.partial(resolvent_mix_tied if tied else resolvent_mix, impl="auto")
         with pytest.raises(ValueError) as info:
-            fn(*args, impl=impl, **kwargs)
+            fn(*args, **kwargs)
         for fragment in fragments:
             assert fragment in str(info.value), (what, fragment, str(info.value))
 
@@ -528,8 +545,14 @@ def test_shape_errors(impl):
 def test_bad_impl_and_pattern_errors():
     inp = make_mixer_inputs(batch=1, heads=1, n=6, d=4, e=3)
     for fn in (lambda impl: mix("dense", inp, impl), lambda impl: mix_tied("dense", inp, impl)):
-        with pytest.raises(ValueError, match=r"impl must be one of .*'reference'.*got 'cuda'"):
+        with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'torch', 'cpu', 'triton'\), got 'cuda'"):
             fn("cuda")
+    # a form's name is not a backend: the error names the function to call
+    for form, function in (("reference", "reference_mix"), ("parallel", "parallel_mix"), ("graph", "graph_mix"),
+                           ("recurrent", "recurrent_mix")):
+        with pytest.raises(ValueError, match=f"impl='{form}' names a form, not a backend: call hf_resolvent.ops"
+                                             f".{function}"):
+            resolvent_mix(inp["qa"], inp["ka"], inp["qb"], inp["kb"], inp["x"], inp["g"], "dense", impl=form)
     with pytest.raises(ValueError, match="unknown pattern 'exp3'"):
         mix("exp3", inp, "parallel")
     with pytest.raises(ValueError, match="window"):

@@ -16,9 +16,11 @@ Where each choice is made:
    :func:`torch_only`, not in a graph). :data:`CPU_TWINS` holds every twin by name once the ops modules are
    imported. An autograd Function's backward runs on the CPU kernels exactly when its forward did.
 
-``impl`` names a form, or a backend of the parallel form; the table gives what each value runs for the three kinds
-of call. Form: parallel, graph, recurrent, extend or reference; backend: "torch" (PyTorch alone), "cpu" (the
-CPU kernels, for the leaves whose twin takes the call, PyTorch for the rest) or "triton".
+``impl`` names a backend, as ``attn_implementation`` does in ``transformers``: "torch" (PyTorch alone), "cpu" (the
+CPU kernels, for the leaves whose twin takes the call, PyTorch for the rest), "triton", or "auto". The forms are
+not choices of ``impl``: each is a public function that tests and oracles call directly (``reference_mix``,
+``parallel_mix``, ``graph_mix``, ``recurrent_mix``, ``recurrent_step``, ``extend_mix``); an old form value of
+``impl`` is an error naming that function. The table gives what each value runs for the three kinds of call.
 
 <!-- impl table -->
 | `impl` | forward (`resolvent_mix`) | decode step (`decode_step`) | several tokens after a state (`decode_tokens`) |
@@ -27,10 +29,6 @@ CPU kernels, for the leaves whose twin takes the call, PyTorch for the rest) or 
 | `"torch"` | parallel on torch; in a graph: graph | recurrent on torch | extend on torch; in a graph: decode steps |
 | `"cpu"` | parallel on cpu, an error where the kernels cannot run (another device, no compiler, `HF_RESOLVENT_CPU_KERNELS=0`) and in a graph | recurrent on cpu, the same errors | decode steps |
 | `"triton"` | triton, an error where it cannot run | triton, an error for a static state | decode steps |
-| `"parallel"` | as `"auto"`, never triton | recurrent on cpu | extend on cpu; in a graph: decode steps |
-| `"graph"` | graph | recurrent on cpu | extend on torch; in a graph: decode steps |
-| `"reference"` | reference (materialised matrices, one triangular solve: O(n^2) memory, an oracle for tests) | recurrent on cpu | decode steps |
-| `"recurrent"` | recurrent on cpu, one token at a time (an oracle for tests) | recurrent on cpu | decode steps |
 <!-- end of impl table -->
 
 "recurrent on cpu" and "extend on cpu" run their arithmetic on the CPU kernels only where their twin takes the call
@@ -60,7 +58,10 @@ import torch
 
 from .static_state import StaticDecodeState
 
-IMPLS = ("auto", "torch", "cpu", "triton", "parallel", "graph", "reference", "recurrent")
+IMPLS = ("auto", "torch", "cpu", "triton")
+# values impl took when it also named forms: each is now a function to call (the error names it)
+FORMS = {"parallel": "parallel_mix", "graph": "graph_mix", "reference": "reference_mix",
+         "recurrent": "recurrent_mix (recurrent_step for one token)"}
 ENV = "HF_RESOLVENT_MIXER_IMPL"
 
 # Only the library's own copy of this module reaches the backends; a saved folder's copy has another name and
@@ -77,6 +78,9 @@ def resolve(impl: str | None) -> str:
     for value, source in ((impl, "impl"), (os.environ.get(ENV, "").strip() or None, ENV)):
         if value is None or value == "auto":
             continue
+        if value in FORMS:
+            raise ValueError(f"{source}={value!r} names a form, not a backend: call hf_resolvent.ops.{FORMS[value]} "
+                             f"(or its _tied twin) directly, or choose a backend among {IMPLS}")
         if value not in IMPLS:
             raise ValueError(f"{source} must be one of {IMPLS}, got {value!r}")
         return value
@@ -114,15 +118,14 @@ def triton():
 
 
 def choose(impl: str | None, x: torch.Tensor) -> str:
-    """The code that runs a mixer call on tensors like ``x``: "reference", "recurrent", "triton", "graph", "cpu" or
-    "torch"."""
+    """The code that runs a mixer call on tensors like ``x``: "triton", "graph" (in a graph), "cpu" or "torch"."""
     impl = resolve(impl)
-    if impl in ("reference", "recurrent", "triton", "graph"):
+    if impl == "triton":
         return impl
     if torch.compiler.is_compiling():  # a graph takes the graph form; the C++ operators have no meta kernels
         if impl == "cpu":
             raise RuntimeError("impl='cpu' cannot run inside torch.compile (the C++ kernels are opaque to it); use "
-                               "impl='auto' or 'graph', which compile the PyTorch code")
+                               "impl='auto' or 'torch', which compile the PyTorch code")
         return "graph"
     if impl == "torch":
         return impl
@@ -165,11 +168,11 @@ def choose_extend(impl: str | None, state, pattern) -> str:
     on the CPU kernels where its twin takes the call) or "torch" (its PyTorch code alone), or "steps" (one decode step
     each, :func:`choose_decode` choosing their code)."""
     impl = resolve(impl)
-    if impl not in ("auto", "torch", "parallel", "graph") or torch.compiler.is_compiling():
+    if impl not in ("auto", "torch") or torch.compiler.is_compiling():
         return "steps"
     if not state.can_extend(pattern):
         return "steps"
-    return "torch" if impl in ("torch", "graph") else "extend"
+    return "torch" if impl == "torch" else "extend"
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""The mixer functions the model calls: each runs the form or backend that :mod:`.dispatch` chooses.
+"""The mixer functions the model calls: each runs the backend that :mod:`.dispatch` chooses, in the form that suits it
+(parallel, or graph inside ``torch.compile``; the recurrent step or the extend path after a decode state).
 
 Same contracts as the forms they run (``parallel_mix``, ``recurrent_step``, ...); ``impl`` is described in
 :mod:`.dispatch`. A saved model folder ships this module with the ops modules it imports, as they are.
@@ -15,8 +16,7 @@ from .extend import extend_mix, extend_mix_tied
 from .graph import graph_mix, graph_mix_tied
 from .parallel import parallel_mix, parallel_mix_tied
 from .patterns import get_pattern
-from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
-from .reference import reference_mix, reference_mix_tied
+from .recurrent import recurrent_step, recurrent_step_tied
 from .state import DecodeState
 
 
@@ -30,8 +30,7 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
         x: (B, H, n, e) values.
         g: (B, H, n) gate in (0, 1): A = (1 - g) A~, B = g B~; unused for attention patterns.
         pattern: a spec such as ``"exp2:ce"`` or a :class:`~hf_resolvent.patterns.Pattern`.
-        impl: which code runs it (:mod:`.dispatch`): ``"auto"``, ``"torch"``, ``"cpu"``, ``"triton"``,
-            ``"parallel"``, ``"graph"``, ``"reference"`` or ``"recurrent"``.
+        impl: which backend runs it (:mod:`.dispatch`): ``"auto"``, ``"torch"``, ``"cpu"`` or ``"triton"``.
         start: optional (B,) number of leading padding positions per sequence (left padding).
         scale: score scale, default d ** -0.5.
 
@@ -40,10 +39,6 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
     """
     pattern = get_pattern(pattern)
     path = choose(impl, x)
-    if path == "reference":
-        return reference_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
-    if path == "recurrent":
-        return recurrent_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
     if path == "graph":
         return graph_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
     if path == "triton":
@@ -56,10 +51,6 @@ def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl: str = "auto", start=None,
     """Tied variant (A = B D + D', paper B.3): y = (I - B)^-1 (1 - g) x - d x, with d (B, H, n)."""
     pattern = get_pattern(pattern)
     path = choose(impl, x)
-    if path == "reference":
-        return reference_mix_tied(qb, kb, x, g, d, pattern, start, scale)
-    if path == "recurrent":
-        return recurrent_mix_tied(qb, kb, x, g, d, pattern, start, scale)
     if path == "graph":
         return graph_mix_tied(qb, kb, x, g, d, pattern, start, scale)
     if path == "triton":
