@@ -2,8 +2,9 @@
 
 ``triton.jit`` decides when a function is *decorated* whether it is compiled for the GPU or run by the
 interpreter (``TRITON_INTERPRET=1``). To let the interpreter be switched on for some code only (a
-test module, say) without leaking into the rest of a process, the kernel file ``_jit.py`` is loaded
-once per mode, as a separate module, the first time that mode is used.
+test module, say) without leaking into the rest of a process, the kernel package ``jit/`` (one module per op)
+is loaded once per mode, as a separate package with its own copy of every module, the first time that mode is
+used.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from types import ModuleType
 import torch
 
 _MODULES: dict[bool, ModuleType] = {}
-_JIT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jit.py")
+_JIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jit")
 
 NOT_READY = (
     "the Triton kernels cannot run here: {why}. They need CUDA tensors on a GPU with Triton installed, "
@@ -65,7 +66,7 @@ def check_ready(*tensors: torch.Tensor | None) -> None:
 
 
 def jit_module(interpret: bool | None = None) -> ModuleType:
-    """The kernels of ``_jit.py`` for the current mode (compiled or interpreted), loaded once per mode.
+    """The kernel package ``jit/`` for the current mode (compiled or interpreted), loaded once per mode.
 
     ``interpret`` forces a mode (``False``: GPU-compilable kernels, for ahead-of-time compilation).
     """
@@ -73,9 +74,11 @@ def jit_module(interpret: bool | None = None) -> ModuleType:
     module = _MODULES.get(mode)
     if module is None:
         name = f"{__package__}._jit_{'interpreted' if mode else 'compiled'}"
-        spec = importlib.util.spec_from_file_location(name, _JIT_PATH)
+        # a package of its own per mode: the op modules' relative imports load that mode's copy of .common
+        spec = importlib.util.spec_from_file_location(name, os.path.join(_JIT_DIR, "__init__.py"),
+                                                      submodule_search_locations=[_JIT_DIR])
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # triton resolves helper functions through the module's globals
+        sys.modules[name] = module  # the op modules import through it; triton resolves helpers via their globals
         old = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1" if mode else "0"  # read by triton.jit at decoration
         try:

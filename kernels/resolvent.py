@@ -39,7 +39,7 @@ from hf_resolvent.patterns import Pattern, get_pattern
 from ._loader import check_ready, jit_module
 
 LOG2E = math.log2(math.e)
-# Input precision of products with float32 operands (see _jit.py): float32-accurate on tensor cores.
+# Input precision of products with float32 operands (see jit/common.py): float32-accurate on tensor cores.
 FP32_PREC = "tf32x3"
 SOLVE_PREC = "tf32x3"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -529,7 +529,7 @@ def _inverses_args(inverses: torch.Tensor | None, placeholder: torch.Tensor) -> 
 
 
 def _progress(BH: int, device) -> torch.Tensor:
-    """The solves' schedule (``_jit._claim_block``): blocks published per (batch x head), then the ticket."""
+    """The solves' schedule (``jit.common._claim_block``): blocks published per (batch x head), then the ticket."""
     return torch.zeros(BH + 1, dtype=torch.int32, device=device)
 
 

@@ -135,7 +135,7 @@ def test_short_sequences(n):
 @pytest.mark.parametrize("pattern", ["dense", "exp2:ce"])
 def test_every_block_of_a_solve_is_claimed_once_and_published(pattern, monkeypatch):
     # The dense solves and the sparse backward solve run one program per (row block, head) in ticket order and
-    # publish each block in solve order (kernels/_jit.py, _claim_block). After a forward and backward, each
+    # publish each block in solve order (kernels/jit/common.py, _claim_block). After a forward and backward, each
     # schedule must count every block of every head as published and every ticket as taken; a block that never
     # published would leave a GPU program of the next block waiting.
     from hf_resolvent.backends.triton import resolvent

@@ -1,0 +1,116 @@
+"""One decode step: a token against a layer's cache rows (the rows its pattern reads), both channels.
+
+Conventions: :mod:`.common`.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import (
+    _max,
+    _sum,
+)
+
+# ------------------------------------------------------------------------------------------------
+# Decode
+
+
+@triton.jit
+def _load_head_vector(PTR, bh, cols, width):
+    """The (width,) vector of head bh of a (BH, width) tensor as float32, 0 past width."""
+    return tl.load(PTR + bh * width + cols, mask=cols < width, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_cache_rows(PTR, bh, S, slots, read, cols, width):
+    """Rows ``slots`` of head bh of a (BH, S, width) cache as float32, 0 where not read or past width."""
+    return tl.load(PTR + (bh * S + slots[:, None]) * width + cols[None, :],
+                   mask=read[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, Y, Z,
+                       S, H, da, db, e, qk_scale2, W_LO, NSLOT,
+                       BS: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BE: tl.constexpr,
+                       MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, TIED: tl.constexpr):
+    """One decode step for one (batch, head): the new token against the S rows of the layer's cache.
+
+    Grid (BH,). Cache tensors are (B, H, S, w) contiguous, POS (B, S) the pattern position of each row
+    (-1: not readable), RPOS (B,) the new token's pattern position r (negative on padding). Which
+    rows are read (``ops.DecodeState.read_mask``): MODE 0 every row with POS >= 0; MODE 1 rows with
+    POS >= r - W_LO (local attention, banded); MODE 2 rows with r - POS in OFFS[:NSLOT] (plain f-pattern).
+    Channel A reads those rows plus the token itself (its key KA, value X); channel B those rows
+    (keys CKB, outputs CO). Online softmax over blocks of BS rows, float32.
+    Writes Y (BH, e) float32, 0 where r < 0, and (with B) what the cache keeps: Z = y unmasked, as
+    ``recurrent_step`` stores it; TIED (no A): Z = z = geff R + (1 - geff) x and Y = z - DD x, both 0
+    where r < 0.
+    """
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    r = tl.load(RPOS + b)
+    ce = tl.arange(0, BE)
+    emask = ce < e
+    x = _load_head_vector(X, bh, ce, e)
+    if HAS_A:
+        ca = tl.arange(0, BDA)
+        qa = _load_head_vector(QA, bh, ca, da)
+        ka = _load_head_vector(KA, bh, ca, da)
+        m = _sum(qa * ka, 0) * qk_scale2
+        l_sum = tl.full((), 1.0, tl.float32)
+        acc = x
+    if HAS_B:
+        cb = tl.arange(0, BDB)
+        qb = _load_head_vector(QB, bh, cb, db)
+        mb = tl.full((), float("-inf"), tl.float32)
+        lb = tl.full((), 0.0, tl.float32)
+        accb = tl.full([BE], 0.0, tl.float32)
+    for s0 in range(0, S, BS):
+        sl = s0 + tl.arange(0, BS)
+        smask = sl < S
+        pos = tl.load(POS + b * S + sl, mask=smask, other=-1)
+        read = smask & (pos >= 0)
+        if MODE == 1:
+            read = read & (pos >= r - W_LO)
+        if MODE == 2:
+            hit = pos < 0
+            for k in range(0, NSLOT):
+                hit = hit | ((r - pos) == tl.load(OFFS + k))
+            read = read & hit
+        if HAS_A:
+            kk = _load_cache_rows(CKA, bh, S, sl, read, ca, da)
+            vv = _load_cache_rows(CV, bh, S, sl, read, ce, e)
+            sc = tl.where(read, _sum(qa[None, :] * kk, 1) * qk_scale2, float("-inf"))
+            # m starts at the token's own score, finite: no -inf guard as in channel B.
+            m_new = tl.maximum(m, _max(sc, 0))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(sc - m_new)
+            l_sum = l_sum * alpha + _sum(p, 0)
+            acc = acc * alpha + _sum(p[:, None] * vv, 0)
+            m = m_new
+        if HAS_B:
+            kk = _load_cache_rows(CKB, bh, S, sl, read, cb, db)
+            vv = _load_cache_rows(CO, bh, S, sl, read, ce, e)
+            sc = tl.where(read, _sum(qb[None, :] * kk, 1) * qk_scale2, float("-inf"))
+            mb_new = tl.maximum(mb, _max(sc, 0))
+            m_use = tl.where(mb_new == float("-inf"), 0.0, mb_new)
+            p = tl.exp2(sc - m_use)
+            alpha = tl.exp2(mb - m_use)
+            lb = lb * alpha + _sum(p, 0)
+            accb = accb * alpha + _sum(p[:, None] * vv, 0)
+            mb = mb_new
+    live = r >= 0
+    if HAS_B:
+        hasb = lb > 0
+        geff = tl.where(hasb, tl.load(G + bh).to(tl.float32), 0.0)
+        rb = accb / tl.where(hasb, lb, 1.0)
+        if TIED:
+            z = geff * rb + (1.0 - geff) * x
+            dd = tl.load(DD + bh).to(tl.float32)
+            tl.store(Z + bh * e + ce, tl.where(live, z, 0.0), mask=emask)
+            tl.store(Y + bh * e + ce, tl.where(live, z - dd * x, 0.0), mask=emask)
+        else:
+            y = (1.0 - geff) * (acc / l_sum) + geff * rb
+            tl.store(Z + bh * e + ce, y, mask=emask)
+            tl.store(Y + bh * e + ce, tl.where(live, y, 0.0), mask=emask)
+    else:
+        tl.store(Y + bh * e + ce, tl.where(live, acc / l_sum, 0.0), mask=emask)

@@ -1,0 +1,272 @@
+"""The sparse patterns' chunked solves (``BlockConfig.sparse_solver = "chunked"``): every chunk solved in
+parallel against the rows it holds, then the carry through the held rows, in order; and their backward.
+
+Conventions: :mod:`.common`.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import (
+    _chunk_tile_ptrs,
+    _dot,
+    _exp2_where,
+    _gate,
+    _head_and_start,
+    _load_row_scalars,
+    _load_tile,
+    _row_ptrs,
+    _sum,
+    _tile_mask,
+    _tile_ptrs,
+    _unit_lower_inverse,
+)
+
+# ------------------------------------------------------------------------------------------------
+# Sparse kinds, chunked solves (BlockConfig.sparse_solver = "chunked")
+#
+# Per (batch, head) the real rows are cut into chunks of C rows counted from the first real token (pattern
+# position rel = 0). With T_c = (I - B_cc)^-1 (the chunk's own block of B), H_c the earlier rows the chunk
+# reads (HELD[c]: pattern positions, -1 padded to HM), J_c = T_c B[c, H_c] and Yhat_c = T_c (1 - geff) OA_c:
+#
+#   forward:   Y_c = Yhat_c + J_c Y[H_c]                           chunk after chunk
+#   backward:  G_c = dY_c + ACC_c;  ACC[H_c] += J_c^T G_c           last chunk first;  W_c = T_c^T G_c
+#
+# Only the chain through the held rows is sequential. chunk_prepare_kernel computes Yhat_c and J_c for every
+# chunk at once; chunk_carry_kernel walks the chain with the value columns split across programs, so each
+# program owns its columns and no program waits on another; chunk_rows_bwd_kernel solves W_c for every chunk
+# at once and the row scalars of the gradients; chunk_grads_kernel gives dq, dk, dx as tiles over the chunk's own
+# and held rows. Held rows are visited in blocks of HB (<= C) columns, so tiles stay C x C however many rows a
+# chunk holds. kernels/chunked_solve.py is the float64 model of these steps.
+
+
+@triton.jit
+def _chunk_of_program(START, H, n, C: tl.constexpr):
+    """For a grid (cdiv(n, C), BH): the chunk index c, head bh, left padding s, the chunk's positions, which are
+    in range, and their pattern positions."""
+    c = tl.program_id(0)
+    bh, s = _head_and_start(START, H, 1)
+    rel = c * C + tl.arange(0, C)
+    rows = s + rel
+    return c, bh, s, rows, rows < n, rel
+
+
+@triton.jit
+def _held_rows(HELD, c, s, n, h0, HM: tl.constexpr, HB: tl.constexpr):
+    """Held rows h0 .. h0 + HB - 1 of chunk c as positions (s where the table is padded, a safe address) and which
+    are real. The table is laid out for a sequence of n real rows: with left padding, the chunks past the
+    sequence's end list rows past n, which are not real either."""
+    held = tl.load(HELD + c * HM + h0 + tl.arange(0, HB))
+    ok = (held >= 0) & (s + held < n)
+    return s + tl.where(ok, held, 0), ok
+
+
+@triton.jit
+def _reads_ptrs(READS, c, col0, C: tl.constexpr, HM: tl.constexpr, WIDTH: tl.constexpr):
+    """Pointers to columns col0 .. col0 + WIDTH - 1 of chunk c's reads (C, C + HM) in READS (cdiv(n, C), C, C + HM)
+    int8 from ``resolvent.held_table``: the pattern's sources laid out per chunk once on the host (column j < C: the
+    chunk's row j; column C + h: its held row h), so no program computes a source."""
+    return READS + (c * C + tl.arange(0, C)[:, None]) * (C + HM) + col0 + tl.arange(0, WIDTH)[None, :]
+
+
+@triton.jit
+def _own_probabilities(Q, K, LSE, READS, bh, n, c, rows, rmask, cd, d, qk_scale2, DIAG: tl.constexpr,
+                       C: tl.constexpr, HM: tl.constexpr, PREC: tl.constexpr):
+    """A softmax channel's probabilities from a chunk's rows onto its own rows (C, C) as one tensor-core tile, with
+    the row's query tile q and log-sum-exps; DIAG adds the row itself (channel A reads it)."""
+    q = _load_tile(Q, bh, n, rows, rmask, cd, d)
+    k = _load_tile(K, bh, n, rows, rmask, cd, d)
+    lse = _load_row_scalars(LSE, bh, n, rows, rmask)
+    read = (tl.load(_reads_ptrs(READS, c, 0, C, HM, C)) != 0) & rmask[:, None]
+    if DIAG:
+        ar = tl.arange(0, C)
+        read = read | ((ar[:, None] == ar[None, :]) & rmask[:, None])
+    return q, k, lse, _exp2_where(read, _dot(q, tl.trans(k), PREC) * qk_scale2 - lse[:, None])
+
+
+@triton.jit
+def _held_probabilities(q, lse, K, HELD, READS, bh, s, n, c, rmask, h0, cd, d, qk_scale2, C: tl.constexpr,
+                        HM: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
+    """The same channel's probabilities onto held rows h0 .. h0 + HB - 1 (C, HB), with those rows, which are real,
+    and their keys."""
+    hrows, hok = _held_rows(HELD, c, s, n, h0, HM, HB)
+    k = _load_tile(K, bh, n, hrows, hok, cd, d)
+    read = (tl.load(_reads_ptrs(READS, c, C + h0, C, HM, HB)) != 0) & rmask[:, None] & hok[None, :]
+    return hrows, hok, k, _exp2_where(read, _dot(q, tl.trans(k), PREC) * qk_scale2 - lse[:, None])
+
+
+@triton.jit
+def _zero_padding_rows(PTR, bh, n, s, c, cols, width, C: tl.constexpr, BW: tl.constexpr):
+    """Writes 0 to the left-padding positions among c * C .. c * C + C - 1 of a (BH, n, width) tensor, BW its
+    tile width (the chunks count from the first real token, so no chunk owns those rows)."""
+    pad = c * C + tl.arange(0, C)
+    tl.store(_tile_ptrs(PTR, bh, n, pad, cols, width), tl.full([C, BW], 0.0, tl.float32),
+             mask=_tile_mask(pad < s, cols, width))
+
+
+@triton.jit
+def chunk_prepare_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, J, START, F0, n, H, d, e, qk_scale2, TINV,
+                         C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
+                         BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+                         SAVE_INVERSE: tl.constexpr):
+    """Chunked sparse solve, the parallel part of the forward: Yhat_c (written to Y) and J_c for every chunk.
+
+    Grid (cdiv(n, C), BH). Yhat_c = T_c (1 - geff) OA_c and J_c = T_c geff P_held with T_c = (I - geff P_in)^-1
+    formed (``_unit_lower_inverse``) and applied to the right-hand side and to HB held columns at a time.
+    J (BH, cdiv(n, C), C, HM) float32 is written whole (zero rows past n, zero columns past |H_c|), and so is T_c
+    into TINV (BH, cdiv(n, C), C, C) for the backward with SAVE_INVERSE; Y is 0 on padded rows.
+    """
+    c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
+    cd = tl.arange(0, BD)
+    ce = tl.arange(0, BE)
+    geff = _gate(G, bh, n, rows, rmask, rmask & (rel >= F0))
+    q, k_own, lse, p_in = _own_probabilities(QB, KB, LSEB, READS, bh, n, c, rows, rmask, cd, d, qk_scale2, False,
+                                             C, HM, PREC)
+    lower = geff[:, None] * p_in
+    rhs = (1.0 - geff)[:, None] * _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32)
+    inverse = _unit_lower_inverse(lower, C, LOG2_C, False, SOLVE_PREC)
+    if SAVE_INVERSE:
+        tl.store(_chunk_tile_ptrs(TINV, bh, n, c, 0, C, C, C), inverse)
+    for h0 in range(0, HM, HB):
+        hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, h0, cd, d,
+                                                         qk_scale2, C, HM, HB, PREC)
+        tl.store(_chunk_tile_ptrs(J, bh, n, c, h0, C, HM, HB), _dot(inverse, geff[:, None] * p_held, SOLVE_PREC))
+    yhat = _dot(inverse, rhs, SOLVE_PREC)
+    tl.store(_tile_ptrs(Y, bh, n, rows, ce, e), yhat, mask=_tile_mask(rmask, ce, e))
+    _zero_padding_rows(Y, bh, n, s, c, ce, e, C, BE)
+
+
+@triton.jit
+def chunk_carry_kernel(Y, J, HELD, START, n, H, e, C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
+                       BES: tl.constexpr, REVERSE: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """Chunked sparse solve, the chain through the held rows, in place on Y (BH, n, e) float32.
+
+    Grid (BH, cdiv(e, BES)): each program owns BES value columns of one head. Forward: Y holds Yhat on entry;
+    chunk after chunk, Y_c += J_c Y[H_c]. REVERSE (backward): Y holds dY on entry (0 on padded rows); last chunk
+    first, Y_c is then final (G_c) and Y[H_c] += J_c^T G_c (the rows of H_c are distinct: no atomics). Rows a
+    chunk reads were written by this program at an earlier step: a barrier ends each step.
+    """
+    bh, s = _head_and_start(START, H, 0)
+    cols = tl.program_id(1) * BES + tl.arange(0, BES)
+    ar = tl.arange(0, C)
+    nreal = (n - s + C - 1) // C
+    for i in range(0, nreal):
+        if REVERSE:
+            c = nreal - 1 - i
+        else:
+            c = i
+        rows = s + c * C + ar
+        rmask = rows < n
+        if REVERSE:
+            grad = _load_tile(Y, bh, n, rows, rmask, cols, e)
+            for h0 in range(0, HM, HB):
+                hrows, hok = _held_rows(HELD, c, s, n, h0, HM, HB)
+                jc = tl.load(_chunk_tile_ptrs(J, bh, n, c, h0, C, HM, HB))
+                ptrs = _tile_ptrs(Y, bh, n, hrows, cols, e)
+                mask = _tile_mask(hok, cols, e)
+                tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + _dot(tl.trans(jc), grad, SOLVE_PREC), mask=mask)
+        else:
+            acc = _load_tile(Y, bh, n, rows, rmask, cols, e)
+            for h0 in range(0, HM, HB):
+                hrows, hok = _held_rows(HELD, c, s, n, h0, HM, HB)
+                jc = tl.load(_chunk_tile_ptrs(J, bh, n, c, h0, C, HM, HB))
+                acc += _dot(jc, _load_tile(Y, bh, n, hrows, hok, cols, e), SOLVE_PREC)
+            tl.store(_tile_ptrs(Y, bh, n, rows, cols, e), acc, mask=_tile_mask(rmask, cols, e))
+        tl.debug_barrier()
+
+
+@triton.jit
+def chunk_rows_bwd_kernel(QB, KB, OA, G, LSEB, HELD, READS, Y, GRAD, TINV, W, DA, DB, DG, START, F0, n, H, d, e,
+                          qk_scale2, C: tl.constexpr, LOG2_C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
+                          BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """Chunked sparse solve, the parallel part of the backward: W_c = T_c^T G_c for every chunk (GRAD holds G
+    from the reverse chain, TINV T_c from the forward), and the row scalars DA = (1 - geff) W.OA, DB = geff W.R,
+    DG = W.(R - OA) on rows with a recurrent set, as ``_store_w_and_row_grads`` writes them.
+
+    Grid (cdiv(n, C), BH). W.R_i = sum_j P_ij W_i . Y_j over the chunk's own rows and its held rows: tensor-core
+    tiles W_c Y_c^T and W_c Y[H_c]^T weighted by P, so R itself is never stored.
+    """
+    c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
+    cd = tl.arange(0, BD)
+    ce = tl.arange(0, BE)
+    hasb = rmask & (rel >= F0)
+    geff = _gate(G, bh, n, rows, rmask, hasb)
+    q, k_own, lse, p_in = _own_probabilities(QB, KB, LSEB, READS, bh, n, c, rows, rmask, cd, d, qk_scale2, False,
+                                             C, HM, PREC)
+    grad = _load_tile(GRAD, bh, n, rows, rmask, ce, e)
+    w = _dot(tl.trans(tl.load(_chunk_tile_ptrs(TINV, bh, n, c, 0, C, C, C))), grad, SOLVE_PREC)
+    w_r = _sum(p_in * _dot(w, tl.trans(_load_tile(Y, bh, n, rows, rmask, ce, e)), PREC), 1)
+    for h0 in range(0, HM, HB):
+        hrows, hok, k_held, p_held = _held_probabilities(q, lse, KB, HELD, READS, bh, s, n, c, rmask, h0, cd, d,
+                                                         qk_scale2, C, HM, HB, PREC)
+        w_r += _sum(p_held * _dot(w, tl.trans(_load_tile(Y, bh, n, hrows, hok, ce, e)), PREC), 1)
+    w_oa = _sum(w * _load_tile(OA, bh, n, rows, rmask, ce, e).to(tl.float32), 1)
+    tl.store(_tile_ptrs(W, bh, n, rows, ce, e), w, mask=_tile_mask(rmask, ce, e))
+    tl.store(_row_ptrs(DA, bh, n, rows), (1.0 - geff) * w_oa, mask=rmask)
+    tl.store(_row_ptrs(DB, bh, n, rows), geff * w_r, mask=rmask)
+    tl.store(_row_ptrs(DG, bh, n, rows), tl.where(hasb, w_r - w_oa, 0.0), mask=rmask)
+    _zero_padding_rows(W, bh, n, s, c, ce, e, C, BE)
+    pad = c * C + tl.arange(0, C)
+    zero = tl.full([C], 0.0, tl.float32)
+    tl.store(_row_ptrs(DA, bh, n, pad), zero, mask=pad < s)
+    tl.store(_row_ptrs(DB, bh, n, pad), zero, mask=pad < s)
+    tl.store(_row_ptrs(DG, bh, n, pad), zero, mask=pad < s)
+
+
+@triton.jit
+def _channel_grads(Q, K, V, LSE, DELTA, DQ, DK, DV, HELD, READS, do, bh, s, n, c, rows, rmask, cd, d, ce, e,
+                   qk_scale2, scale, DIAG: tl.constexpr, HAS_DV: tl.constexpr, C: tl.constexpr, HM: tl.constexpr,
+                   HB: tl.constexpr, BDW: tl.constexpr, PREC: tl.constexpr):
+    """One softmax channel's gradients for a chunk's rows, given dO (C, e): dS = P (dO V^T - DELTA) over the
+    chunk's own rows and its held rows, HB at a time. dQ rows are written once; dK (and dV = P^T dO with HAS_DV) of
+    the chunk's rows and of each block of held rows get one atomic tile add. Operands as in the attention backward:
+    q, k, dS in Q's dtype, P and dO in V's."""
+    DT = Q.dtype.element_ty
+    VT = V.dtype.element_ty
+    do = do.to(VT)
+    delta = _load_row_scalars(DELTA, bh, n, rows, rmask)
+    q, k, lse, p = _own_probabilities(Q, K, LSE, READS, bh, n, c, rows, rmask, cd, d, qk_scale2, DIAG, C, HM, PREC)
+    ds = p * (_dot(do, tl.trans(_load_tile(V, bh, n, rows, rmask, ce, e).to(VT)), PREC) - delta[:, None])
+    dq = _dot(ds.to(DT), k, PREC)
+    tl.atomic_add(_tile_ptrs(DK, bh, n, rows, cd, d), _dot(tl.trans(ds).to(DT), q, PREC) * scale,
+                  mask=_tile_mask(rmask, cd, d), sem="relaxed")
+    if HAS_DV:
+        tl.atomic_add(_tile_ptrs(DV, bh, n, rows, ce, e), _dot(tl.trans(p).to(VT), do, PREC),
+                      mask=_tile_mask(rmask, ce, e), sem="relaxed")
+    for h0 in range(0, HM, HB):
+        hrows, hok, kh, ph = _held_probabilities(q, lse, K, HELD, READS, bh, s, n, c, rmask, h0, cd, d, qk_scale2, C,
+                                                 HM, HB, PREC)
+        dsh = ph * (_dot(do, tl.trans(_load_tile(V, bh, n, hrows, hok, ce, e).to(VT)), PREC) - delta[:, None])
+        dq += _dot(dsh.to(DT), kh, PREC)
+        tl.atomic_add(_tile_ptrs(DK, bh, n, hrows, cd, d), _dot(tl.trans(dsh).to(DT), q, PREC) * scale,
+                      mask=_tile_mask(hok, cd, d), sem="relaxed")
+        if HAS_DV:
+            tl.atomic_add(_tile_ptrs(DV, bh, n, hrows, ce, e), _dot(tl.trans(ph).to(VT), do, PREC),
+                          mask=_tile_mask(hok, ce, e), sem="relaxed")
+    tl.store(_tile_ptrs(DQ, bh, n, rows, cd, d), dq * scale, mask=_tile_mask(rmask, cd, d))
+    _zero_padding_rows(DQ, bh, n, s, c, cd, d, C, BDW)
+
+
+@triton.jit
+def chunk_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, HELD, READS, DQA, DKA, DX, DQB, DKB, START, F0,
+                       n, H, da, db, e, qk_scale2, scale, C: tl.constexpr, HM: tl.constexpr, HB: tl.constexpr,
+                       BDA: tl.constexpr, BDB: tl.constexpr, BE: tl.constexpr, HAS_A: tl.constexpr,
+                       PREC: tl.constexpr):
+    """Chunked sparse solve, the attention-style gradients of both channels once W is known (``sparse_grads_kernel``'s
+    results), as tiles.
+
+    Grid (cdiv(n, C), BH). A chunk's rows read their sources among the chunk's own rows and its held rows (channel
+    A also reads the row itself), so per channel P, dP = dO V^T and dS = P (dP - D) are a (C, C) tile and (C, HB)
+    tiles (``_channel_grads``), with dO = (1 - geff) W, V = x for A and dO = geff W, V = Y for B. dk and dx of a
+    chunk's rows and of its held rows receive one atomic tile add per chunk (DKA, DX, DKB float32, zero on entry),
+    where ``sparse_grads_kernel`` adds once per (row, slot).
+    """
+    c, bh, s, rows, rmask, rel = _chunk_of_program(START, H, n, C)
+    ce = tl.arange(0, BE)
+    w = _load_tile(W, bh, n, rows, rmask, ce, e)
+    geff = _gate(G, bh, n, rows, rmask, rmask & (rel >= F0))
+    if HAS_A:
+        _channel_grads(QA, KA, X, LSEA, DA, DQA, DKA, DX, HELD, READS, (1.0 - geff)[:, None] * w, bh, s, n, c, rows,
+                       rmask, tl.arange(0, BDA), da, ce, e, qk_scale2, scale, True, True, C, HM, HB, BDA, PREC)
+    _channel_grads(QB, KB, Y, LSEB, DB, DQB, DKB, DKB, HELD, READS, geff[:, None] * w, bh, s, n, c, rows, rmask,
+                   tl.arange(0, BDB), db, ce, e, qk_scale2, scale, False, False, C, HM, HB, BDB, PREC)
