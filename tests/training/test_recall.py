@@ -46,6 +46,12 @@ def test_the_training_length_grows_only_with_competence():
     _, record = recall.train_to_competence("attention", 0, replace(TINY, grow_at=1.01), "rope", "cpu", logs.append)
     assert record["trained_length"] == 7 and not record["reached"]
     assert all("accuracy at length 7" in line for line in logs[:-1])
+    # with patience, a model stalled below the gate moves on after that many checks at one length
+    logs.clear()
+    _, record = recall.train_to_competence("attention", 0, replace(TINY, grow=2.0, grow_at=1.01, patience=2,
+                                                                   target=1.01, max_steps=160), "rope", "cpu", logs.append)
+    assert [re.search(r"accuracy at (length \d+|T)", line).group(1) for line in logs[:7]] == [
+        "length 7", "length 7", "length 14", "length 14", "length 28", "length 28", "T"]
 
 
 def test_a_run_writes_a_row_per_model_and_seed(tmp_path):

@@ -47,6 +47,7 @@ class RecallSettings:
     queries: int = 4  # answers per decoy training sample (the keys of that many pairs end it); mqar asks every pair
     grow: float = 1.25  # the training length's factor at each check passed, from the pairs alone up to T
     grow_at: float = 0.95  # accuracy at the current training length that lets it grow
+    patience: int = 0  # checks at one training length after which it grows below grow_at too (0: never)
     max_steps: int = 8000
     check_every: int = 250
     check_samples: int = 500
@@ -104,8 +105,8 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
 
     The training length grows with competence: it starts at the pairs and queries alone (no filler) and, at each
     check (every ``s.check_every`` steps), grows by ``s.grow`` once the accuracy at the current length, on samples
-    laid out as in training, is at least ``s.grow_at``; at T the check reads the far layout and stops at
-    ``s.target``. ``record``: steps, whether the target was reached, the longest length trained on, the accuracy
+    laid out as in training, is at least ``s.grow_at``, or (``s.patience`` > 0) after that many checks at one length,
+    for a model that has stalled below the gate; at T the check reads the far layout and stops at ``s.target``. ``record``: steps, whether the target was reached, the longest length trained on, the accuracy
     at T when training stopped, seconds."""
     torch.manual_seed(seed)
     model = tasks.task_model(mixer, tasks.Vocab(*s.vocab).size, s.context, s.d, s.layers, s.heads,
@@ -114,7 +115,7 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     vocab, rng = tasks.Vocab(*s.vocab), np.random.default_rng([seed, 0])
     name, queries = _name(mixer, position_embedding), s.train_queries
     length = min(s.context, 1 + 2 * s.pairs + queries)  # BOS, the pairs and the queries, no filler
-    t0, acc, step = time.time(), 0.0, 0
+    t0, acc, step, checks_here = time.time(), 0.0, 0, 0
     while step < s.max_steps:
         for group in opt.param_groups:
             group["lr"] = s.lr * min(1.0, (step + 1) / s.warmup)
@@ -132,8 +133,9 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
             here = accuracy(model, s, length, s.check_samples, check_seed, device, far=False)
             log(f"[recall] {name} seed {seed} step {step}: loss {float(loss.detach()):.3f}, accuracy at length "
                 f"{length} {here:.3f}")
-            if here >= s.grow_at:
-                length = min(s.context, max(length + 1, round(length * s.grow)))
+            checks_here += 1
+            if here >= s.grow_at or checks_here == s.patience:
+                length, checks_here = min(s.context, max(length + 1, round(length * s.grow))), 0
             continue
         acc = accuracy(model, s, s.context, s.check_samples, check_seed, device)
         log(f"[recall] {name} seed {seed} step {step}: loss {float(loss.detach()):.3f}, accuracy at T {acc:.3f}")
