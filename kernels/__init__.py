@@ -3,10 +3,10 @@
 Entry points used by :mod:`hf_resolvent.ops` when :mod:`hf_resolvent.ops.dispatch` chooses them:
 
 - :func:`triton_ready` -> bool: Triton can run here (a CUDA device, or ``TRITON_INTERPRET=1``);
-- :func:`triton_mix`, :func:`triton_mix_tied`: same contract as ``ops.parallel_mix`` /
-  ``ops.parallel_mix_tied``, differentiable (fused forward and backward kernels);
-- :func:`triton_decode_step`, :func:`triton_decode_step_tied`: same contract as
-  ``ops.recurrent_step`` / ``ops.recurrent_step_tied`` (one token against a layer's ``DecodeState``).
+- :func:`triton_mix`: same contract as ``ops.parallel_mix`` (the tied variant with ``d``), differentiable (fused
+  forward and backward kernels);
+- :func:`triton_decode_step`: same contract as ``ops.recurrent_step`` (one token against a layer's
+  ``DecodeState``).
 
 Importing this package does not import Triton; the kernels are loaded on first use.
 """
@@ -22,14 +22,12 @@ _EXPORTS = {
     "interpreting": "._loader",
     "triton_ready": "._loader",
     "triton_decode_step": ".decode",
-    "triton_decode_step_tied": ".decode",
     "BlockConfig": ".resolvent",
     "block_config": ".resolvent",
     "get_block_config": ".resolvent",
     "make_plan": ".resolvent",
     "set_nan_fill": ".resolvent",
     "triton_mix": ".resolvent",
-    "triton_mix_tied": ".resolvent",
 }
 
 
@@ -48,8 +46,6 @@ __all__ = [
     "make_plan",
     "set_nan_fill",
     "triton_decode_step",
-    "triton_decode_step_tied",
     "triton_mix",
-    "triton_mix_tied",
     "triton_ready",
 ]

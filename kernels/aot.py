@@ -130,8 +130,8 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
         one = lambda w: torch.zeros(batch, heads, w, dtype=dtype)
         gg = torch.zeros(batch, heads, dtype=dtype) if plan.has_b else None
         if tied:
-            _decode.triton_decode_step_tied(state, one(d), one(d), one(e), gg, torch.zeros(batch, heads, dtype=dtype),
-                                            pat)
+            _decode.triton_decode_step(state, None, None, one(d), one(d), one(e), gg, pat,
+                                       d=torch.zeros(batch, heads, dtype=dtype))
         else:
             _decode.triton_decode_step(state, one(d), one(d), one(d) if plan.has_b else None,
                                        one(d) if plan.has_b else None, one(e), gg, pat)

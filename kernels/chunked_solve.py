@@ -20,8 +20,8 @@ Yhat_c for every chunk at once, then a sequential pass that carries only the hel
 derivative of their own: the backward is expressed through W and Y.
 
 This module is the reference the chunked Triton kernels are tested against, in the fla manner (a naive model beside
-every kernel): :func:`chunked_mix` and :func:`chunked_mix_tied` take the inputs of ``ops.reference_mix`` /
-``reference_mix_tied``, build A and B the same way (``ops.reference.mixer_matrices``), and solve chunk by chunk
+every kernel): :func:`chunked_mix` takes the inputs of ``ops.reference_mix`` (``d`` for the tied variant),
+build A and B the same way (``ops.reference.mixer_matrices``), and solve chunk by chunk
 through :class:`ChunkedSolve`, whose backward is the reverse pass above (not autograd through the loop). Left
 padding is handled as the kernels handle it: each sequence's real rows are solved alone, so that chunks count from
 its first real token. Python loops over chunks: a model for checking, not for speed.
@@ -37,7 +37,7 @@ from hf_resolvent.ops.common import row_valid_mask
 from hf_resolvent.ops.reference import mixer_matrices
 from hf_resolvent.patterns import Pattern, get_pattern
 
-__all__ = ["ChunkedSolve", "chunked_mix", "chunked_mix_tied", "held_rows"]
+__all__ = ["ChunkedSolve", "chunked_mix", "held_rows"]
 
 
 def held_rows(pattern: Pattern | str, n: int, chunk: int) -> list[torch.Tensor]:
@@ -109,21 +109,16 @@ def _solve_each_sequence(b: torch.Tensor, z: torch.Tensor, pattern: Pattern, chu
 
 
 def chunked_mix(qa, ka, qb, kb, x, g, pattern: Pattern | str, chunk: int, start: torch.Tensor | None = None,
-                scale: float | None = None) -> torch.Tensor:
-    """``ops.reference_mix`` with the solve done chunk by chunk (:class:`ChunkedSolve`): (B, H, n, e)."""
+                scale: float | None = None, d: torch.Tensor | None = None) -> torch.Tensor:
+    """``ops.reference_mix`` with the solve done chunk by chunk (:class:`ChunkedSolve`): (B, H, n, e). ``d``: the
+    tied variant, z = (I - B)^-1 (1 - g) x, y = z - d x."""
     pattern = get_pattern(pattern)
     a, b = mixer_matrices(qa, ka, qb, kb, g, pattern, start, scale)
-    z = a @ x.to(a.dtype)
-    y = _solve_each_sequence(b, z, pattern, chunk, start)
+    if d is not None:
+        g_eff = b.sum(-1)  # g where the row has a B set, else 0
+        z = _solve_each_sequence(b, (1 - g_eff)[..., None] * x.to(b.dtype), pattern, chunk, start)
+        y = z - d.to(b.dtype)[..., None] * x.to(b.dtype)
+    else:
+        y = _solve_each_sequence(b, a @ x.to(a.dtype), pattern, chunk, start)
     return (y * row_valid_mask(start, x.shape[-2], y)).to(x.dtype)
 
-
-def chunked_mix_tied(qb, kb, x, g, d, pattern: Pattern | str, chunk: int, start: torch.Tensor | None = None,
-                     scale: float | None = None) -> torch.Tensor:
-    """``ops.reference_mix_tied`` with the solve done chunk by chunk: z = (I - B)^-1 (1 - g) x, y = z - d x."""
-    pattern = get_pattern(pattern)
-    _, b = mixer_matrices(None, None, qb, kb, g, pattern, start, scale)
-    g_eff = b.sum(-1)  # g where the row has a B set, else 0
-    z = _solve_each_sequence(b, (1 - g_eff)[..., None] * x.to(b.dtype), pattern, chunk, start)
-    y = z - d.to(b.dtype)[..., None] * x.to(b.dtype)
-    return (y * row_valid_mask(start, x.shape[-2], y)).to(x.dtype)

@@ -1,6 +1,6 @@
 """Decode step on Triton: one token per sequence against a layer's cache (``ops.DecodeState``).
 
-Mirrors ``ops.recurrent_step`` / ``ops.recurrent_step_tied``: the kernel computes the token's output
+Mirrors ``ops.recurrent_step`` (and its tied variant): the kernel computes the token's output
 from the rows held in the state (which rows are read is the state's ``read_rule``, evaluated in the
 kernel from the held positions), then the state advances through the same ``DecodeState.advance`` as
 the PyTorch form, so both paths keep identical caches.
@@ -69,24 +69,20 @@ def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: boo
     return y
 
 
-def triton_decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
+def triton_decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None, d=None) -> torch.Tensor:
     """Mix one token per sequence on Triton and advance ``state`` (like ``ops.recurrent_step``).
 
     Args:
         state: the layer's :class:`~hf_resolvent.ops.DecodeState` (advanced in place).
-        qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention kinds).
+        qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention kinds; qa, ka None for
+            the tied variant).
         x: (B, H, e) its value; g: (B, H) its gate (None for attention kinds).
         pattern: spec or Pattern; scale: default d ** -0.5.
+        d: (B, H) for the tied variant: z = g B~ z[P^B] + (1 - g) x, y = z - d x; the state keeps z.
 
     Returns:
         y (B, H, e) in x's dtype (float32 accumulation), 0 for sequences still in their left padding.
     """
-    return _step(state, qa, ka, qb, kb, x, g, None, pattern, scale, tied=False)
-
-
-def triton_decode_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
-    """Tied variant (like ``ops.recurrent_step_tied``): z = g B~ z[P^B] + (1 - g) x, y = z - d x.
-
-    Args: qb, kb (B, H, d); x (B, H, e); g, d (B, H). Returns y (B, H, e); the state keeps z.
-    """
-    return _step(state, None, None, qb, kb, x, g, d, pattern, scale, tied=True)
+    if d is not None and (qa is not None or ka is not None):
+        raise ValueError("the tied variant (d given) reads no A scores: pass qa=None and ka=None")
+    return _step(state, qa, ka, qb, kb, x, g, d, pattern, scale, tied=d is not None)

@@ -1,4 +1,4 @@
-"""Triton path of ``resolvent_mix`` / ``resolvent_mix_tied``: launchers and autograd Functions.
+"""Triton path of ``resolvent_mix`` (and its tied variant): launchers and autograd Functions.
 
 Which kernels run (see kernels/README.md for the algorithms):
 
@@ -601,37 +601,30 @@ def _prepare(x, start, pattern, *tensors):
     return make_plan(pattern, n), start
 
 
-def triton_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None) -> torch.Tensor:
+def triton_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, d=None) -> torch.Tensor:
     """Y = (I - B)^-1 (1 - g) A~ X on the Triton kernels; same contract as ``ops.parallel_mix``.
 
     Args:
-        qa, ka: (B, H, n, d) direct-channel queries/keys; qb, kb: (B, H, n, d') recurrent channel
-            (None for attention kinds); x: (B, H, n, e) values; g: (B, H, n) gate (None for attention
-            kinds); pattern: spec or Pattern; start: optional (B,) left padding; scale: default d ** -0.5
-            (d of qa, for both channels, as in ``ops.reference``).
+        qa, ka: (B, H, n, d) direct-channel queries/keys (None for the tied variant); qb, kb: (B, H, n, d')
+            recurrent channel (None for attention kinds); x: (B, H, n, e) values; g: (B, H, n) gate (None for
+            attention kinds); pattern: spec or Pattern; start: optional (B,) left padding; scale: default
+            d ** -0.5 (d of qa, for both channels, as in ``ops.reference``; of qb for the tied variant);
+            d: (B, H, n) for the tied variant, z = (I - B)^-1 (1 - g) x, y = z - d x.
 
     Returns:
-        (B, H, n, e) in x's dtype. Differentiable in qa, ka, qb, kb, x and g.
+        (B, H, n, e) in x's dtype. Differentiable in qa, ka, qb, kb, x, g and d.
     """
     pattern = get_pattern(pattern)
-    check_inputs(qa, ka, qb, kb, x, g, pattern, start)
+    check_inputs(qa, ka, qb, kb, x, g, pattern, start, tied_d=d)
+    if d is not None:
+        plan, start = _prepare(x, start, pattern, qb, kb, g, d)
+        scale = qb.shape[-1] ** -0.5 if scale is None else float(scale)
+        z = _MixFunction.apply(None, None, qb, kb, x, g, start, plan, scale, True)
+        valid = valid_rows(start, 1, x.shape[2]).view(x.shape[0], 1, x.shape[2], 1)
+        y = (z - d.float()[..., None] * x.float()) * valid
+        return y.to(x.dtype)
     plan, start = _prepare(x, start, pattern, qa, ka, qb, kb, g)
     scale = qa.shape[-1] ** -0.5 if scale is None else float(scale)
     if not plan.has_b:
         qb = kb = g = None
     return _MixFunction.apply(qa, ka, qb, kb, x, g, start, plan, scale, False)
-
-
-def triton_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None) -> torch.Tensor:
-    """Tied variant on the Triton kernels: z = (I - B)^-1 (1 - g) x, y = z - d x (``ops.parallel_mix_tied``).
-
-    Args: qb, kb (B, H, n, d); x (B, H, n, e); g, d (B, H, n). Returns y (B, H, n, e) in x's dtype.
-    """
-    pattern = get_pattern(pattern)
-    check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
-    plan, start = _prepare(x, start, pattern, qb, kb, g, d)
-    scale = qb.shape[-1] ** -0.5 if scale is None else float(scale)
-    z = _MixFunction.apply(None, None, qb, kb, x, g, start, plan, scale, True)
-    valid = valid_rows(start, 1, x.shape[2]).view(x.shape[0], 1, x.shape[2], 1)
-    y = (z - d.float()[..., None] * x.float()) * valid
-    return y.to(x.dtype)

@@ -5,9 +5,10 @@ Each case runs one kernel family on random inputs and compares it with an oracle
 - ``mix``: ``kernels.triton_mix`` (forward and the gradients of qa, ka, qb, kb, x, g) against
   ``ops.reference_mix`` (n x n matrices, where they fit) or ``ops.parallel_mix`` (long sequences; in float32
   where the float64 attention of its dense path would not fit, or after an out-of-memory error);
-- ``tied``: ``kernels.triton_mix_tied`` (and the gradients of qb, kb, x, g, d) against the tied forms;
-- ``decode``, ``decode_tied``: a few ``kernels.triton_decode_step(_tied)`` calls on a state cut from a random
-  prefill of n rows, against ``ops.recurrent_step(_tied)`` on a float64 copy (outputs and the final cache).
+- ``tied``: ``kernels.triton_mix`` with ``d`` (and the gradients of qb, kb, x, g, d) against the tied forms;
+- ``decode``, ``decode_tied``: a few ``kernels.triton_decode_step`` calls (with ``d`` for the tied variant) on a
+  state cut from a random prefill of n rows, against ``ops.recurrent_step`` on a float64 copy (outputs and the final
+  cache).
 
 for every pattern (attention, local attention, dense, banded, diagonal, exp2, exp2:ce, square, square:ce),
 float32 and bfloat16, with left padding in some shapes. Kernel outputs are allocated filled with NaN
@@ -297,9 +298,10 @@ class Runner:
         k, o, pattern = self.kernels, self.ops, case.pattern
         if case.kind == "tied":
             if impl == "triton":
-                return lambda qb, kb, x, g, d: self._tamper(k.triton_mix_tied(qb, kb, x, g, d, pattern, start=start))
-            f = o.reference_mix_tied if impl == "reference" else o.parallel_mix_tied
-            return lambda qb, kb, x, g, d: f(qb, kb, x, g, d, pattern, start)
+                return lambda qb, kb, x, g, d: self._tamper(k.triton_mix(None, None, qb, kb, x, g, pattern, start=start,
+                                                                         d=d))
+            f = o.reference_mix if impl == "reference" else o.parallel_mix
+            return lambda qb, kb, x, g, d: f(None, None, qb, kb, x, g, pattern, start, d=d)
         if impl == "triton":
             return lambda qa, ka, qb, kb, x, g: self._tamper(k.triton_mix(qa, ka, qb, kb, x, g, pattern, start=start))
         f = o.reference_mix if impl == "reference" else o.parallel_mix
@@ -341,7 +343,7 @@ class Runner:
         checks = {"y": compare(y, y_ref, tol)}
         for name in g_ref:
             checks["d_" + name] = compare(grads[name], g_ref[name], tol)
-        return {"oracle": f"{case.oracle}_mix{'_tied' if case.kind == 'tied' else ''} {oracle_dtype}", "tol": tol,
+        return {"oracle": f"{case.oracle}_mix{' (d: tied)' if case.kind == 'tied' else ''} {oracle_dtype}", "tol": tol,
                 "checks": checks, "kernel_s": t_kernel, "oracle_s": time.time() - t0}
 
     def _run_decode(self, case: Case, warm: bool) -> dict:
@@ -367,7 +369,8 @@ class Runner:
                 tok["qb"] = tok["kb"] = tok["g"] = None
             t0 = time.time()
             if tied:
-                y = self.kernels.triton_decode_step_tied(state, *(tok[k] for k in ("qb", "kb", "x", "g", "d")), pat)
+                y = self.kernels.triton_decode_step(state, None, None, *(tok[k] for k in ("qb", "kb", "x", "g")), pat,
+                                                    d=tok["d"])
             else:
                 y = self.kernels.triton_decode_step(state, *(tok[k] for k in ("qa", "ka", "qb", "kb", "x", "g")), pat)
             y = self._tamper(y[..., None, :])[..., 0, :]
@@ -378,7 +381,8 @@ class Runner:
             t0 = time.time()
             tok64 = {k: None if v is None else v.double() for k, v in tok.items()}
             if tied:
-                y_ref = ops.recurrent_step_tied(ref, *(tok64[k] for k in ("qb", "kb", "x", "g", "d")), pat)
+                y_ref = ops.recurrent_step(ref, None, None, *(tok64[k] for k in ("qb", "kb", "x", "g")), pat,
+                                           d=tok64["d"])
             else:
                 y_ref = ops.recurrent_step(ref, *(tok64[k] for k in ("qa", "ka", "qb", "kb", "x", "g")), pat)
             t_oracle += time.time() - t0
@@ -398,7 +402,7 @@ class Runner:
         else:
             for name in got:
                 checks["cache_" + name] = compare(got[name], want[name], tol)
-        return {"oracle": f"recurrent_step{'_tied' if tied else ''} float64", "tol": tol, "checks": checks,
+        return {"oracle": f"recurrent_step{' (d: tied)' if tied else ''} float64", "tol": tol, "checks": checks,
                 "kernel_s": t_kernel, "oracle_s": t_oracle, "steps": DECODE_STEPS}
 
     def _sync(self):

@@ -47,11 +47,9 @@ from .patterns import get_pattern
 from .remote_code import AUTO_MAP, add_architecture_record, check_weight_files, check_weight_index, write_ops_bundle
 from .resolvent_ops import (
     decode_tokens,
-    decode_tokens_tied,
     gelu_tanh,
     require,
     resolvent_mix,
-    resolvent_mix_tied,
     rotated_heads,
 )
 
@@ -211,11 +209,8 @@ class ResolventMixer(nn.Module):
         d = (1 - g) * torch.sigmoid(self.skip_proj(hidden_states)).transpose(1, 2) if self.tied else None
         state = None if layer_cache is None else layer_cache.state
         if state is None:
-            if self.tied:
-                y = resolvent_mix_tied(t["qb"], t["kb"], t["x"], g, d, self.pattern, impl=impl, start=start)
-            else:
-                y = resolvent_mix(t["qa"], t["ka"], t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl,
-                                  start=start)
+            y = resolvent_mix(t.get("qa"), t.get("ka"), t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl,
+                              start=start, d=d)
             if layer_cache is not None:
                 layer_cache.store_prefill(self._state_rows(t, y, d, start), start)
         else:
@@ -258,10 +253,8 @@ class ResolventMixer(nn.Module):
     def _decode(self, state, t, g, d, impl: str) -> torch.Tensor:
         """The new tokens after ``state`` (advanced in place), all at once or one decode step each as
         ``ops.decode_tokens`` chooses (``config.mixer_impl``): (B, H, n, e)."""
-        if self.tied:
-            y = decode_tokens_tied(state, t["qb"], t["kb"], t["x"], g, d, self.pattern, impl=impl)
-        else:
-            y = decode_tokens(state, t["qa"], t["ka"], t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl)
+        y = decode_tokens(state, t.get("qa"), t.get("ka"), t.get("qb"), t.get("kb"), t["x"], g, self.pattern,
+                          impl=impl, d=d)
         return y.to(t["x"].dtype)
 
 

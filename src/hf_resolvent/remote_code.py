@@ -80,11 +80,11 @@ AUTO_MAP = {
 # The ops modules the mixer functions need: mixer (resolvent_mix, decode_tokens), the dispatch, the forms, the
 # PyTorch code of the parallel form, rope and gelu; patterns.py comes with the model files.
 SHIPPED_OPS = ("attention", "common", "dense_solve", "dispatch", "extend", "gelu", "graph", "mixer", "parallel",
-               "recurrent", "reference", "register", "rope", "slots", "sparse_solve", "state", "static_state", "threads")
+               "recurrent", "register", "rope", "slots", "sparse_solve", "state", "static_state", "threads")
 
 # What a saved folder's resolvent_ops.py imports, by shipped module: the names the model files use.
 BUNDLE_IMPORTS = (
-    ("mixer", ("decode_tokens", "decode_tokens_tied", "resolvent_mix", "resolvent_mix_tied")),
+    ("mixer", ("decode_tokens", "resolvent_mix")),
     ("state", ("DecodeState",)),
     ("static_state", ("StaticDecodeState",)),
     ("common", ("require",)),

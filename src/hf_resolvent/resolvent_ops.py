@@ -9,9 +9,7 @@ relative imports it finds, and ``hf_resolvent.ops`` is a package, not a file.
 from hf_resolvent.ops import (
     DecodeState,
     decode_tokens,
-    decode_tokens_tied,
     resolvent_mix,
-    resolvent_mix_tied,
 )
 from hf_resolvent.ops.common import require
 from hf_resolvent.ops.gelu import gelu_tanh
@@ -24,11 +22,9 @@ __all__ = [
     "IS_BUNDLE",
     "DecodeState",
     "decode_tokens",
-    "decode_tokens_tied",
     "gelu_tanh",
     "require",
     "resolvent_mix",
-    "resolvent_mix_tied",
     "rotated_heads",
     "StaticDecodeState",
 ]

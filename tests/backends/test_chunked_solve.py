@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_resolvent.backends.triton.chunked_solve import chunked_mix, chunked_mix_tied, held_rows
+from hf_resolvent.backends.triton.chunked_solve import chunked_mix, held_rows
 
-from hf_resolvent.ops.reference import reference_mix, reference_mix_tied
+from hf_resolvent.ops.reference import reference_mix
 from hf_resolvent.patterns import get_pattern
 
 F64 = torch.float64
@@ -54,8 +54,8 @@ def test_chunked_solve_of_the_tied_variant_equals_the_reference(spec):
     d = (0.5 * torch.rand(g.shape, generator=gen, dtype=F64) * (1 - g.detach())).requires_grad_()
     start = torch.tensor([3, 0])
     leaves = (qb, kb, x, g, d)
-    got = _outputs_and_grads(lambda: chunked_mix_tied(qb, kb, x, g, d, spec, 8, start), leaves, weight)
-    want = _outputs_and_grads(lambda: reference_mix_tied(qb, kb, x, g, d, spec, start), leaves, weight)
+    got = _outputs_and_grads(lambda: chunked_mix(None, None, qb, kb, x, g, spec, 8, start, d=d), leaves, weight)
+    want = _outputs_and_grads(lambda: reference_mix(None, None, qb, kb, x, g, spec, start, d=d), leaves, weight)
     torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=1e-12)
     for name, a, b in zip(("qb", "kb", "x", "g", "d"), got[1], want[1]):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11, msg=name)

@@ -128,7 +128,7 @@ DECODE_CASES = [(spec, False) for spec in ("attention", "local_attention:4")] + 
 def test_cpu_decode_step_matches_the_pytorch_step(spec, tied):
     """Token by token from an empty state, a batch with left padding: the compiled step gives the PyTorch step's
     outputs and leaves the same state (rows, positions) after every token, in float32 and float64."""
-    from hf_resolvent.ops.recurrent import recurrent_step, recurrent_step_tied
+    from hf_resolvent.ops.recurrent import recurrent_step
     from hf_resolvent.ops.state import DecodeState
 
     for dtype, tol in ((torch.float32, 1e-6), (F64, 1e-13)):
@@ -142,8 +142,8 @@ def test_cpu_decode_step_matches_the_pytorch_step(spec, tied):
             for path, state in states.items():
                 with dispatch.torch_only() if path == "torch" else torch.profiler.profile() as prof:
                     if tied:
-                        ys[path] = recurrent_step_tied(state, qb[:, :, t], kb[:, :, t], x[:, :, t], g[:, :, t],
-                                                       d[:, :, t], spec)
+                        ys[path] = recurrent_step(state, None, None, qb[:, :, t], kb[:, :, t], x[:, :, t],
+                                                  g[:, :, t], spec, d=d[:, :, t])
                     else:
                         ys[path] = recurrent_step(state, qa[:, :, t], ka[:, :, t], qb[:, :, t], kb[:, :, t],
                                                   x[:, :, t], g[:, :, t], spec)

@@ -7,7 +7,7 @@ on CPU still raises its error). Shapes are tiny (the interpreter is slow) and th
 16 so that every length spans several blocks and ends in a partial one. Every kernel output is
 allocated filled with NaN (``set_nan_fill``), so an unwritten element fails the comparison.
 
-Oracles: ``ops.reference_mix`` / ``reference_mix_tied`` in float64 on the same (rounded) inputs, and
+Oracles: ``ops.reference_mix`` (with ``d`` for the tied variant) in float64 on the same (rounded) inputs, and
 ``ops.recurrent_step`` for the decode kernel.
 
 Tolerances: float32 inputs 1e-4 (absolute and relative; the kernels accumulate in float32 and agree
@@ -25,9 +25,7 @@ from hf_resolvent.ops import (
     DecodeState,
     decode_step,
     recurrent_step,
-    recurrent_step_tied,
     reference_mix,
-    reference_mix_tied,
     resolvent_mix,
 )
 
@@ -172,9 +170,10 @@ def _check_tied(pattern, dtype, rel, padded):
     start = torch.tensor([0, 9]) if padded else None
     inputs = [qb, kb, x, g, tied_d]
     cot = torch.randn(batch, heads, n, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    y, grads = _run(lambda *t: kernels.triton_mix_tied(*t, pattern, start=start), inputs, cot)
-    y_ref, grads_ref = _run(lambda *t: reference_mix_tied(*t, pattern, start=start), [t.double() for t in inputs],
-                            cot)
+    y, grads = _run(lambda qb, kb, x, g, d: kernels.triton_mix(None, None, qb, kb, x, g, pattern, start=start, d=d),
+                    inputs, cot)
+    y_ref, grads_ref = _run(lambda qb, kb, x, g, d: reference_mix(None, None, qb, kb, x, g, pattern, start=start, d=d),
+                            [t.double() for t in inputs], cot)
     _close(y, y_ref, rel)
     for name, got, want in zip(("qb", "kb", "x", "g", "d"), grads, grads_ref):
         try:
@@ -370,9 +369,9 @@ def test_decode_step_tied_and_bfloat16():
     qa, ka, qb, kb, x, g, tied_d = _inputs(batch, heads, n, 16, 16, 9)
     ref_state, tri_state = DecodeState(), DecodeState()
     for t in range(n):
-        args = [a[:, :, t] for a in (qb, kb, x, g, tied_d)]
-        want = recurrent_step_tied(ref_state, *args, "exp2:ce")
-        got = kernels.triton_decode_step_tied(tri_state, *args, "exp2:ce")
+        args = [None, None, *(a[:, :, t] for a in (qb, kb, x, g))]
+        want = recurrent_step(ref_state, *args, "exp2:ce", d=tied_d[:, :, t])
+        got = kernels.triton_decode_step(tri_state, *args, "exp2:ce", d=tied_d[:, :, t])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # bfloat16 inputs, float32 accumulation: compare with the float32 recurrent form on the same values.
     ref_state, tri_state = DecodeState(), DecodeState()
@@ -469,8 +468,7 @@ def test_model_decodes_through_the_triton_step(monkeypatch):
     from hf_resolvent import ResolventConfig, ResolventForCausalLM
 
     calls = {"mix": 0, "step": 0}
-    for name, key in (("triton_mix", "mix"), ("triton_mix_tied", "mix"), ("triton_decode_step", "step"),
-                      ("triton_decode_step_tied", "step")):
+    for name, key in (("triton_mix", "mix"), ("triton_decode_step", "step")):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _real=real, _key=key, **k: calls.__setitem__(_key, calls[_key] + 1)
                             or _real(*a, **k))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_resolvent as hr
-from hf_resolvent.ops import DecodeState, recurrent_mix, recurrent_mix_tied
+from hf_resolvent.ops import DecodeState, recurrent_mix
 from hf_resolvent.patterns import get_pattern
 
 KINDS = [
@@ -63,7 +63,7 @@ def test_state_from_prefill_equals_replayed_steps(spec, tied):
             d = torch.rand(3, 2, n, generator=gen, dtype=torch.float64)
             replayed = DecodeState(start=start)
             if tied:
-                y = recurrent_mix_tied(qb, kb, x, g, d, pattern, start=start, state=replayed)
+                y = recurrent_mix(None, None, qb, kb, x, g, pattern, start=start, state=replayed, d=d)
                 valid = torch.ones(3, 1, n, 1, dtype=torch.float64)
                 if start is not None:
                     valid = (torch.arange(n)[None] >= start[:, None]).double()[:, None, :, None]

@@ -16,13 +16,9 @@ from hf_resolvent.ops import (
     DecodeState,
     StaticDecodeState,
     decode_tokens,
-    decode_tokens_tied,
     extend_mix,
-    extend_mix_tied,
     recurrent_mix,
-    recurrent_mix_tied,
     reference_mix,
-    reference_mix_tied,
 )
 from hf_resolvent.ops.dispatch import choose_extend
 from hf_resolvent.patterns import get_pattern
@@ -43,14 +39,19 @@ def _part(inp, a, b, names=NAMES):
     return [None if inp[k] is None else inp[k][:, :, a:b] for k in names]
 
 
+def _tied(inp, a, b):
+    """The tied variant's positional inputs (no A scores) of tokens [a, b), and its d."""
+    return [None, None, *_part(inp, a, b, ("qb", "kb", "x", "g"))], inp["d_skip"][:, :, a:b]
+
+
 def _states(pattern, inp, start, tied=False):
     """Two copies of the state after the first FIRST tokens (one decode step each)."""
     states = []
     for _ in range(2):
         state = DecodeState(start=start)
         if tied:
-            recurrent_mix_tied(*_part(inp, 0, FIRST, ("qb", "kb", "x", "g", "d_skip")), pattern, start=start,
-                               state=state)
+            args, d = _tied(inp, 0, FIRST)
+            recurrent_mix(*args, pattern, start=start, state=state, d=d)
         else:
             recurrent_mix(*_part(inp, 0, FIRST), pattern, start=start, state=state)
         states.append(state)
@@ -85,13 +86,14 @@ def test_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key, c
 def test_tied_chunks_equal_the_whole_sequence_and_the_same_tokens_step_by_step(key, cpu_path):
     pattern = get_pattern(SPECS[key])
     inp, start = _inputs(pattern, seed=4)
-    names = ("qb", "kb", "x", "g", "d_skip")
     chunked, stepped = _states(pattern, inp, start, tied=True)
     ys, steps = [], []
     for a, b in zip(CUTS, CUTS[1:]):
-        ys.append(extend_mix_tied(chunked, *_part(inp, a, b, names), pattern))
-        steps.append(recurrent_mix_tied(*_part(inp, a, b, names), pattern, state=stepped))
-    whole = reference_mix_tied(*_part(inp, 0, N, names), pattern, start=start)
+        args, d = _tied(inp, a, b)
+        ys.append(extend_mix(chunked, *args, pattern, d=d))
+        steps.append(recurrent_mix(*args, pattern, state=stepped, d=d))
+    args, d = _tied(inp, 0, N)
+    whole = reference_mix(*args, pattern, start=start, d=d)
     assert_close(torch.cat(ys, 2), whole[:, :, FIRST:], f"{key}: tied chunks vs reference", tol=1e-12)
     assert_close(torch.cat(ys, 2), torch.cat(steps, 2), f"{key}: tied chunks vs steps", tol=1e-12)
     _assert_same_state(chunked, stepped)
@@ -135,10 +137,10 @@ def test_chunks_run_where_the_dispatch_says_and_steps_elsewhere():
     y = decode_tokens(chunked, *_part(inp, FIRST, N), pattern)
     assert_close(y, decode_tokens(stepped, *_part(inp, FIRST, N), pattern, impl="cpu"), "decode_tokens",
                  tol=1e-12)
-    tied_in = _part(inp, FIRST, N, ("qb", "kb", "x", "g", "d_skip"))
+    args, d = _tied(inp, FIRST, N)
     chunked, stepped = _states(pattern, inp, start, tied=True)
-    assert_close(decode_tokens_tied(chunked, *tied_in, pattern),
-                 decode_tokens_tied(stepped, *tied_in, pattern, impl="cpu"), "decode_tokens_tied", tol=1e-12)
+    assert_close(decode_tokens(chunked, *args, pattern, d=d), decode_tokens(stepped, *args, pattern, impl="cpu", d=d),
+                 "decode_tokens, tied", tol=1e-12)
 
 
 def test_a_state_that_lacks_the_rows_a_pattern_reads_is_refused():

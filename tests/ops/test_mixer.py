@@ -17,17 +17,12 @@ from hypothesis import strategies as st
 from hf_resolvent.ops import (
     DecodeState,
     graph_mix,
-    graph_mix_tied,
     mixer_matrices,
     parallel_mix,
-    parallel_mix_tied,
     recurrent_mix,
-    recurrent_mix_tied,
     recurrent_step,
     reference_mix,
-    reference_mix_tied,
     resolvent_mix,
-    resolvent_mix_tied,
 )
 from hf_resolvent.patterns import get_pattern
 
@@ -53,8 +48,7 @@ TOL = 1e-5  # float32 agreement
 
 
 # the forms are functions; "parallel" is resolvent_mix's own (on the CPU kernels or PyTorch, as cpu_path sets)
-FORM_FUNCTIONS = {"reference": (reference_mix, reference_mix_tied), "graph": (graph_mix, graph_mix_tied),
-                  "recurrent": (recurrent_mix, recurrent_mix_tied)}
+FORM_FUNCTIONS = {"reference": reference_mix, "graph": graph_mix, "recurrent": recurrent_mix}
 
 
 def mix(spec, inp, form, start=None, **kw):
@@ -64,15 +58,16 @@ def mix(spec, inp, form, start=None, **kw):
     qb, kb, g = (inp["qb"], inp["kb"], inp["g"]) if pattern.has_recurrence else (None, None, None)
     args = (inp["qa"], inp["ka"], qb, kb, inp["x"], g, pattern)
     if form in FORM_FUNCTIONS:
-        return FORM_FUNCTIONS[form][0](*args, start=start, **kw)
+        return FORM_FUNCTIONS[form](*args, start=start, **kw)
     return resolvent_mix(*args, impl="auto" if form == "parallel" else form, start=start, **kw)
 
 
 def mix_tied(spec, inp, form, start=None, **kw):
-    args = (inp["qb"], inp["kb"], inp["x"], inp["g"], inp["d_skip"], spec)
+    """The tied variant (``d``, no A scores) in ``form``."""
+    args = (None, None, inp["qb"], inp["kb"], inp["x"], inp["g"], spec)
     if form in FORM_FUNCTIONS:
-        return FORM_FUNCTIONS[form][1](*args, start=start, **kw)
-    return resolvent_mix_tied(*args, impl="auto" if form == "parallel" else form, start=start, **kw)
+        return FORM_FUNCTIONS[form](*args, start=start, d=inp["d_skip"], **kw)
+    return resolvent_mix(*args, impl="auto" if form == "parallel" else form, start=start, d=inp["d_skip"], **kw)
 
 
 def padded_case(n, pad, seed):
@@ -138,12 +133,13 @@ def test_parallel_chunk_boundaries(key, cpu_path):
         for s, inp in ((None, clean), (start, padded)):
             qb, kb, g = (inp["qb"], inp["kb"], inp["g"]) if pattern.has_recurrence else (None, None, None)
             ref = reference_mix(inp["qa"], inp["ka"], qb, kb, inp["x"], g, pattern, start=s, scale=0.3)
-            for name, form, tied in (("parallel", parallel_mix, parallel_mix_tied), ("graph", graph_mix, graph_mix_tied)):
+            for name, form in (("parallel", parallel_mix), ("graph", graph_mix)):
                 par = form(inp["qa"], inp["ka"], qb, kb, inp["x"], g, pattern, start=s, scale=0.3, chunk=chunk)
                 assert_close(par, ref, f"{name} (chunk {chunk}, n {n}, start {s}) vs reference")
                 if pattern.has_recurrence:
-                    ref_t = reference_mix_tied(qb, kb, inp["x"], g, inp["d_skip"], pattern, start=s, scale=0.3)
-                    par_t = tied(qb, kb, inp["x"], g, inp["d_skip"], pattern, start=s, scale=0.3, chunk=chunk)
+                    ref_t = reference_mix(None, None, qb, kb, inp["x"], g, pattern, start=s, scale=0.3, d=inp["d_skip"])
+                    par_t = form(None, None, qb, kb, inp["x"], g, pattern, start=s, scale=0.3, chunk=chunk,
+                                 d=inp["d_skip"])
                     assert_close(par_t, ref_t, f"tied {name} (chunk {chunk}, n {n}, start {s}) vs reference")
 
 
@@ -258,16 +254,16 @@ def _grads(fn, inputs, names):
 
 @pytest.mark.parametrize("key", list(SPECS))
 def test_parallel_gradients_equal_reference_gradients(key, cpu_path):
-    check_gradients(key, parallel_mix, parallel_mix_tied)
+    check_gradients(key, parallel_mix)
 
 
 @pytest.mark.parametrize("key", list(SPECS))
 def test_graph_gradients_equal_reference_gradients(key):
     """The graph form has no backward of its own: autograd's, through gathers and triangular solves."""
-    check_gradients(key, graph_mix, graph_mix_tied)
+    check_gradients(key, graph_mix)
 
 
-def check_gradients(key, form, form_tied):
+def check_gradients(key, form):
     pattern = get_pattern(SPECS[key])
     inp, _, start = padded_case(21, 5, seed=4)
     inp = {k: v.double() for k, v in inp.items()}
@@ -290,9 +286,9 @@ def check_gradients(key, form, form_tied):
         assert torch.all(par[k][1, :, :5] == 0), f"padding of {k} must get no gradient"
     if pattern.has_recurrence:
         names = ["qb", "kb", "x", "g", "d_skip"]
-        args = lambda t: (t["qb"], t["kb"], t["x"], t["g"], t["d_skip"], pattern)  # noqa: E731
-        ref = _grads(lambda t: reference_mix_tied(*args(t), start=start), inp, names)
-        par = _grads(lambda t: form_tied(*args(t), start=start, chunk=8), inp, names)
+        args = lambda t: (None, None, t["qb"], t["kb"], t["x"], t["g"], pattern)  # noqa: E731
+        ref = _grads(lambda t: reference_mix(*args(t), start=start, d=t["d_skip"]), inp, names)
+        par = _grads(lambda t: form(*args(t), start=start, chunk=8, d=t["d_skip"]), inp, names)
         for k in names:
             assert_close(par[k], ref[k], f"tied gradient of {k}", tol=1e-10)
 
@@ -333,7 +329,7 @@ def test_gradcheck_parallel_tied(spec):
     inp = make_mixer_inputs(batch=2, heads=1, n=10, d=3, e=2, dtype=torch.float64, seed=6, requires_grad=True)
     start = torch.tensor([2, 0])
     args = (inp["qb"], inp["kb"], inp["x"], inp["g"], inp["d_skip"])
-    fn = lambda *a: parallel_mix_tied(*a, pattern, start=start, chunk=4)  # noqa: E731
+    fn = lambda qb, kb, x, g, d: parallel_mix(None, None, qb, kb, x, g, pattern, start=start, chunk=4, d=d)  # noqa: E731
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6)
 
 
@@ -521,21 +517,18 @@ def _shape_error_cases():
         ("start float", (q, k, qb, kb, x, g, "dense"), {"start": torch.tensor([1.0, 0.0])}, ["integer tensor"]),
         ("start list", (q, k, qb, kb, x, g, "exp2"), {"start": [1, 0]}, ["integer tensor", "got list"]),
     ] + [
-        ("tied d wrong shape", ("tied", qb, kb, x, g, dd[:, :, :4], "dense"), {}, ["d must be (batch, heads, n)"]),
-        ("tied without recurrence", ("tied", qb, kb, x, g, dd, "attention"), {}, ["needs a recurrent pattern"]),
-        ("tied missing g", ("tied", qb, kb, x, None, dd, "exp2"), {}, ["g must be"]),
+        ("tied d wrong shape", (None, None, qb, kb, x, g, "dense"), {"d": dd[:, :, :4]},
+         ["d must be (batch, heads, n)"]),
+        ("tied without recurrence", (None, None, qb, kb, x, g, "attention"), {"d": dd}, ["needs a recurrent pattern"]),
+        ("tied missing g", (None, None, qb, kb, x, None, "exp2"), {"d": dd}, ["g must be"]),
+        ("tied with A scores", (q, k, qb, kb, x, g, "exp2"), {"d": dd}, ["reads no A scores: pass qa=None and ka=None"]),
     ]
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_shape_errors(form):
     for what, args, kwargs, fragments in _shape_error_cases():
-        tied = args[0] == "tied"
-        args = args[1:] if tied else args
-        if form in FORM_FUNCTIONS:
-            fn = FORM_FUNCTIONS[form][tied]
-        else:
-            fn = functools.partial(resolvent_mix_tied if tied else resolvent_mix, impl="auto")
+        fn = FORM_FUNCTIONS[form] if form in FORM_FUNCTIONS else functools.partial(resolvent_mix, impl="auto")
         with pytest.raises(ValueError) as info:
             fn(*args, **kwargs)
         for fragment in fragments:

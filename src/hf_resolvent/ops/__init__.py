@@ -15,17 +15,20 @@ Four forms compute the same function and are tested against each other:
 :func:`resolvent_mix`, :func:`decode_step` and :func:`decode_tokens` (``mixer.py``) run the form or backend that :mod:`.dispatch`
 chooses from ``impl`` (argument, then ``HF_RESOLVENT_MIXER_IMPL``): the CPU kernels of
 :mod:`hf_resolvent.backends.cpu` and the Triton kernels of :mod:`hf_resolvent.backends.triton`.
+
+Every function takes the tied variant (A = B D + D', paper B.3) through one argument: ``d`` (the per-token
+weights of D), with ``qa = ka = None``.
 """
 
 from __future__ import annotations
 
 from .dispatch import IMPLS
-from .extend import extend_mix, extend_mix_tied
-from .graph import graph_mix, graph_mix_tied
-from .mixer import decode_step, decode_step_tied, decode_tokens, decode_tokens_tied, resolvent_mix, resolvent_mix_tied
-from .parallel import parallel_mix, parallel_mix_tied
-from .recurrent import recurrent_mix, recurrent_mix_tied, recurrent_step, recurrent_step_tied
-from .reference import mixer_matrices, reference_mix, reference_mix_tied
+from .extend import extend_mix
+from .graph import graph_mix
+from .mixer import decode_step, decode_tokens, resolvent_mix
+from .parallel import parallel_mix
+from .recurrent import recurrent_mix, recurrent_step
+from .reference import mixer_matrices, reference_mix
 from .state import DecodeState
 from .static_state import StaticDecodeState
 
@@ -34,22 +37,13 @@ __all__ = [
     "DecodeState",
     "StaticDecodeState",
     "decode_step",
-    "decode_step_tied",
     "decode_tokens",
-    "decode_tokens_tied",
     "extend_mix",
-    "extend_mix_tied",
     "graph_mix",
-    "graph_mix_tied",
     "mixer_matrices",
     "parallel_mix",
-    "parallel_mix_tied",
     "recurrent_mix",
-    "recurrent_mix_tied",
     "recurrent_step",
-    "recurrent_step_tied",
     "reference_mix",
-    "reference_mix_tied",
     "resolvent_mix",
-    "resolvent_mix_tied",
 ]

@@ -26,6 +26,8 @@ def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None
         need("ka", ka)
         if qa.shape[-1] != ka.shape[-1]:
             raise ValueError(f"qa and ka need the same last dim, got {qa.shape[-1]} and {ka.shape[-1]}")
+    elif qa is not None or ka is not None:
+        raise ValueError("the tied variant (d given) reads no A scores: pass qa=None and ka=None")
     elif tuple(tied_d.shape) != (batch, heads, n):
         raise ValueError(f"d must be (batch, heads, n) = ({batch}, {heads}, {n}), got {tuple(tied_d.shape)}")
     if pattern.has_recurrence:

@@ -80,7 +80,7 @@ def resolve(impl: str | None) -> str:
             continue
         if value in FORMS:
             raise ValueError(f"{source}={value!r} names a form, not a backend: call hf_resolvent.ops.{FORMS[value]} "
-                             f"(or its _tied twin) directly, or choose a backend among {IMPLS}")
+                             f"directly, or choose a backend among {IMPLS}")
         if value not in IMPLS:
             raise ValueError(f"{source} must be one of {IMPLS}, got {value!r}")
         return value

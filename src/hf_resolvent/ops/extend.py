@@ -190,15 +190,18 @@ def _outputs(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: 
                        src=slots, key_valid=valid)
 
 
-def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
+def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None, d=None) -> torch.Tensor:
     """L tokens per sequence against a layer's decode ``state``, in parallel, and advance it (the state takes the
     L tokens as L :func:`~.recurrent.recurrent_step` calls would).
 
     Args:
         state: the layer's :class:`DecodeState`, with :meth:`~.state.DecodeState.can_extend` true.
-        qa, ka, qb, kb: (B, H, L, d) the tokens' queries and keys (qb, kb None for attention patterns).
+        qa, ka, qb, kb: (B, H, L, d) the tokens' queries and keys (qb, kb None for attention patterns; qa, ka None
+            for the tied variant).
         x: (B, H, L, e) their values; g: (B, H, L) their gate (None for attention patterns).
         pattern: spec or Pattern; scale: score scale, default d ** -0.5.
+        d: (B, H, L) for the tied variant: z = (I - B)^-1 (1 - g) x over the held and new rows, y = z - d x; the
+            state stores z.
 
     Returns:
         y (B, H, L, e) in x's dtype, computed in float32 (float64 for float64 inputs).
@@ -206,7 +209,14 @@ def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) ->
     pattern = get_pattern(pattern)
     r = _positions(state, x)
     out_dtype = x.dtype
-    qa, ka, qb, kb, x, g = to_compute_dtype(qa, ka, qb, kb, x, g)
+    qa, ka, qb, kb, x, g, d = to_compute_dtype(qa, ka, qb, kb, x, g, d)
+    if d is not None:
+        if qa is not None or ka is not None:
+            raise ValueError("the tied variant (d given) reads no A scores: pass qa=None and ka=None")
+        scale = qb.shape[-1] ** -0.5 if scale is None else scale
+        z = _outputs(state, pattern, r, scale, None, None, qb, kb, x, g, tied=True)
+        state.extend(pattern, {"keys_b": kb.to(out_dtype), "outputs": z.to(out_dtype)}, r)
+        return (z - d[..., None] * x).to(out_dtype)
     scale = qa.shape[-1] ** -0.5 if scale is None else scale
     y = _outputs(state, pattern, r, scale, qa, ka, qb, kb, x, g, tied=False)
     rows = {"keys_a": ka, "values": x}
@@ -214,16 +224,3 @@ def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) ->
         rows.update(keys_b=kb, outputs=y)
     state.extend(pattern, {k: v.to(out_dtype) for k, v in rows.items()}, r)
     return y.to(out_dtype)
-
-
-def extend_mix_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
-    """Tied variant of :func:`extend_mix`: z = (I - B)^-1 (1 - g) x over the held and new rows, y = z - d x; the state
-    stores z. qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L) -> y (B, H, L, e)."""
-    pattern = get_pattern(pattern)
-    r = _positions(state, x)
-    out_dtype = x.dtype
-    qb, kb, x, g, d = to_compute_dtype(qb, kb, x, g, d)
-    scale = qb.shape[-1] ** -0.5 if scale is None else scale
-    z = _outputs(state, pattern, r, scale, None, None, qb, kb, x, g, tied=True)
-    state.extend(pattern, {"keys_b": kb.to(out_dtype), "outputs": z.to(out_dtype)}, r)
-    return (z - d[..., None] * x).to(out_dtype)

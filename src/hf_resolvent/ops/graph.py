@@ -176,32 +176,23 @@ def solve_after(qb, kb, g, rhs, solved, scale, chunk: int, src=None, key_valid=N
     return out
 
 
-def graph_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk: int = GRAPH_CHUNK) -> torch.Tensor:
-    """Y = (I - B)^-1 (1 - g) A~ X in the graph form. Args as :func:`hf_resolvent.ops.resolvent_mix`; returns
-    (B, H, n, e) in x's dtype, computed in float32 (float64 for float64 inputs)."""
+def graph_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk: int = GRAPH_CHUNK,
+              d=None) -> torch.Tensor:
+    """Y = (I - B)^-1 (1 - g) A~ X in the graph form (``d``: the tied variant, z = (I - B)^-1 (1 - g) x, y = z - d x).
+    Args as :func:`hf_resolvent.ops.resolvent_mix`; returns (B, H, n, e) in x's dtype, computed in float32 (float64
+    for float64 inputs)."""
     pattern = get_pattern(pattern)
-    check_inputs(qa, ka, qb, kb, x, g, pattern, start)
+    check_inputs(qa, ka, qb, kb, x, g, pattern, start, tied_d=d)
     out_dtype, n = x.dtype, x.shape[-2]
-    qa, ka, qb, kb, x, g = to_compute_dtype(qa, ka, qb, kb, x, g)
-    scale = qa.shape[-1] ** -0.5 if scale is None else scale
+    qa, ka, qb, kb, x, g, d = to_compute_dtype(qa, ka, qb, kb, x, g, d)
+    scale = (qa if d is None else qb).shape[-1] ** -0.5 if scale is None else scale
     start = None if start is None else start.to(x.device).long()
-    y = _direct(qa, ka, x, pattern, start, scale)
-    if pattern.has_recurrence:
-        y = _solve(qb, kb, g, y, pattern, start, scale, chunk)
-    if start is not None:
-        y = y * row_valid_mask(start, n, y)
-    return y.to(out_dtype)
-
-
-def graph_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None, chunk: int = GRAPH_CHUNK) -> torch.Tensor:
-    """Tied variant: z = (I - B)^-1 (1 - g) x, y = z - d x, in the graph form. Returns y (B, H, n, e)."""
-    pattern = get_pattern(pattern)
-    check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
-    out_dtype, n = x.dtype, x.shape[-2]
-    qb, kb, x, g, d = to_compute_dtype(qb, kb, x, g, d)
-    scale = qb.shape[-1] ** -0.5 if scale is None else scale
-    start = None if start is None else start.to(x.device).long()
-    y = _solve(qb, kb, g, x, pattern, start, scale, chunk) - d[..., None] * x
+    if d is not None:
+        y = _solve(qb, kb, g, x, pattern, start, scale, chunk) - d[..., None] * x
+    else:
+        y = _direct(qa, ka, x, pattern, start, scale)
+        if pattern.has_recurrence:
+            y = _solve(qb, kb, g, y, pattern, start, scale, chunk)
     if start is not None:
         y = y * row_valid_mask(start, n, y)
     return y.to(out_dtype)

@@ -12,19 +12,20 @@ from contextlib import nullcontext
 import torch
 
 from .dispatch import choose, choose_decode, choose_extend, torch_only, triton
-from .extend import extend_mix, extend_mix_tied
-from .graph import graph_mix, graph_mix_tied
-from .parallel import parallel_mix, parallel_mix_tied
+from .extend import extend_mix
+from .graph import graph_mix
+from .parallel import parallel_mix
 from .patterns import get_pattern
-from .recurrent import recurrent_step, recurrent_step_tied
+from .recurrent import recurrent_step
 from .state import DecodeState
 
 
-def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None, scale=None):
+def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None, scale=None, d=None):
     """Mix values x with the resolvent mixer of ``pattern``.
 
     Args:
-        qa, ka: (B, H, n, d) queries and keys of the direct channel A (RoPE already applied).
+        qa, ka: (B, H, n, d) queries and keys of the direct channel A (RoPE already applied); None for the tied
+            variant.
         qb, kb: (B, H, n, d) queries and keys of the recurrent channel B; unused (may be None) for
             ``attention`` and ``local_attention`` patterns.
         x: (B, H, n, e) values.
@@ -33,6 +34,8 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
         impl: which backend runs it (:mod:`.dispatch`): ``"auto"``, ``"torch"``, ``"cpu"`` or ``"triton"``.
         start: optional (B,) number of leading padding positions per sequence (left padding).
         scale: score scale, default d ** -0.5.
+        d: (B, H, n) for the tied variant (A = B D + D', paper B.3, with ``qa = ka = None``):
+            y = (I - B)^-1 (1 - g) x - d x.
 
     Returns:
         (B, H, n, e) outputs in x's dtype.
@@ -40,31 +43,20 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
     pattern = get_pattern(pattern)
     path = choose(impl, x)
     if path == "graph":
-        return graph_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+        return graph_mix(qa, ka, qb, kb, x, g, pattern, start, scale, d=d)
     if path == "triton":
-        return triton().triton_mix(qa, ka, qb, kb, x, g, pattern, start=start, scale=scale)
+        return triton().triton_mix(qa, ka, qb, kb, x, g, pattern, start=start, scale=scale, d=d)
     with torch_only() if path == "torch" else nullcontext():
-        return parallel_mix(qa, ka, qb, kb, x, g, pattern, start, scale)
+        return parallel_mix(qa, ka, qb, kb, x, g, pattern, start, scale, d=d)
 
 
-def resolvent_mix_tied(qb, kb, x, g, d, pattern, impl: str = "auto", start=None, scale=None):
-    """Tied variant (A = B D + D', paper B.3): y = (I - B)^-1 (1 - g) x - d x, with d (B, H, n)."""
-    pattern = get_pattern(pattern)
-    path = choose(impl, x)
-    if path == "graph":
-        return graph_mix_tied(qb, kb, x, g, d, pattern, start, scale)
-    if path == "triton":
-        return triton().triton_mix_tied(qb, kb, x, g, d, pattern, start=start, scale=scale)
-    with torch_only() if path == "torch" else nullcontext():
-        return parallel_mix_tied(qb, kb, x, g, d, pattern, start, scale)
-
-
-def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None):
+def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None, d=None):
     """Mix one token per sequence against a layer's decode ``state`` and advance it (the model's decode path).
 
     Args:
         state: the layer's :class:`DecodeState` (advanced in place).
-        qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention patterns).
+        qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention patterns; qa, ka None for
+            the tied variant).
         x: (B, H, e) its value; g: (B, H) its gate (None for attention patterns).
         pattern: spec or Pattern.
         impl: as for :func:`resolvent_mix`; the Triton decode kernel runs for ``"triton"`` (and ``"auto"`` on CUDA
@@ -72,31 +64,23 @@ def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "
             :class:`~.state.StaticDecodeState` (on its CPU twin where that takes the call, in PyTorch alone for
             ``"torch"``).
         scale: score scale, default d ** -0.5.
+        d: (B, H) for the tied variant.
 
     Returns:
         y (B, H, e), 0 for sequences still in their left padding.
     """
     path = choose_decode(impl, x, state)
     if path == "triton":
-        return triton().triton_decode_step(state, qa, ka, qb, kb, x, g, pattern, scale=scale)
+        return triton().triton_decode_step(state, qa, ka, qb, kb, x, g, pattern, scale=scale, d=d)
     with torch_only() if path == "torch" else nullcontext():
-        return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale)
+        return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale, d=d)
 
 
-def decode_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
-    """Tied variant of :func:`decode_step`: qb, kb (B, H, d), x (B, H, e), g and d (B, H) -> y (B, H, e)."""
-    path = choose_decode(impl, x, state)
-    if path == "triton":
-        return triton().triton_decode_step_tied(state, qb, kb, x, g, d, pattern, scale=scale)
-    with torch_only() if path == "torch" else nullcontext():
-        return recurrent_step_tied(state, qb, kb, x, g, d, pattern, scale)
-
-
-def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None):
+def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None, d=None):
     """Mix L tokens per sequence against a layer's decode ``state`` and advance it (the model's forward after a
     cache): all at once where :func:`~.dispatch.choose_extend` allows it, else one :func:`decode_step` per token.
 
-    Args: as :func:`decode_step`, with a token axis: qa, ka, qb, kb (B, H, L, d), x (B, H, L, e), g (B, H, L).
+    Args: as :func:`decode_step`, with a token axis: qa, ka, qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L).
 
     Returns:
         y (B, H, L, e).
@@ -105,19 +89,8 @@ def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str =
     path = choose_extend(impl, state, pattern) if x.shape[2] > 1 else "steps"
     if path != "steps":
         with torch_only() if path == "torch" else nullcontext():
-            return extend_mix(state, qa, ka, qb, kb, x, g, pattern, scale)
-    ys = [decode_step(state, *(None if t is None else t[:, :, i] for t in (qa, ka, qb, kb, x, g)), pattern, impl, scale)
-          for i in range(x.shape[2])]
-    return torch.stack(ys, dim=2)
-
-
-def decode_tokens_tied(state: DecodeState, qb, kb, x, g, d, pattern, impl: str = "auto", scale=None):
-    """Tied variant of :func:`decode_tokens`: qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L) -> y (B, H, L, e)."""
-    pattern = get_pattern(pattern)
-    path = choose_extend(impl, state, pattern) if x.shape[2] > 1 else "steps"
-    if path != "steps":
-        with torch_only() if path == "torch" else nullcontext():
-            return extend_mix_tied(state, qb, kb, x, g, d, pattern, scale)
-    ys = [decode_step_tied(state, *(t[:, :, i] for t in (qb, kb, x, g, d)), pattern, impl, scale)
+            return extend_mix(state, qa, ka, qb, kb, x, g, pattern, scale, d=d)
+    ys = [decode_step(state, *(None if t is None else t[:, :, i] for t in (qa, ka, qb, kb, x, g)), pattern, impl,
+                      scale, d=None if d is None else d[:, :, i])
           for i in range(x.shape[2])]
     return torch.stack(ys, dim=2)

@@ -97,46 +97,29 @@ def _check_chunk(chunk) -> None:
         raise ValueError(f"chunk must be a positive integer (rows per block of the solve) or None, got {chunk!r}")
 
 
-def parallel_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk=None) -> torch.Tensor:
+def parallel_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, chunk=None, d=None) -> torch.Tensor:
     """Y = (I - B)^-1 (1 - g) A~ X in the parallel form. Returns (B, H, n, e) in x's dtype.
 
-    Args as :func:`hf_resolvent.ops.resolvent_mix`; ``chunk`` is the number of rows per block of the
-    forward substitution (default: DENSE_CHUNK = 64 for dense, SPARSE_CHUNK = 32 for sparse patterns;
-    any positive integer works). Computation is in float32 (float64 for float64 inputs), whatever the
-    input dtype. Differentiable in all tensor inputs, with memory O(n (d + K)) per head.
+    Args as :func:`hf_resolvent.ops.resolvent_mix` (``d``: the tied variant, z = (I - B)^-1 (1 - g) x, y = z - d x);
+    ``chunk`` is the number of rows per block of the forward substitution (default: DENSE_CHUNK = 64 for dense,
+    SPARSE_CHUNK = 32 for sparse patterns; any positive integer works). Computation is in float32 (float64 for
+    float64 inputs), whatever the input dtype. Differentiable in all tensor inputs, with memory O(n (d + K)) per head.
     """
     pattern = get_pattern(pattern)
-    check_inputs(qa, ka, qb, kb, x, g, pattern, start)
+    check_inputs(qa, ka, qb, kb, x, g, pattern, start, tied_d=d)
     _check_chunk(chunk)
     out_dtype, n = x.dtype, x.shape[-2]
-    qa, ka, qb, kb, x, g = to_compute_dtype(qa, ka, qb, kb, x, g)
-    scale = qa.shape[-1] ** -0.5 if scale is None else scale
+    qa, ka, qb, kb, x, g, d = to_compute_dtype(qa, ka, qb, kb, x, g, d)
+    scale = (qa if d is None else qb).shape[-1] ** -0.5 if scale is None else scale
     roll = _Roll.make(start, n)
     if roll is not None:
-        qa, ka, qb, kb, x, g = (roll.forward(t) for t in (qa, ka, qb, kb, x, g))
-    y = _direct(qa, ka, x, pattern, scale)
+        qa, ka, qb, kb, x, g, d = (roll.forward(t) for t in (qa, ka, qb, kb, x, g, d))
+    y = _direct(qa, ka, x, pattern, scale) if d is None else x  # the tied variant's A~ is I
     if pattern.has_recurrence:
         g_eff = g * _recurrent_rows(pattern, n, x.device)[0]
         y = _solve(qb, kb, g_eff, (1 - g_eff)[..., None] * y, pattern, scale, chunk)
-    if roll is not None:
-        y = roll.back(y) * row_valid_mask(start, n, y)
-    return y.to(out_dtype)
-
-
-def parallel_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None, chunk=None) -> torch.Tensor:
-    """Tied variant: z = (I - B)^-1 (1 - g) x, y = z - d x. Returns y (B, H, n, e) in x's dtype."""
-    pattern = get_pattern(pattern)
-    check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
-    _check_chunk(chunk)
-    out_dtype, n = x.dtype, x.shape[-2]
-    qb, kb, x, g, d = to_compute_dtype(qb, kb, x, g, d)
-    scale = qb.shape[-1] ** -0.5 if scale is None else scale
-    roll = _Roll.make(start, n)
-    if roll is not None:
-        qb, kb, x, g, d = (roll.forward(t) for t in (qb, kb, x, g, d))
-    g_eff = g * _recurrent_rows(pattern, n, x.device)[0]
-    z = _solve(qb, kb, g_eff, (1 - g_eff)[..., None] * x, pattern, scale, chunk)
-    y = z - d[..., None] * x
+    if d is not None:
+        y = y - d[..., None] * x
     if roll is not None:
         y = roll.back(y) * row_valid_mask(start, n, y)
     return y.to(out_dtype)

@@ -21,7 +21,7 @@ from .dispatch import cpu_ops, cpu_twin
 from .patterns import get_pattern
 from .state import DecodeState
 
-__all__ = ["recurrent_mix", "recurrent_mix_tied", "recurrent_step", "recurrent_step_tied"]
+__all__ = ["recurrent_mix", "recurrent_step"]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float, own=None):
@@ -82,8 +82,18 @@ def _mix(state: DecodeState, read, r, scale, qa, ka, qb, kb, x, g, d):
     return y * valid, y
 
 
-def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None) -> torch.Tensor:
-    """Mix one token (each input (B, H, d) or (B, H) for g) and advance ``state``. Returns y (B, H, e)."""
+def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None, d=None) -> torch.Tensor:
+    """Mix one token (each input (B, H, d) or (B, H) for g and ``d``) and advance ``state``. Returns y (B, H, e).
+
+    ``d`` asks for the tied variant (``qa = ka = None``): z_t = g softmax(qb . kb[P^B]) z[P^B] + (1 - g) x_t,
+    y_t = z_t - d_t x_t; the state keeps z."""
+    if d is not None:
+        if qa is not None or ka is not None:
+            raise ValueError("the tied variant (d given) reads no A scores: pass qa=None and ka=None")
+        pattern, r, read, scale = _step_start(state, pattern, qb, x, scale)
+        y, z = _mix(state, read, r, scale, None, None, qb, kb, x, g, d)
+        state.advance(pattern, {"keys_b": kb, "outputs": z}, r)
+        return y
     pattern, r, read, scale = _step_start(state, pattern, qa, x, scale)
     has_b = pattern.has_recurrence
     y, stored = _mix(state, read, r, scale, qa, ka, qb if has_b else None, kb if has_b else None, x,
@@ -95,35 +105,16 @@ def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None
     return y
 
 
-def recurrent_step_tied(state: DecodeState, qb, kb, x, g, d, pattern, scale=None) -> torch.Tensor:
-    """Tied variant, one token: z_t = g softmax(qb . kb[P^B]) z[P^B] + (1 - g) x_t, y_t = z_t - d_t x_t."""
-    pattern, r, read, scale = _step_start(state, pattern, qb, x, scale)
-    y, z = _mix(state, read, r, scale, None, None, qb, kb, x, g, d)
-    state.advance(pattern, {"keys_b": kb, "outputs": z}, r)
-    return y
-
-
-def recurrent_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, state=None) -> torch.Tensor:
-    """Run the recurrent form over a whole sequence (B, H, n, .) -> (B, H, n, e); tests and prefill."""
+def recurrent_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, state=None, d=None) -> torch.Tensor:
+    """Run the recurrent form over a whole sequence (B, H, n, .) -> (B, H, n, e); tests and prefill. ``d``: the
+    tied variant, as :func:`recurrent_step`."""
     pattern = get_pattern(pattern)
-    check_inputs(qa, ka, qb, kb, x, g, pattern, start)
+    check_inputs(qa, ka, qb, kb, x, g, pattern, start, tied_d=d)
     out_dtype = x.dtype
-    qa, ka, qb, kb, x, g = to_compute_dtype(qa, ka, qb, kb, x, g)
+    qa, ka, qb, kb, x, g, d = to_compute_dtype(qa, ka, qb, kb, x, g, d)
     state = state if state is not None else DecodeState(start=start)
     ys = []
     for t in range(x.shape[2]):
-        qa_t, ka_t, qb_t, kb_t, g_t = (None if a is None else a[:, :, t] for a in (qa, ka, qb, kb, g))
-        ys.append(recurrent_step(state, qa_t, ka_t, qb_t, kb_t, x[:, :, t], g_t, pattern, scale))
-    return torch.stack(ys, dim=2).to(out_dtype)
-
-
-def recurrent_mix_tied(qb, kb, x, g, d, pattern, start=None, scale=None, state=None) -> torch.Tensor:
-    """Tied variant of :func:`recurrent_mix`."""
-    pattern = get_pattern(pattern)
-    check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
-    out_dtype = x.dtype
-    qb, kb, x, g, d = to_compute_dtype(qb, kb, x, g, d)
-    state = state if state is not None else DecodeState(start=start)
-    ys = [recurrent_step_tied(state, qb[:, :, t], kb[:, :, t], x[:, :, t], g[:, :, t], d[:, :, t], pattern, scale)
-          for t in range(x.shape[2])]
+        qa_t, ka_t, qb_t, kb_t, g_t, d_t = (None if a is None else a[:, :, t] for a in (qa, ka, qb, kb, g, d))
+        ys.append(recurrent_step(state, qa_t, ka_t, qb_t, kb_t, x[:, :, t], g_t, pattern, scale, d=d_t))
     return torch.stack(ys, dim=2).to(out_dtype)

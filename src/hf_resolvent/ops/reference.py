@@ -69,8 +69,8 @@ def _shifted_masks(pattern: Pattern, n: int, start: torch.Tensor | None, device)
 
 
 def reference_mix(
-    qa: torch.Tensor,
-    ka: torch.Tensor,
+    qa: torch.Tensor | None,
+    ka: torch.Tensor | None,
     qb: torch.Tensor | None,
     kb: torch.Tensor | None,
     x: torch.Tensor,
@@ -78,41 +78,22 @@ def reference_mix(
     pattern: "Pattern | str",
     start: torch.Tensor | None = None,
     scale: float | None = None,
+    d: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Y = (I - B)^-1 A X by one dense triangular solve. Returns (B, H, n, e) in x's dtype."""
-    pattern = get_pattern(pattern)
-    check_inputs(qa, ka, qb, kb, x, g, pattern, start)
-    a, b = mixer_matrices(qa, ka, qb, kb, g, pattern, start, scale)
-    n = x.shape[-2]
-    eye = torch.eye(n, dtype=a.dtype, device=a.device)
-    rhs = a @ x.to(a.dtype)
-    y = torch.linalg.solve_triangular(eye - b, rhs, upper=False)
-    return (y * row_valid_mask(start, n, y)).to(x.dtype)
+    """Y = (I - B)^-1 A X by one dense triangular solve. Returns (B, H, n, e) in x's dtype.
 
-
-def reference_mix_tied(
-    qb: torch.Tensor,
-    kb: torch.Tensor,
-    x: torch.Tensor,
-    g: torch.Tensor,
-    d: torch.Tensor,
-    pattern: "Pattern | str",
-    start: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """The tied variant (paper B.3) straight from its definition: A = B D + D'.
-
-    D = diag(d) and D' = diag(1 - g - d), so that z = y + d x is a convex combination of the inputs:
-    z_i = sum_j beta_ij z_j + (1 - g_i) x_i. Returns y (B, H, n, e).
+    ``d`` (B, H, n) asks for the tied variant (paper B.3), with ``qa = ka = None``, straight from its definition:
+    A = B D + D' with D = diag(d) and D' = diag(1 - g - d), so that z = y + d x is a convex combination of the
+    inputs: z_i = sum_j beta_ij z_j + (1 - g_i) x_i.
     """
     pattern = get_pattern(pattern)
-    check_inputs(None, None, qb, kb, x, g, pattern, start, tied_d=d)
-    _, b = mixer_matrices(None, None, qb, kb, g, pattern, start, scale)
+    check_inputs(qa, ka, qb, kb, x, g, pattern, start, tied_d=d)
+    a, b = mixer_matrices(qa, ka, qb, kb, g, pattern, start, scale)
     n = x.shape[-2]
-    dtype = b.dtype
-    g_eff = b.sum(-1)  # g where the row has a B set, else 0
-    d = d.to(dtype)
-    eye = torch.eye(n, dtype=dtype, device=b.device)
-    a = b * d[..., None, :] + torch.diag_embed(1 - g_eff - d)
-    y = torch.linalg.solve_triangular(eye - b, a @ x.to(dtype), upper=False)
+    if d is not None:
+        g_eff = b.sum(-1)  # g where the row has a B set, else 0
+        d = d.to(b.dtype)
+        a = b * d[..., None, :] + torch.diag_embed(1 - g_eff - d)
+    eye = torch.eye(n, dtype=b.dtype, device=b.device)
+    y = torch.linalg.solve_triangular(eye - b, a @ x.to(b.dtype), upper=False)
     return (y * row_valid_mask(start, n, y)).to(x.dtype)
