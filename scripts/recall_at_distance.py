@@ -53,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--max-steps", type=int, default=d.max_steps, help="training stops here if not competent before")
+    p.add_argument("--grow", type=float, default=d.grow,
+                   help="the training length's factor at each check passed (a large one: T after the first check)")
     p.add_argument("--grow-at", type=float, default=d.grow_at,
-                   help="accuracy at the current training length that lets it grow by 1.25x")
+                   help="accuracy at the current training length that lets it grow by --grow")
     p.add_argument("--patience", type=int, default=d.patience,
                    help="checks at one training length after which it grows below --grow-at too (0: never)")
     p.add_argument("--target", type=float, default=d.target, help="accuracy at T that ends training")
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers,
                               heads=args.heads, conv_size=args.conv_size,
                               lr=args.lr, batch=args.batch,
-                              max_steps=args.max_steps, grow_at=args.grow_at, patience=args.patience,
+                              max_steps=args.max_steps, grow=args.grow, grow_at=args.grow_at, patience=args.patience,
                               target=args.target, eval_samples=args.eval_samples,
                               multiples=tuple(args.multiples))
     if args.quick:
