@@ -1,5 +1,6 @@
-"""What the training, evaluation and sharing scripts of ``scripts/`` share, a module per job.
+"""What the training, evaluation and sharing scripts of ``scripts/`` run, a module per job.
 
+- :mod:`.loop`: the pretraining loop (Accelerate, one process, DDP or FSDP2; resumable at every step);
 - :mod:`.config`: run configs (the YAML files of ``configs/``, package data), read and checked;
 - :mod:`.models`: the models of the papers' comparison (resolvent mixers and the GPT-2 baseline) and their labels;
 - :mod:`.optim`: AdamW and the learning-rate schedule;
@@ -16,7 +17,6 @@
 - :mod:`.sweep`: the papers' comparison trained at one budget and evaluated together;
 - :mod:`.long_context`: language models' loss by position past their training length.
 
-Each script of ``scripts/`` is its argument parser and a call into these; the training loop itself is still
-``scripts/pretrain.py``. What a user of the model imports lives one level up (config,
-model, cache, ops, patterns).
+Each script of ``scripts/`` is its argument parser and a call into these. What a user of the model imports lives one
+level up (config, model, cache, ops, patterns).
 """
