@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for results.json, results.md and recall.png")
-    p.add_argument("--mixers", nargs="+", default=MIXERS, help="mixer specs, and gpt2 (learned positions)")
+    p.add_argument("--mixers", nargs="+", default=MIXERS,
+                   help="mixer specs, and gpt2 (learned positions); a comma-separated list is one spec per layer, "
+                        "e.g. exp2:ce,square:ce,exp2:ce")
     p.add_argument("--positions", nargs="+", default=["rope", "none"], choices=POSITIONS,
                    help="position encodings to compare; rope:a and rope:b rotate one channel only (rope_channels)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--context {settings.context} / --pairs {settings.pairs}: {err}")
     out = Path(args.out)
     try:
-        result = run(args.mixers, args.seeds, args.positions, settings, out, torch.device(args.device),
+        mixers = [m.split(",") if "," in m else m for m in args.mixers]  # a hybrid stack: one spec per layer
+        result = run(mixers, args.seeds, args.positions, settings, out, torch.device(args.device),
                      resume=args.resume)
     except (FileExistsError, ValueError) as err:
         parser.error(str(err))

@@ -80,6 +80,11 @@ def test_the_script_checks_its_settings_before_training(tmp_path, capsys):
     with pytest.raises(SystemExit):  # the same folder again: refused, not overwritten
         script.main(["--quick", "--mixers", "exp2:ce", "--positions", "none", "--out", str(tmp_path / "q")])
     assert "--resume" in capsys.readouterr().err
+    # a comma-separated spec is a hybrid stack, one spec per layer
+    assert script.main(["--quick", "--mixers", "exp2:ce,attention,exp2:ce", "--positions", "none", "--seeds", "0",
+                        "--out", str(tmp_path / "h")]) == 0
+    row = json.loads((tmp_path / "h" / "results.json").read_text())["rows"][0]
+    assert row["mixer"] == ["exp2:ce", "attention", "exp2:ce"] and row["model"] == "exp2:ce,attention,exp2:ce [none]"
 
 
 def test_a_run_cut_short_resumes_without_retraining_and_never_overwrites(tmp_path):
