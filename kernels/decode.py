@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_resolvent.ops.common import check_tied
 from hf_resolvent.ops.state import DecodeState
 from hf_resolvent.patterns import get_pattern
 
@@ -83,6 +84,5 @@ def triton_decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=
     Returns:
         y (B, H, e) in x's dtype (float32 accumulation), 0 for sequences still in their left padding.
     """
-    if d is not None and (qa is not None or ka is not None):
-        raise ValueError("the tied variant (d given) reads no A scores: pass qa=None and ka=None")
+    check_tied(qa, ka, d)
     return _step(state, qa, ka, qb, kb, x, g, d, pattern, scale, tied=d is not None)

@@ -7,6 +7,12 @@ import torch
 from .patterns import Pattern
 
 
+def check_tied(qa, ka, d) -> None:
+    """The tied variant (``d`` given) reads no A scores: refuse ``qa`` or ``ka`` beside ``d``."""
+    if d is not None and (qa is not None or ka is not None):
+        raise ValueError("the tied variant (d given) reads no A scores: pass qa=None and ka=None")
+
+
 def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None) -> None:
     """Raise a ValueError naming the argument whose shape does not fit (B, H, n, d) conventions."""
     if x is None or x.dim() != 4:
@@ -21,13 +27,12 @@ def check_inputs(qa, ka, qb, kb, x, g, pattern: Pattern, start=None, tied_d=None
                 f"{name} must be (batch, heads, n, dim) = ({batch}, {heads}, {n}, dim) like x, got {tuple(t.shape)}"
             )
 
+    check_tied(qa, ka, tied_d)
     if tied_d is None:
         need("qa", qa)
         need("ka", ka)
         if qa.shape[-1] != ka.shape[-1]:
             raise ValueError(f"qa and ka need the same last dim, got {qa.shape[-1]} and {ka.shape[-1]}")
-    elif qa is not None or ka is not None:
-        raise ValueError("the tied variant (d given) reads no A scores: pass qa=None and ka=None")
     elif tuple(tied_d.shape) != (batch, heads, n):
         raise ValueError(f"d must be (batch, heads, n) = ({batch}, {heads}, {n}), got {tuple(tied_d.shape)}")
     if pattern.has_recurrence:

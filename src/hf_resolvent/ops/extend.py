@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import records_grad, to_compute_dtype
+from .common import check_tied, records_grad, to_compute_dtype
 from .dispatch import cpu_ops, cpu_twin
 from .graph import GRAPH_CHUNK, gathered_slot_probs, gathered_slot_sum, solve_after, source_table
 from .patterns import get_pattern
@@ -209,15 +209,13 @@ def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None, d=
     pattern = get_pattern(pattern)
     r = _positions(state, x)
     out_dtype = x.dtype
+    check_tied(qa, ka, d)
     qa, ka, qb, kb, x, g, d = to_compute_dtype(qa, ka, qb, kb, x, g, d)
+    scale = (qa if d is None else qb).shape[-1] ** -0.5 if scale is None else scale
     if d is not None:
-        if qa is not None or ka is not None:
-            raise ValueError("the tied variant (d given) reads no A scores: pass qa=None and ka=None")
-        scale = qb.shape[-1] ** -0.5 if scale is None else scale
         z = _outputs(state, pattern, r, scale, None, None, qb, kb, x, g, tied=True)
         state.extend(pattern, {"keys_b": kb.to(out_dtype), "outputs": z.to(out_dtype)}, r)
         return (z - d[..., None] * x).to(out_dtype)
-    scale = qa.shape[-1] ** -0.5 if scale is None else scale
     y = _outputs(state, pattern, r, scale, qa, ka, qb, kb, x, g, tied=False)
     rows = {"keys_a": ka, "values": x}
     if pattern.has_recurrence:

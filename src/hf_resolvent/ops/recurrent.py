@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_inputs, records_grad, to_compute_dtype
+from .common import check_inputs, check_tied, records_grad, to_compute_dtype
 from .dispatch import cpu_ops, cpu_twin
 from .patterns import get_pattern
 from .state import DecodeState
@@ -87,14 +87,12 @@ def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None
 
     ``d`` asks for the tied variant (``qa = ka = None``): z_t = g softmax(qb . kb[P^B]) z[P^B] + (1 - g) x_t,
     y_t = z_t - d_t x_t; the state keeps z."""
+    check_tied(qa, ka, d)
+    pattern, r, read, scale = _step_start(state, pattern, qa if d is None else qb, x, scale)
     if d is not None:
-        if qa is not None or ka is not None:
-            raise ValueError("the tied variant (d given) reads no A scores: pass qa=None and ka=None")
-        pattern, r, read, scale = _step_start(state, pattern, qb, x, scale)
         y, z = _mix(state, read, r, scale, None, None, qb, kb, x, g, d)
         state.advance(pattern, {"keys_b": kb, "outputs": z}, r)
         return y
-    pattern, r, read, scale = _step_start(state, pattern, qa, x, scale)
     has_b = pattern.has_recurrence
     y, stored = _mix(state, read, r, scale, qa, ka, qb if has_b else None, kb if has_b else None, x,
                      g if has_b else None, None)
