@@ -75,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check(parser, device=args.device, folders=[("--out", args.out)])
-    settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers,
-                              heads=args.heads, conv_size=args.conv_size,
-                              lr=args.lr, batch=args.batch,
-                              max_steps=args.max_steps, grow=args.grow, grow_at=args.grow_at, patience=args.patience,
-                              target=args.target, eval_samples=args.eval_samples,
-                              multiples=tuple(args.multiples))
+    try:
+        settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers,
+                                  heads=args.heads, conv_size=args.conv_size, lr=args.lr, batch=args.batch,
+                                  max_steps=args.max_steps, grow=args.grow, grow_at=args.grow_at,
+                                  patience=args.patience, target=args.target, eval_samples=args.eval_samples,
+                                  multiples=tuple(args.multiples))
+    except ValueError as err:
+        parser.error(str(err))
     if args.quick:
         settings = replace(settings, **QUICK)
     try:  # the shortest samples hold the pairs: checked now, not after a model has trained

@@ -75,6 +75,9 @@ def test_the_script_checks_its_settings_before_training(tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--out", str(tmp_path / "r"), "--context", "8", "--pairs", "4"])
     assert "cannot hold BOS, 4 pairs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.main(["--out", str(tmp_path / "r"), "--patience", "-1", "--context", "8"])  # refused before anything
+    assert "patience must be a whole number of checks >= 0" in capsys.readouterr().err
     assert script.main(["--quick", "--mixers", "exp2:ce", "--positions", "none", "--out", str(tmp_path / "q")]) == 0
     assert {p.name for p in (tmp_path / "q").iterdir()} == {"results.json", "results.md", "recall.png"}
     with pytest.raises(SystemExit):  # the same folder again: refused, not overwritten

@@ -58,6 +58,9 @@ class RecallSettings:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"recall: task must be one of {sorted(TASKS)}, got {self.task!r}")
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
+            raise ValueError(f"recall: patience must be a whole number of checks >= 0 (0: the gate alone), got "
+                             f"{self.patience!r}")
 
     @property
     def train_queries(self) -> int:
@@ -106,8 +109,9 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     The training length grows with competence: it starts at the pairs and queries alone (no filler) and, at each
     check (every ``s.check_every`` steps), grows by ``s.grow`` once the accuracy at the current length, on samples
     laid out as in training, is at least ``s.grow_at``, or (``s.patience`` > 0) after that many checks at one length,
-    for a model that has stalled below the gate; at T the check reads the far layout and stops at ``s.target``. ``record``: steps, whether the target was reached, the longest length trained on, the accuracy
-    at T when training stopped, seconds."""
+    for a model that has stalled below the gate; at T the check reads the far layout and stops at ``s.target``.
+    ``record``: steps, whether the target was reached, the longest length trained on, the accuracy at T when training
+    stopped, seconds."""
     torch.manual_seed(seed)
     model = tasks.task_model(mixer, tasks.Vocab(*s.vocab).size, s.context, s.d, s.layers, s.heads,
                              position_embedding, s.conv_size).to(device).train()
