@@ -22,11 +22,11 @@ _EXPORTS = {
     "interpreting": "._loader",
     "triton_ready": "._loader",
     "triton_decode_step": ".decode",
-    "BlockConfig": ".resolvent",
-    "block_config": ".resolvent",
-    "get_block_config": ".resolvent",
-    "make_plan": ".resolvent",
-    "set_nan_fill": ".resolvent",
+    "BlockConfig": ".launching",
+    "block_config": ".launching",
+    "get_block_config": ".launching",
+    "make_plan": ".launching",
+    "set_nan_fill": ".launching",
     "triton_mix": ".resolvent",
 }
 

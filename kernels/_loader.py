@@ -9,6 +9,7 @@ used.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -17,6 +18,7 @@ from types import ModuleType
 import torch
 
 _MODULES: dict[bool, ModuleType] = {}
+_COMPILED_ONLY = False  # set within ``compiled_kernels()``
 _JIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jit")
 
 NOT_READY = (
@@ -70,7 +72,9 @@ def jit_module(interpret: bool | None = None) -> ModuleType:
 
     ``interpret`` forces a mode (``False``: GPU-compilable kernels, for ahead-of-time compilation).
     """
-    mode = interpreting() if interpret is None else bool(interpret)
+    if interpret is None:
+        interpret = interpreting() and not _COMPILED_ONLY
+    mode = bool(interpret)
     module = _MODULES.get(mode)
     if module is None:
         name = f"{__package__}._jit_{'interpreted' if mode else 'compiled'}"
@@ -90,3 +94,15 @@ def jit_module(interpret: bool | None = None) -> ModuleType:
                 os.environ["TRITON_INTERPRET"] = old
         _MODULES[mode] = module
     return module
+
+
+@contextlib.contextmanager
+def compiled_kernels():
+    """Within the block :func:`jit_module` gives the GPU-compiled kernels whatever ``TRITON_INTERPRET`` says: what
+    ``aot.recording_launches`` records, and what ``aot.compile_launch`` builds."""
+    global _COMPILED_ONLY
+    old, _COMPILED_ONLY = _COMPILED_ONLY, True
+    try:
+        yield
+    finally:
+        _COMPILED_ONLY = old

@@ -17,6 +17,7 @@ sm_90) and tests/backends/test_triton.py.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 import subprocess
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _loader, launching
 from . import decode as _decode
 from . import resolvent as _resolvent
 from ._loader import jit_module
@@ -47,95 +49,121 @@ class Launch:
     args: dict
     constexprs: dict
     options: dict = field(default_factory=dict)
+    choice: dict = field(default_factory=dict)  # the BlockConfig's kernel choice (KERNEL_FIELDS) at the launch
+
+
+class _RecordedKernel:
+    """Stands in for one kernel: ``kernel[grid](*args, **kw)`` records the launch, and runs it with ``run``."""
+
+    def __init__(self, name: str, fn, launches: list, run: bool):
+        self.name, self.fn, self.launches, self.run = name, fn, launches, run
+        # The compile-time parameters, as annotated (an interpreted kernel keeps no list of them)
+        self.constexpr_names = {name for name, p in inspect.signature(fn.fn).parameters.items()
+                                if "constexpr" in str(p.annotation)}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            bound = dict(zip(self.fn.arg_names, args))
+            bound.update({k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS})
+            constexprs = {k: bound[k] for k in self.fn.arg_names if k in self.constexpr_names}
+            runtime = {k: bound[k] for k in self.fn.arg_names if k not in constexprs}
+            options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
+            choice = kernel_choice(launching.get_block_config())
+            self.launches.append(Launch(self.name, tuple(grid), runtime, constexprs, options, choice))
+            if self.run:
+                self.fn[grid](*args, **kwargs)
+
+        return launch
 
 
 class _Recorder:
-    """Stands in for the kernel module: ``rec.kernel[grid](*args, **kw)`` records instead of launching."""
+    """What :func:`recording_launches` yields: ``launches``, every launch of the block in order."""
 
-    def __init__(self, jit):
-        self.jit = jit
+    def __init__(self):
         self.launches: list[Launch] = []
-
-    def __getattr__(self, name):
-        fn = getattr(self.jit, name)
-        recorder = self
-
-        class _Grid:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    names = fn.arg_names
-                    options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
-                    bound = dict(zip(names, args))
-                    bound.update(kwargs)
-                    constexprs = {k: bound[k] for k in names if k in fn.constexprs_names}
-                    runtime = {k: bound[k] for k in names if k not in constexprs}
-                    recorder.launches.append(Launch(name, tuple(grid), runtime, constexprs, options))
-
-                return launch
-
-        return _Grid()
-
-
-def _constexpr_names(fn) -> set:
-    return {fn.arg_names[i] for i in fn.constexprs}
 
 
 @contextlib.contextmanager
-def recording_launches():
-    """Within the block, the launchers record every kernel launch (kernel, grid, arguments) instead of running it:
-    yields the recorder, whose launches the caller reads."""
-    jit = jit_module(interpret=False)
-    for name in dir(jit):
-        obj = getattr(jit, name)
-        if hasattr(obj, "arg_names") and hasattr(obj, "constexprs") and not hasattr(obj, "constexprs_names"):
-            obj.constexprs_names = _constexpr_names(obj)
-    rec = _Recorder(jit)
-    old = (_resolvent.jit_module, _decode.jit_module, _decode.check_ready)
-    _resolvent.jit_module = _decode.jit_module = lambda: rec
-    _decode.check_ready = lambda *tensors: None  # nothing runs: CPU tensors are fine
+def recording_launches(run: bool = False):
+    """Within the block, every kernel launch (kernel, grid, arguments) is recorded: yields the recorder, whose
+    ``launches`` the caller reads. Without ``run`` nothing runs: the launchers reach the GPU-compiled kernels (what
+    ``compile_launch`` builds) on any tensors, CPU or meta. With ``run`` the launches also run, in the current
+    Triton mode (a test's view of which kernels a call starts)."""
+    rec = _Recorder()
+    # Running, the launchers reach the kernels of whichever mode is current at each call: watch both.
+    packages = [jit_module(interpret=False)] + ([jit_module(interpret=True)] if run else [])
+    swapped = [(op, name, getattr(op, name)) for jit in packages for op in jit.OPS for name in dir(op)
+               if name.endswith("_kernel")]
+    for op, name, fn in swapped:
+        setattr(op, name, _RecordedKernel(name, fn, rec.launches, run))
     try:
-        yield rec
+        if run:
+            yield rec
+        else:
+            with _loader.compiled_kernels(), _skipping_readiness():
+                yield rec
     finally:
-        _resolvent.jit_module, _decode.jit_module, _decode.check_ready = old
+        for op, name, fn in swapped:
+            setattr(op, name, fn)
+
+
+@contextlib.contextmanager
+def _skipping_readiness():
+    """The decode entry's readiness check off: nothing runs, so CPU tensors are fine."""
+    old = _decode.check_ready
+    _decode.check_ready = lambda *tensors: None
+    try:
+        yield
+    finally:
+        _decode.check_ready = old
+
+
+def record_passes(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 64, e: int = 64, batch: int = 1,
+                  heads: int = 1, tied: bool = False, device: str = "cpu") -> dict:
+    """The kernel launches of a forward and of a backward of ``pattern``: {"forward": [...], "backward": [...]}.
+
+    Tensors are made on ``device`` (``"meta"``: nothing allocated) and never read (nothing runs). The current
+    BlockConfig applies."""
+    from hf_resolvent.patterns import get_pattern
+
+    plan = launching.make_plan(get_pattern(pattern), n)
+    BH = batch * heads
+    with torch.device(device):
+        qa, ka = (None, None) if tied else (torch.zeros(BH, n, d, dtype=dtype) for _ in range(2))
+        qb, kb = (torch.zeros(BH, n, d, dtype=dtype) for _ in range(2)) if plan.has_b else (None, None)
+        x = torch.zeros(BH, n, e, dtype=dtype)
+        g = torch.zeros(BH, n, dtype=dtype) if plan.has_b else None
+        start = torch.zeros(batch, dtype=torch.int32)
+        dy = torch.zeros(BH, n, e)
+    sh = launching.LaunchShapes(BH=BH, H=heads, n=n, da=d, db=d, e=e, scale=d**-0.5,
+                                prec=launching.FP32_PREC if dtype == torch.float32 else "tf32")
+    cfg = launching.fitted_block_config(dtype, max(d, e))
+    with recording_launches() as rec:
+        _, saved = _resolvent.launch_forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, tied)
+        n_forward = len(rec.launches)
+        _resolvent.launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
+    return {"forward": rec.launches[:n_forward], "backward": rec.launches[n_forward:]}
 
 
 def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 64, e: int = 64,
                     batch: int = 1, heads: int = 1, tied: bool = False) -> list[Launch]:
-    """Every kernel launch of a forward + backward (and one decode step) for ``pattern``.
-
-    Tensors are allocated on CPU and never read (nothing runs). The current BlockConfig applies.
-    """
+    """Every kernel launch of a forward + backward (:func:`record_passes`) and of one decode step for ``pattern``,
+    on CPU tensors that nothing reads. The current BlockConfig applies."""
     from hf_resolvent.ops import DecodeState
     from hf_resolvent.patterns import get_pattern
 
+    passes = record_passes(pattern, dtype, n, d, e, batch, heads, tied)
     pat = get_pattern(pattern)
-    plan = _resolvent.make_plan(pat, n)
-    BH = batch * heads
-    mk = lambda *s: torch.zeros(*s, dtype=dtype)
-    qa, ka, qb, kb = (mk(BH, n, d) for _ in range(4))
-    x = mk(BH, n, e)
-    g = mk(BH, n) if plan.has_b else None
-    if not plan.has_b:
-        qb = kb = None
-    start = torch.zeros(batch, dtype=torch.int32)
-    sh = _resolvent.LaunchShapes(BH=BH, H=heads, n=n, da=d, db=d, e=e, scale=d**-0.5,
-                            prec=_resolvent.FP32_PREC if dtype == torch.float32 else "tf32")
-    cfg = _resolvent.fitted_block_config(dtype, max(d, e))
+    one = lambda w: torch.zeros(batch, heads, w, dtype=dtype)
+    g = torch.zeros(batch, heads, dtype=dtype) if pat.has_recurrence else None
+    qb, kb = (one(d), one(d)) if pat.has_recurrence else (None, None)
     with recording_launches() as rec:
         if tied:
-            qa = ka = None
-        y, saved = _resolvent.launch_forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, tied)
-        _resolvent.launch_backward(torch.zeros(BH, n, e), qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
-        state = DecodeState()
-        one = lambda w: torch.zeros(batch, heads, w, dtype=dtype)
-        gg = torch.zeros(batch, heads, dtype=dtype) if plan.has_b else None
-        if tied:
-            _decode.triton_decode_step(state, None, None, one(d), one(d), one(e), gg, pat,
+            _decode.triton_decode_step(DecodeState(), None, None, qb, kb, one(e), g, pat,
                                        d=torch.zeros(batch, heads, dtype=dtype))
         else:
-            _decode.triton_decode_step(state, one(d), one(d), one(d) if plan.has_b else None,
-                                       one(d) if plan.has_b else None, one(e), gg, pat)
-    return rec.launches
+            _decode.triton_decode_step(DecodeState(), one(d), one(d), qb, kb, one(e), g, pat)
+    return passes["forward"] + passes["backward"] + rec.launches
 
 
 def parse_config(text: str) -> dict:
@@ -143,7 +171,7 @@ def parse_config(text: str) -> dict:
     ``--config`` option of the scripts that build, check and time kernel variants (scripts/bench/)."""
     from dataclasses import fields
 
-    types = {f.name: type(getattr(_resolvent.BlockConfig(), f.name)) for f in fields(_resolvent.BlockConfig)}
+    types = {f.name: type(getattr(launching.BlockConfig(), f.name)) for f in fields(launching.BlockConfig)}
     settings = {}
     for item in filter(None, text.split(",")):
         name, sep, value = item.partition("=")
@@ -158,7 +186,7 @@ def parse_config(text: str) -> dict:
             settings[name] = types[name](value)
         except ValueError:
             raise ValueError(f"{name} takes an integer, got {value!r}") from None
-    _resolvent.BlockConfig(**settings)  # its own checks: powers of two, known variant names
+    launching.BlockConfig(**settings)  # its own checks: powers of two, known variant names
     return settings
 
 
@@ -256,7 +284,7 @@ def ptx_counts(ptx: str) -> dict:
 def compile_key(launch: Launch) -> tuple:
     """What decides the compiled code of ``launch`` (kernel, argument types and specialisation, constants,
     options): launches with equal keys share one binary, as in Triton's own cache."""
-    fn = getattr(jit_module(interpret=False), launch.name)
+    fn = jit_module(interpret=False).KERNELS[launch.name]
     signature, constants, attrs = _specialize(launch, fn)
     return (launch.name, tuple(signature.items()), tuple(sorted(constants.items(), key=repr)),
             tuple(sorted(attrs)), tuple(sorted(launch.options.items())))
@@ -272,7 +300,7 @@ def compile_launch(launch: Launch, arch: int = 90) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(jit_module(interpret=False), launch.name)
+    fn = jit_module(interpret=False).KERNELS[launch.name]
     signature, constants, attrs = _specialize(launch, fn)
     src = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
@@ -283,7 +311,7 @@ def compile_launch(launch: Launch, arch: int = 90) -> dict:
     if limit is not None and usage["shared"] > limit:
         raise RuntimeError(f"{launch.name} {launch.constexprs} asks for {usage['shared']} B of shared memory per block, "
                            f"over the {limit} B of sm_{arch}: it would fail at launch; fit its tiles "
-                           f"(resolvent.fitted_block_config)")
+                           f"(launching.fitted_block_config)")
     return usage
 
 

@@ -17,7 +17,7 @@ from hf_resolvent.ops.state import DecodeState
 from hf_resolvent.patterns import get_pattern
 
 from ._loader import check_ready, jit_module
-from .resolvent import LOG2E, SUPPORTED_DTYPES, get_block_config, new_buffer, tile_width
+from .launching import SUPPORTED_DTYPES, get_block_config
 
 
 def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool):
@@ -30,35 +30,28 @@ def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: boo
     if x.dim() != 3:
         raise ValueError(f"x must be one token (batch, heads, value_dim), got shape {tuple(x.shape)}")
     batch, heads, e = x.shape
-    dev = x.device
     has_a, has_b = not tied, pattern.has_recurrence
-    r = state.next_position(batch, dev)
-    positions = state.row_positions(batch, dev)
+    r = state.next_position(batch, x.device)
+    positions = state.row_positions(batch, x.device)
     S = positions.shape[1]
-    mode, w_lo, offsets = DecodeState.read_rule(pattern, r)  # the kernel's MODE, W_LO and OFFS
     ref = qb if tied else qa
     scale = ref.shape[-1] ** -0.5 if scale is None else float(scale)
-    cfg = get_block_config()
-    da = qa.shape[-1] if has_a else 1
-    db = qb.shape[-1] if has_b else 1
 
-    def flat(t):
-        return x if t is None else t.contiguous()
-
-    def held(name):
+    def rows_held(name, width, kept):
+        """The cache's rows of one tensor, (B, H, S, w); none yet: an empty one."""
+        if not kept:
+            return None
         t = getattr(state, name)
-        return x if t is None or S == 0 else t.contiguous()
+        return x.new_empty(batch, heads, 0, width) if t is None or S == 0 else t.contiguous()
 
-    y = new_buffer((batch, heads, e), dev)
-    z = new_buffer((batch, heads, e), dev) if has_b else y
-    offs = torch.tensor(offsets or [1], dtype=torch.int32, device=dev)
-    jit_module().decode_step_kernel[(batch * heads,)](
-        flat(qa), flat(ka), x.contiguous(), flat(qb), flat(g), flat(d),
-        held("keys_a"), held("keys_b"), held("values"), held("outputs"),
-        positions.to(torch.int32).contiguous(), r.to(torch.int32).contiguous(), offs, y, z,
-        S, heads, da, db, e, scale * LOG2E, w_lo, len(offsets),
-        BS=cfg.decode, BDA=tile_width(da), BDB=tile_width(db), BE=tile_width(e), MODE=mode, HAS_A=has_a, HAS_B=has_b,
-        TIED=tied, num_warps=cfg.num_warps)
+    cache = {"keys_a": rows_held("keys_a", qa.shape[-1] if has_a else 0, has_a),
+             "values": rows_held("values", e, has_a),
+             "keys_b": rows_held("keys_b", qb.shape[-1] if has_b else 0, has_b),
+             "outputs": rows_held("outputs", e, has_b)}
+    contiguous = lambda t: None if t is None else t.contiguous()
+    y, z = jit_module().decode.step(contiguous(qa), contiguous(ka), x.contiguous(), contiguous(qb) if has_b else None,
+                                    contiguous(g) if has_b else None, contiguous(d), cache, positions, r,
+                                    DecodeState.read_rule(pattern, r), scale, get_block_config())
     y = y.to(x.dtype)
     if tied:
         new = {"keys_b": kb, "outputs": z.to(x.dtype)}

@@ -1,30 +1,13 @@
-"""The ``@triton.jit`` code of the resolvent mixer, one module per op (:mod:`.common` holds the conventions and
-what the ops share). Loaded once per Triton mode by ``_loader.jit_module``, which returns this package: its
-attributes are the kernels the launchers start.
+"""The Triton kernels of the resolvent mixer, one module per op: its ``@triton.jit`` code, its launchers and the cost
+model of its kernels (:mod:`.common` holds the conventions and the device helpers the ops share). Loaded once per
+Triton mode by ``_loader.jit_module``, which returns this package: ``jit.<op>.<launcher>`` runs an op, and
+``COSTS`` maps each kernel's name to its cost model (``cost.launch_cost``).
 """
 
-from .attention import attn_bwd_atomic_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_fwd_kernel
-from .decode import decode_step_kernel
-from .dense_solve import dense_chunk_bwd_kernel, dense_chunk_fwd_kernel, dense_solve_bwd_kernel, dense_solve_fwd_kernel
-from .sparse_chunked import chunk_carry_kernel, chunk_grads_kernel, chunk_prepare_kernel, chunk_rows_bwd_kernel
-from .sparse_solve import sparse_direct_kernel, sparse_grads_kernel, sparse_solve_bwd_kernel, sparse_solve_fwd_kernel
+from . import attention, decode, dense_solve, sparse_chunked, sparse_solve
 
-__all__ = [
-    "attn_bwd_atomic_kernel",
-    "attn_bwd_dkdv_kernel",
-    "attn_bwd_dq_kernel",
-    "attn_fwd_kernel",
-    "dense_chunk_bwd_kernel",
-    "dense_chunk_fwd_kernel",
-    "dense_solve_bwd_kernel",
-    "dense_solve_fwd_kernel",
-    "sparse_direct_kernel",
-    "sparse_grads_kernel",
-    "sparse_solve_bwd_kernel",
-    "sparse_solve_fwd_kernel",
-    "chunk_carry_kernel",
-    "chunk_grads_kernel",
-    "chunk_prepare_kernel",
-    "chunk_rows_bwd_kernel",
-    "decode_step_kernel",
-]
+OPS = (attention, dense_solve, sparse_solve, sparse_chunked, decode)
+KERNELS = {name: getattr(op, name) for op in OPS for name in dir(op) if name.endswith("_kernel")}
+COSTS = {name: model for op in OPS for name, model in op.COSTS.items()}
+
+__all__ = ["COSTS", "KERNELS", "OPS", "attention", "decode", "dense_solve", "sparse_chunked", "sparse_solve"]

@@ -5,9 +5,12 @@ runs these kernels too.
 Conventions: :mod:`.common`.
 """
 
+import torch
 import triton
 import triton.language as tl
 
+from .. import launching
+from ..cost import F32
 from .common import (
     _causal,
     _dot,
@@ -211,3 +214,138 @@ def attn_bwd_atomic_kernel(Q, K, V, W, COEF, DELTA, LSE, DQ, DK, DV, START, n, H
         dq = _dot(tl.trans(dst.to(DT)), k, PREC) * scale
         tl.atomic_add(_tile_ptrs(DQ, bh, n, rows, cd, d), dq, mask=_tile_mask(rmask, cd, d), sem="relaxed")
     _store_key_grads(DK, DV, dk * scale, dv, bh, n, keys, kmask, cd, d, ce, e, HAS_DV)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers (tensors flattened to (B * H, n, w) contiguous; ``launching.LaunchShapes`` gives the sizes)
+
+
+def forward(q, k, v, start, sh, d, cfg):
+    """Causal attention of one channel (width d): (out (BH, n, e) float32, lse (BH, n) base 2)."""
+    out, lse = launching.new_buffer((sh.BH, sh.n, sh.e), v.device), launching.new_buffer((sh.BH, sh.n), v.device)
+    attn_fwd_kernel[(launching.cdiv(sh.n, cfg.attn_m), sh.BH)](
+        q, k, v, out, lse, start, sh.n, sh.H, d, sh.e, sh.qk_scale2, BM=cfg.attn_m, BN=cfg.attn_n,
+        BD=launching.tile_width(d), BE=launching.tile_width(sh.e), PREC=sh.prec, num_warps=cfg.num_warps)
+    return out, lse
+
+
+def _grad_buffers(q, d: int, e: int, with_dv: bool, dq_from_zero: bool):
+    """dq, dk (BH, n, d) and dv (BH, n, e), None without ``with_dv``: float32, written whole but for an atomic dq."""
+    BH, n = q.shape[:2]
+    dq = torch.zeros(BH, n, d, device=q.device) if dq_from_zero else launching.new_buffer((BH, n, d), q.device)
+    dv = launching.new_buffer((BH, n, e), q.device) if with_dv else None
+    return dq, launching.new_buffer((BH, n, d), q.device), dv
+
+
+def backward_split(q, k, v, w, coef, delta, lse, start, sh, d, cfg, strict: bool, with_dv: bool):
+    """The backward of one channel as two kernels: dK (and dV) per key block, then dQ per query block. ``w`` is the
+    gradient reaching the channel's output, ``coef`` its weight per row, ``delta`` the rows' w . out; ``strict``
+    leaves the diagonal out (channel B). Returns (dq, dk, dv) float32, dv None without ``with_dv``."""
+    dq, dk, dv = _grad_buffers(q, d, sh.e, with_dv, dq_from_zero=False)
+    tiles = dict(BD=launching.tile_width(d), BE=launching.tile_width(sh.e), STRICT=strict, PREC=sh.prec,
+                 num_warps=cfg.num_warps)
+    attn_bwd_dkdv_kernel[(launching.cdiv(sh.n, cfg.bwd_n), sh.BH)](
+        q, k, v, w, coef, delta, lse, dk, dv, start, sh.n, sh.H, d, sh.e, sh.qk_scale2, sh.scale,
+        BM=cfg.bwd_m, BN=cfg.bwd_n, HAS_DV=with_dv, **tiles)
+    attn_bwd_dq_kernel[(launching.cdiv(sh.n, cfg.bwd_m), sh.BH)](
+        q, k, v, w, coef, delta, lse, dq, start, sh.n, sh.H, d, sh.e, sh.qk_scale2, sh.scale,
+        BM=cfg.bwd_m, BN=cfg.bwd_n, **tiles)
+    return dq, dk, dv
+
+
+def backward_atomic(q, k, v, w, coef, delta, lse, start, sh, d, cfg, strict: bool, with_dv: bool):
+    """As :func:`backward_split`, in one kernel over key blocks; every key block before a query row adds its share
+    of that row's dQ, so dQ starts at zero."""
+    dq, dk, dv = _grad_buffers(q, d, sh.e, with_dv, dq_from_zero=True)
+    attn_bwd_atomic_kernel[(launching.cdiv(sh.n, cfg.atomic_n), sh.BH)](
+        q, k, v, w, coef, delta, lse, dq, dk, dv, start, sh.n, sh.H, d, sh.e, sh.qk_scale2, sh.scale,
+        BM=cfg.atomic_m, BN=cfg.atomic_n, BD=launching.tile_width(d), BE=launching.tile_width(sh.e), STRICT=strict,
+        HAS_DV=with_dv, PREC=sh.prec, num_warps=cfg.atomic_warps)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# Cost model (``cost.launch_cost``): each takes a recorded launch and a ``cost.Cost``, returns its chain steps
+
+
+def _key_steps_causal(n: int, rows: int, keys: int) -> int:
+    """Key steps of keys per step summed over the query blocks of rows (keys 0 .. the block's last row)."""
+    return sum(launching.cdiv(min((i + 1) * rows, n), keys) for i in range(launching.cdiv(n, rows)))
+
+
+def _query_steps_from_key_block(n: int, rows: int, keys: int) -> int:
+    """Query steps of rows per step summed over the key blocks of keys (query blocks from the key block's)."""
+    return sum(launching.cdiv(n - ((j * keys) // rows) * rows, rows) for j in range(launching.cdiv(n, keys)))
+
+
+def _key_block_traffic(cost, programs: int, steps: int, a: dict, c: dict):
+    """Tile traffic of a backward over key blocks (the split dK/dV kernel, the atomic kernel): each program's K and
+    V once, the query rows' Q, W and row scalars at every step, dK (and dV) stored once."""
+    BM, BN, d, e = c["BM"], c["BN"], a["d"], a["e"]
+    cost.move(programs * BN, a["K"], d)
+    cost.move(programs * BN, a["V"], e)
+    cost.move(steps * BM, a["Q"], d)
+    cost.move(steps * BM, a["W"], e)
+    cost.move(steps * BM, width=3, elem=F32)  # COEF, DELTA, LSE
+    cost.move(programs * BN, width=d + (e if c["HAS_DV"] else 0), elem=F32)  # DK, DV
+
+
+def _programs(launch) -> int:
+    return launch.grid[0] * launch.grid[1]
+
+
+def attn_fwd_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    BM, BN, Q, V, n = c["BM"], c["BN"], a["Q"], a["V"], a["n"]
+    steps = _key_steps_causal(n, BM, BN) * Q.shape[0]
+    cost.move(_programs(launch) * BM, Q, a["d"])
+    cost.move(steps * BN, a["K"], a["d"])
+    cost.move(steps * BN, V, a["e"])
+    cost.move(_programs(launch) * BM, width=a["e"] + 1, elem=F32)  # OUT and LSE
+    cost.dot(steps, BM, BN, c["BD"], Q.dtype, c["PREC"])
+    cost.dot(steps, BM, c["BE"], BN, V.dtype, c["PREC"])
+    return 0
+
+
+def attn_bwd_dkdv_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    BM, BN, Q = c["BM"], c["BN"], a["Q"]
+    steps = _query_steps_from_key_block(a["n"], BM, BN) * Q.shape[0]
+    _key_block_traffic(cost, _programs(launch), steps, a, c)
+    cost.dot(2 * steps, BM, BN, c["BD"], Q.dtype, c["PREC"])  # Q K^T, and dS^T Q
+    # dO V^T, and P^T dO for dV, in V's dtype: x's for channel A; for B, Y (float32, at tf32) or its 16-bit copy
+    cost.dot((2 if c["HAS_DV"] else 1) * steps, BM, BN, c["BE"], a["V"].dtype, c["PREC"])
+    return 0
+
+
+def attn_bwd_dq_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    BM, BN, Q, d, e = c["BM"], c["BN"], a["Q"], a["d"], a["e"]
+    programs = _programs(launch)
+    steps = _key_steps_causal(a["n"], BM, BN) * Q.shape[0]
+    cost.move(programs * BM, Q, d)
+    cost.move(programs * BM, a["W"], e)
+    cost.move(programs * BM, width=3, elem=F32)
+    cost.move(steps * BN, a["K"], d)
+    cost.move(steps * BN, a["V"], e)
+    cost.move(programs * BM, width=d, elem=F32)  # DQ
+    cost.dot(2 * steps, BM, BN, c["BD"], Q.dtype, c["PREC"])  # Q K^T, and dS K
+    cost.dot(steps, BM, BN, c["BE"], a["V"].dtype, c["PREC"])  # dO V^T in V's dtype
+    return 0
+
+
+def attn_bwd_atomic_cost(launch, cost, pattern, in_flight) -> int:
+    # One program per key block walks the query blocks from its own: scores, dP, dK and dQ once per step.
+    a, c = launch.args, launch.constexprs
+    BM, BN, Q = c["BM"], c["BN"], a["Q"]
+    steps = _query_steps_from_key_block(a["n"], BM, BN) * Q.shape[0]
+    _key_block_traffic(cost, _programs(launch), steps, a, c)
+    cost.move(steps * BM, width=a["d"], elem=F32)  # DQ atomics
+    cost.dot(3 * steps, BN, BM, c["BD"], Q.dtype, c["PREC"])  # K Q^T, dS Q for dK, dS^T K for dQ
+    # V dO^T, and P^T dO for dV, in V's dtype (channel B's: Y at tf32, or its 16-bit copy)
+    cost.dot((2 if c["HAS_DV"] else 1) * steps, BN, BM, c["BE"], a["V"].dtype, c["PREC"])
+    return 0
+
+
+COSTS = {"attn_fwd_kernel": attn_fwd_cost, "attn_bwd_dkdv_kernel": attn_bwd_dkdv_cost,
+         "attn_bwd_dq_kernel": attn_bwd_dq_cost, "attn_bwd_atomic_kernel": attn_bwd_atomic_cost}

@@ -3,9 +3,11 @@
 Conventions: :mod:`.common`.
 """
 
+import torch
 import triton
 import triton.language as tl
 
+from .. import launching
 from .common import (
     _max,
     _sum,
@@ -114,3 +116,31 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
             tl.store(Y + bh * e + ce, tl.where(live, y, 0.0), mask=emask)
     else:
         tl.store(Y + bh * e + ce, tl.where(live, acc / l_sum, 0.0), mask=emask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+
+
+def step(qa, ka, x, qb, g, dd, cache: dict, positions, r, read_rule, scale: float, cfg):
+    """One token (B, H, w) per sequence against the cache rows ``cache`` (keys_a, keys_b, values, outputs: (B, H,
+    S, w), None for a channel the variant lacks) at pattern ``positions`` (B, S), the token at ``r`` (B,), read by
+    ``read_rule`` (``DecodeState.read_rule``: the kernel's MODE, W_LO and OFFS). Returns (y, z) float32 (B, H, e),
+    z the row the cache keeps (None without a B term)."""
+    batch, heads, e = x.shape
+    has_a, has_b, tied = qa is not None, qb is not None, dd is not None
+    da, db = qa.shape[-1] if has_a else 1, qb.shape[-1] if has_b else 1
+    mode, w_lo, offsets = read_rule
+    y = launching.new_buffer((batch, heads, e), x.device)
+    z = launching.new_buffer((batch, heads, e), x.device) if has_b else None
+    offs = torch.tensor(offsets or [1], dtype=torch.int32, device=x.device)
+    decode_step_kernel[(batch * heads,)](
+        qa, ka, x, qb, g, dd, cache["keys_a"], cache["keys_b"], cache["values"], cache["outputs"],
+        positions.to(torch.int32).contiguous(), r.to(torch.int32).contiguous(), offs, y, z,
+        positions.shape[1], heads, da, db, e, scale * launching.LOG2E, w_lo, len(offsets),
+        BS=cfg.decode, BDA=launching.tile_width(da), BDB=launching.tile_width(db), BE=launching.tile_width(e),
+        MODE=mode, HAS_A=has_a, HAS_B=has_b, TIED=tied, num_warps=cfg.num_warps)
+    return y, z
+
+
+COSTS = {}  # the roofline models training passes; a decode step is timed, not modelled

@@ -5,9 +5,14 @@ solving its block against every earlier one as they are published) and chunked (
 Conventions: :mod:`.common`.
 """
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
+from .. import launching
+from ..cost import F32
 from .common import (
     _as_read,
     _chunk_tile_ptrs,
@@ -309,3 +314,215 @@ def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, STA
     if COPY:
         tl.store(_tile_ptrs(WREAD, bh, n, cols, ce, e), w.to(WREAD.dtype.element_ty), mask=_tile_mask(cmask, ce, e))
     _publish_solved(PROGRESS, bh, order, known)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers (tensors flattened to (B * H, n, w) contiguous; ``launching.LaunchShapes`` gives the sizes). Each
+# returns what the backward needs in ``saved``: R, LSEB, the solved rows' copy (YREAD) and the block inverses.
+
+
+def _copies(cfg, qb) -> bool:
+    """The solves also write their solved rows in the input dtype (``BlockConfig.solved_copy``, 16-bit inputs)."""
+    return cfg.solved_copy and qb.dtype != torch.float32
+
+
+def _forward(kernel, block: int, qb, kb, oa, g, start, sh, cfg, **chunked):
+    dev, BH, n, e = oa.device, sh.BH, sh.n, sh.e
+    y, r, lseb = (launching.new_buffer(shape, dev) for shape in ((BH, n, e), (BH, n, e), (BH, n)))
+    copy = _copies(cfg, qb)
+    y_read = launching.new_buffer((BH, n, e), dev, dtype=qb.dtype) if copy else y
+    kernel[launching.solve_grid(n, BH, block)](
+        qb, kb, oa, g, y, y_read, r, lseb, start, launching.progress_buffer(BH, dev), n, sh.H, sh.db, e,
+        sh.qk_scale2, **chunked, BLOCK=block, LOG2_BLOCK=int(math.log2(block)), BD=launching.tile_width(sh.db),
+        BE=launching.tile_width(e), COPY=copy, PREC=sh.prec, SOLVE_PREC=launching.SOLVE_PREC,
+        num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
+    return y, dict(r=r, lseb=lseb, y_read=y_read if copy else None, inverses=chunked.get("TINV"))
+
+
+def blocked_forward(qb, kb, oa, g, start, sh, cfg, keep_inverses: bool):
+    """Y = (I - B)^-1 ((1 - geff) OA) in blocks of ``cfg.solve`` rows, each against every earlier block."""
+    return _forward(dense_solve_fwd_kernel, cfg.solve, qb, kb, oa, g, start, sh, cfg)
+
+
+def chunked_forward(qb, kb, oa, g, start, sh, cfg, keep_inverses: bool):
+    """As :func:`blocked_forward` in blocks of ``cfg.chunk`` rows, keeping each block's inverse for the backward
+    where one follows."""
+    inverses = launching.block_inverses(sh.BH, sh.n, cfg.chunk, oa.device) if keep_inverses else None
+    return _forward(dense_chunk_fwd_kernel, cfg.chunk, qb, kb, oa, g, start, sh, cfg, TINV=inverses,
+                    SAVE_INVERSE=keep_inverses)
+
+
+def _backward(kernel, block: int, dy, qb, kb, oa, g, start, saved, sh, cfg, **chunked):
+    dev, BH, n, e = dy.device, sh.BH, sh.n, sh.e
+    w = launching.new_buffer((BH, n, e), dev)
+    da, db, dg = (launching.new_buffer((BH, n), dev) for _ in range(3))
+    copy = _copies(cfg, qb)
+    w_read = launching.new_buffer((BH, n, e), dev, dtype=qb.dtype) if copy else w
+    kernel[launching.solve_grid(n, BH, block)](
+        qb, kb, oa, saved["r"], g, saved["lseb"], dy, w, w_read, da, db, dg, start, launching.progress_buffer(BH, dev),
+        n, sh.H, sh.db, e, sh.qk_scale2, **chunked, BLOCK=block, LOG2_BLOCK=int(math.log2(block)),
+        BD=launching.tile_width(sh.db), BE=launching.tile_width(e), COPY=copy, PREC=sh.prec,
+        SOLVE_PREC=launching.SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
+    return w, da, db, dg
+
+
+def blocked_backward(dy, qb, kb, oa, g, start, saved, sh, cfg):
+    """W = (I - B)^-T dY, last block first, and the row scalars DA = (1 - geff) W.OA, DB = geff W.R, DG."""
+    return _backward(dense_solve_bwd_kernel, cfg.solve, dy, qb, kb, oa, g, start, saved, sh, cfg)
+
+
+def chunked_backward(dy, qb, kb, oa, g, start, saved, sh, cfg):
+    """As :func:`blocked_backward` in blocks of ``cfg.chunk`` rows, with the inverses the forward kept."""
+    return _backward(dense_chunk_bwd_kernel, cfg.chunk, dy, qb, kb, oa, g, start, saved, sh, cfg,
+                     TINV=saved["inverses"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Cost model (``cost.launch_cost``): each takes a recorded launch and a ``cost.Cost``, returns its chain steps
+
+
+def dense_chunk_counts(nblk: int, in_flight: int, backward: bool) -> dict:
+    """Per head, the (BLOCK x BLOCK) score products and the tiles of the chunked dense solves, block by block as
+    the kernels run them (products on masked, all-zero tiles run all the same; masked loads move nothing).
+
+    Forward, block c with u of the blocks before c - 1 not yet published when it starts (``in_flight`` blocks in
+    flight, c - 1 included): the scores of every earlier block and of its own once, those of the u blocks and of
+    block c - 1 a second time (the first pass only builds the normaliser): c + u + 2 score products; c products
+    P.Y (one per earlier block), of which the c - 1 over the blocks before c - 1 read YREAD (``read_products``,
+    one YREAD tile each) and the one with block c - 1, R's, reads Y; c + u + 2 key tiles, c solved Y tiles. Block
+    0 scores itself and an empty block before it and runs its P.Y with Y on zeros. Backward, block at solve
+    position o (0 the last block): B_rc^T W_r for the o - 1 later blocks but the next, each reading a WREAD tile
+    (``read_products``), and the next block's scores (its rows' q, lse, gate and W itself loaded for o >= 1): o - 1
+    + 1 score products and o - 1 products with W (the block's own scores are in T_c, which the forward saved)."""
+    counts = dict(scores=0, value_products=0, read_products=0, key_tiles=0, solved_tiles=0, later_rows=0)
+    for c in range(nblk):
+        if backward:
+            later = max(c - 1, 0)  # c is the solve position here
+            counts["scores"] += later + 1
+            counts["value_products"] += later
+            counts["read_products"] += later
+            counts["later_rows"] += later + (c >= 1)
+            counts["solved_tiles"] += later + (c >= 1)
+        elif c == 0:
+            counts["scores"] += 2
+            counts["value_products"] += 1
+            counts["key_tiles"] += 1
+        else:
+            u = min(in_flight, c) - 1
+            counts["scores"] += c + u + 2
+            counts["value_products"] += c
+            counts["read_products"] += c - 1
+            counts["key_tiles"] += c + u + 2
+            counts["solved_tiles"] += c
+    return counts
+
+
+def dense_chunk_fwd_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    B, BE, QB, d, e, n = c["BLOCK"], c["BE"], a["QB"], a["d"], a["e"], a["n"]
+    programs, nblk = launch.grid[0], launching.cdiv(n, B)
+    k = {key: v * QB.shape[0] for key, v in dense_chunk_counts(nblk, in_flight, backward=False).items()}
+    y_read = a["YREAD"]
+    cost.dot(k["scores"], B, B, c["BD"], QB.dtype, c["PREC"])
+    # P Y over every earlier block with YREAD's operands (16-bit with COPY): the blocks before c - 1 read YREAD,
+    # R's P Y_(c-1) reads Y rounded alike
+    cost.dot(k["value_products"], B, BE, B, y_read.dtype, c["PREC"])
+    # T_c formed and applied to the rhs and to the block before's probabilities, then the product after the wait
+    cost.inverse_applied(programs, B, c["LOG2_BLOCK"], (BE, B), c["SOLVE_PREC"])
+    cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])
+    cost.move(programs * B, a["G"])
+    if c["SAVE_INVERSE"]:
+        cost.move(programs * B, a["TINV"], B)  # T_c stored for the backward
+    cost.move(programs * B, QB, d)
+    cost.dot(programs, B, BE, B, y_read.dtype, c["PREC"])  # R's in-block part, as R's other terms
+    cost.move(k["key_tiles"] * B, a["KB"], d)
+    cost.move(k["read_products"] * B, y_read, e)  # solved rows of the blocks before c - 1
+    cost.move((k["solved_tiles"] - k["read_products"]) * B, width=e, elem=F32)  # Y of block c - 1
+    cost.move(programs * B, a["OA"], e)
+    cost.move(programs * B, width=2 * e + 1, elem=F32)  # Y, R, LSEB
+    if c["COPY"]:
+        cost.move(programs * B, y_read, e)  # the copy of Y stored
+    return nblk
+
+
+def dense_chunk_bwd_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    B, BE, QB, d, e, n = c["BLOCK"], c["BE"], a["QB"], a["d"], a["e"], a["n"]
+    programs, nblk = launch.grid[0], launching.cdiv(n, B)
+    k = {key: v * QB.shape[0] for key, v in dense_chunk_counts(nblk, in_flight, backward=True).items()}
+    w_read = a["WREAD"]
+    cost.dot(k["scores"], B, B, c["BD"], QB.dtype, c["PREC"])
+    # B^T W over the later blocks but c + 1 with WREAD's operands (16-bit with COPY)
+    cost.dot(k["read_products"], B, BE, B, w_read.dtype, c["PREC"])
+    # T_c as the forward saved it, applied to the rhs and to the block after's probabilities; the product after
+    # the wait
+    cost.applied(programs, B, (BE, B), c["SOLVE_PREC"])
+    cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])
+    cost.move(programs * B, a["G"])
+    cost.move(programs * B, a["TINV"], B)  # T_c loaded
+    cost.move(programs * B, a["KB"], d)
+    cost.move(programs * B, a["DY"], e)
+    cost.move(k["later_rows"] * B, QB, d)
+    cost.move(k["later_rows"] * B, a["G"])
+    cost.move(k["later_rows"] * B, width=1, elem=F32)  # LSEB of later blocks
+    cost.move(k["read_products"] * B, w_read, e)  # solved rows of the later blocks but c + 1
+    cost.move((k["solved_tiles"] - k["read_products"]) * B, width=e, elem=F32)  # W of block c + 1
+    cost.move(programs * B, width=2 * e, elem=F32)  # OA, R
+    cost.move(programs * B, width=e + 3, elem=F32)  # W, DA, DB, DG
+    if c["COPY"]:
+        cost.move(programs * B, w_read, e)  # the copy of W stored
+    return nblk
+
+
+def dense_solve_fwd_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    B, BE, QB, d, e, n = c["BLOCK"], c["BE"], a["QB"], a["d"], a["e"], a["n"]
+    programs, nblk = launch.grid[0], launching.cdiv(n, B)
+    pairs = nblk * (nblk - 1) // 2 * QB.shape[0]  # (block, earlier block) pairs
+    cost.move(programs * B, QB, d)
+    cost.move(programs * B, a["G"])
+    cost.move(programs * B, a["KB"], d)  # in-block keys
+    cost.move(programs * B, a["OA"], e)
+    cost.move(pairs * B, a["KB"], d)
+    # Earlier blocks' solved rows come from YREAD: Y itself, or with COPY its copy in the input dtype, which the
+    # launch also stores.
+    y_read = a["YREAD"]
+    cost.move(pairs * B, y_read, e)
+    cost.move(programs * B, width=2 * e + 1, elem=F32)  # Y, R, LSEB
+    if c["COPY"]:
+        cost.move(programs * B, y_read, e)
+    cost.dot(pairs + programs, B, B, c["BD"], QB.dtype, c["PREC"])
+    cost.dot(pairs, B, BE, B, y_read.dtype, c["PREC"])  # P Y
+    cost.solve_block(programs, B, c["LOG2_BLOCK"], BE, c["SOLVE_PREC"])
+    cost.dot(programs, B, BE, B, y_read.dtype, c["PREC"])  # R's in-block part, as R's other terms
+    return nblk
+
+
+def dense_solve_bwd_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    B, BE, QB, d, e, n = c["BLOCK"], c["BE"], a["QB"], a["d"], a["e"], a["n"]
+    programs, nblk = launch.grid[0], launching.cdiv(n, B)
+    pairs = nblk * (nblk - 1) // 2 * QB.shape[0]  # (block, later block) pairs
+    cost.move(programs * B, a["KB"], d)
+    cost.move(programs * B, a["DY"], e)
+    cost.move(pairs * B, QB, d)
+    cost.move(pairs * B, a["G"])
+    cost.move(pairs * B, width=1, elem=F32)  # LSEB of later blocks
+    # Later blocks' solved rows come from WREAD: W itself, or with COPY its copy in the input dtype, which the
+    # launch also stores.
+    w_read = a["WREAD"]
+    cost.move(pairs * B, w_read, e)
+    cost.move(programs * B, QB, d)
+    cost.move(programs * B, a["G"])
+    cost.move(programs * B, width=1 + 2 * e, elem=F32)  # LSEB, OA, R
+    cost.move(programs * B, width=e + 3, elem=F32)  # W, DA, DB, DG
+    if c["COPY"]:
+        cost.move(programs * B, w_read, e)
+    cost.dot(pairs + programs, B, B, c["BD"], QB.dtype, c["PREC"])
+    cost.dot(pairs, B, BE, B, w_read.dtype, c["PREC"])  # B^T W
+    cost.solve_block(programs, B, c["LOG2_BLOCK"], BE, c["SOLVE_PREC"])
+    return nblk
+
+
+COSTS = {"dense_solve_fwd_kernel": dense_solve_fwd_cost, "dense_solve_bwd_kernel": dense_solve_bwd_cost,
+         "dense_chunk_fwd_kernel": dense_chunk_fwd_cost, "dense_chunk_bwd_kernel": dense_chunk_bwd_cost}

@@ -4,9 +4,15 @@ parallel against the rows it holds, then the carry through the held rows, in ord
 Conventions: :mod:`.common`.
 """
 
+import functools
+import math
+
+import torch
 import triton
 import triton.language as tl
 
+from .. import launching
+from ..cost import F32
 from .common import (
     _chunk_tile_ptrs,
     _dot,
@@ -64,7 +70,7 @@ def _held_rows(HELD, c, s, n, h0, HM: tl.constexpr, HB: tl.constexpr):
 @triton.jit
 def _reads_ptrs(READS, c, col0, C: tl.constexpr, HM: tl.constexpr, WIDTH: tl.constexpr):
     """Pointers to columns col0 .. col0 + WIDTH - 1 of chunk c's reads (C, C + HM) in READS (cdiv(n, C), C, C + HM)
-    int8 from ``resolvent.held_table``: the pattern's sources laid out per chunk once on the host (column j < C: the
+    int8 from ``launching.held_table``: the pattern's sources laid out per chunk once on the host (column j < C: the
     chunk's row j; column C + h: its held row h), so no program computes a source."""
     return READS + (c * C + tl.arange(0, C)[:, None]) * (C + HM) + col0 + tl.arange(0, WIDTH)[None, :]
 
@@ -270,3 +276,198 @@ def chunk_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, HELD, REA
                        rmask, tl.arange(0, BDA), da, ce, e, qk_scale2, scale, True, True, C, HM, HB, BDA, PREC)
     _channel_grads(QB, KB, Y, LSEB, DB, DQB, DKB, DKB, HELD, READS, geff[:, None] * w, bh, s, n, c, rows, rmask,
                    tl.arange(0, BDB), db, ce, e, qk_scale2, scale, False, False, C, HM, HB, BDB, PREC)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers (tensors flattened to (B * H, n, w) contiguous; ``launching.LaunchShapes`` gives the sizes). The
+# direct channel runs ``sparse_solve.direct`` first, as for the blocked solves.
+
+
+def _held_tiles(cfg, held) -> dict:
+    """The chunk and held-row tile constexprs of every chunked sparse kernel: C rows per chunk, HM held rows in the
+    table, visited HB <= C at a time."""
+    return dict(C=cfg.chunk, HM=held.shape[1], HB=min(held.shape[1], cfg.chunk))
+
+
+def _carry(y, j, held, start, sh, cfg, reverse: bool):
+    """The chain through the held rows, in place on y (BH, n, e) float32: forward Yhat -> Y, reverse dY -> G. One
+    program per (batch x head, 16 value columns); no software pipelining across the barrier that ends each
+    chunk."""
+    columns = 16
+    chunk_carry_kernel[(sh.BH, launching.cdiv(sh.e, columns))](
+        y, j, held, start, sh.n, sh.H, sh.e, **_held_tiles(cfg, held), BES=columns, REVERSE=reverse,
+        SOLVE_PREC=launching.SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=1)
+
+
+def forward(qb, kb, oa, g, lseb, start, plan, sh, cfg, keep_inverses: bool):
+    """Y = (I - B)^-1 ((1 - geff) OA) in chunks of ``cfg.chunk`` rows: every chunk's Yhat_c and J_c at once, then
+    the carry. Returns (y, saved) with J and, where a backward follows, each chunk's inverse T_c."""
+    dev, BH, n, e = oa.device, sh.BH, sh.n, sh.e
+    held, reads = launching.held_tables_on(plan.pattern, n, cfg.chunk, dev)
+    y = launching.new_buffer((BH, n, e), dev)
+    j = launching.new_buffer((BH, held.shape[0], cfg.chunk, held.shape[1]), dev)
+    inverses = launching.block_inverses(BH, n, cfg.chunk, dev) if keep_inverses else None
+    chunk_prepare_kernel[(held.shape[0], BH)](
+        qb, kb, oa, g, lseb, held, reads, y, j, start, plan.f0, n, sh.H, sh.db, e, sh.qk_scale2, inverses,
+        **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=launching.tile_width(sh.db),
+        BE=launching.tile_width(e), PREC=sh.prec, SOLVE_PREC=launching.SOLVE_PREC, SAVE_INVERSE=keep_inverses,
+        num_warps=cfg.solve_warps)
+    _carry(y, j, held, start, sh, cfg, reverse=False)
+    return y, dict(j=j, inverses=inverses)
+
+
+def backward(dy, qb, kb, oa, g, lseb, y, start, saved, plan, sh, cfg):
+    """W = (I - B)^-T dY: the reverse carry gives G, then W_c = T_c^T G_c for every chunk at once, with the row
+    scalars DA, DB, DG. Returns (w, da, db, dg)."""
+    dev, BH, n, e = dy.device, sh.BH, sh.n, sh.e
+    held, reads = launching.held_tables_on(plan.pattern, n, cfg.chunk, dev)
+    grad = dy.float() * launching.valid_rows(start, BH // start.shape[0], n)[..., None]
+    _carry(grad, saved["j"], held, start, sh, cfg, reverse=True)
+    w = launching.new_buffer((BH, n, e), dev)
+    da, db, dg = (launching.new_buffer((BH, n), dev) for _ in range(3))
+    chunk_rows_bwd_kernel[(held.shape[0], BH)](
+        qb, kb, oa, g, lseb, held, reads, y, grad, saved["inverses"], w, da, db, dg, start, plan.f0, n, sh.H, sh.db,
+        e, sh.qk_scale2, **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=launching.tile_width(sh.db),
+        BE=launching.tile_width(e), PREC=sh.prec, SOLVE_PREC=launching.SOLVE_PREC, num_warps=cfg.solve_warps)
+    return w, da, db, dg
+
+
+def grads(qa, ka, x, qb, kb, y, w, g, da, db, lsea, lseb, start, plan, sh, cfg):
+    """The scores' gradients as tiles over each chunk's own and held rows: (dqa, dka, dx, dqb, dkb) float32, the
+    direct channel's None for the tied variant (its dx comes from W)."""
+    dev, BH, n, e = w.device, sh.BH, sh.n, sh.e
+    held, reads = launching.held_tables_on(plan.pattern, n, cfg.chunk, dev)
+    has_a = qa is not None
+    dqa = launching.new_buffer((BH, n, sh.da), dev) if has_a else None
+    dka, dx = (torch.zeros(BH, n, width, device=dev) if has_a else None for width in (sh.da, e))
+    dqb, dkb = launching.new_buffer((BH, n, sh.db), dev), torch.zeros(BH, n, sh.db, device=dev)
+    chunk_grads_kernel[(held.shape[0], BH)](
+        qa, ka, x, qb, kb, y, w, g, da, db, lsea, lseb, held, reads, dqa, dka, dx, dqb, dkb, start, plan.f0, n, sh.H,
+        sh.da, sh.db, e, sh.qk_scale2, sh.scale, **_held_tiles(cfg, held), BDA=launching.tile_width(sh.da),
+        BDB=launching.tile_width(sh.db), BE=launching.tile_width(e), HAS_A=has_a, PREC=sh.prec,
+        num_warps=cfg.solve_warps)
+    return dqa, dka, dx, dqb, dkb
+
+
+# ------------------------------------------------------------------------------------------------
+# Cost model (``cost.launch_cost``): each takes a recorded launch and a ``cost.Cost``, returns its chain steps.
+# The chunked kernels count the held rows the pattern really has (``chunked_solve.held_rows``).
+
+
+@functools.lru_cache(maxsize=64)
+def held_counts(pattern: str, n: int, chunk: int) -> dict:
+    """The held rows at length n (no left padding): HM, the width of ``launching.held_table``, and the held rows of
+    all chunks together (the rows the kernels really gather)."""
+    from ..chunked_solve import held_rows
+
+    sizes = [len(h) for h in held_rows(pattern, n, chunk)]
+    return {"HM": launching.tile_width(max(sizes, default=1)), "held": sum(sizes), "chunks": len(sizes)}
+
+
+def _held(launch, pattern) -> dict:
+    HM, held = launch.constexprs["HM"], held_counts(pattern, launch.args["n"], launch.constexprs["C"])
+    if HM != held["HM"]:
+        raise ValueError(f"{launch.name}: HM = {HM} but launching.held_table gives {held['HM']}: the launch was not "
+                         f"recorded for pattern {pattern!r} at n = {launch.args['n']}")
+    return held
+
+
+def _chunk_pair(cost, count: int, C: int, HM: int, width: int, dtype, prec: str):
+    """A product over a chunk's own rows and its twin over the chunk's held rows: C x C or C x HM on two of its
+    sizes, ``width`` the third (which two depends on the product; its FLOPs, 2 C (C + HM) width, do not)."""
+    cost.dot(count, C, C, width, dtype, prec)
+    cost.dot(count, C, HM, width, dtype, prec)
+
+
+def chunk_carry_cost(launch, cost, pattern, in_flight) -> int:
+    # Grid (BH, e / BES): each program walks every chunk of its head for BES value columns.
+    a, c = launch.args, launch.constexprs
+    held, C, HM, e = _held(launch, pattern), c["C"], c["HM"], a["e"]
+    BH, chain = launch.grid[0], launching.cdiv(a["n"], C)
+    per_step = launch.grid[0] * launch.grid[1] * chain
+    cost.move(per_step * HM, a["HELD"])
+    cost.move(per_step * C * HM, a["J"])  # J_c, read by every column program
+    # Forward: Y_c read and written, the held rows read; backward: G_c read, the held rows read and written.
+    own, carried = (1, 2) if c["REVERSE"] else (2, 1)
+    cost.move(BH * (own * a["n"] + carried * held["held"]), width=e, elem=F32)
+    cost.dot(per_step, C, c["BES"], HM, torch.float32, c["SOLVE_PREC"])  # J_c Y[H_c], or J_c^T G_c
+    return chain
+
+
+def chunk_grads_cost(launch, cost, pattern, in_flight) -> int:
+    # Grid (cdiv(n, C), BH): per chunk and channel (A unless tied, B always) P, dP and dS over the chunk's own rows
+    # and its held rows (HB at a time, HM in all); dq written once, dk (and dx for A) as atomic tile adds.
+    a, c = launch.args, launch.constexprs
+    held, C, HM, e, prec = _held(launch, pattern), c["C"], c["HM"], a["e"], c["PREC"]
+    programs, BH = launch.grid[0] * launch.grid[1], launch.grid[1]
+    rows, held_rows = a["n"] * BH, held["held"] * BH
+    cost.move(rows, a["W"], e)
+    cost.move(rows, a["G"])
+    channels = [(a["QB"], a["KB"], a["Y"], a["db"], c["BDB"], False)]
+    if c["HAS_A"]:
+        channels.insert(0, (a["QA"], a["KA"], a["X"], a["da"], c["BDA"], True))
+    for q, k, v, d, BD, has_dx in channels:
+        cost.move(programs * HM, a["HELD"])  # each channel loads the held table and the mask of reads
+        cost.move(programs * C, a["READS"], C + HM)
+        cost.move(rows, q, d)
+        cost.move(rows + held_rows, k, d)
+        cost.move(rows + held_rows, v, e)  # x (A) or Y (B)
+        cost.move(rows, width=2 + d, elem=F32)  # LSE and D in, dq out
+        cost.move(rows + held_rows, width=d + (e if has_dx else 0), elem=F32)  # dk (and dx) atomics
+        _chunk_pair(cost, programs, C, HM, BD, q.dtype, prec)  # scores q k^T
+        # dP = dO V^T: dO cast to x's dtype for A; float32 operands (Y and geff W) for B
+        _chunk_pair(cost, programs, C, HM, c["BE"], v.dtype, prec)
+        _chunk_pair(cost, programs, C, HM, BD, q.dtype, prec)  # dq = dS k
+        _chunk_pair(cost, programs, C, HM, BD, q.dtype, prec)  # dk = dS^T q
+        if has_dx:
+            _chunk_pair(cost, programs, C, HM, c["BE"], v.dtype, prec)  # dx = P^T dO
+    return 0
+
+
+def _chunk_rows_cost(launch, cost, pattern):
+    """What chunk_prepare and chunk_rows_bwd share: the chunk's scores onto its own rows and its held rows (HB at a
+    time), tensor-core tiles masked by the chunk's reads. Returns (programs, rows, held rows)."""
+    a, c = launch.args, launch.constexprs
+    held, C, HM, d = _held(launch, pattern), c["C"], c["HM"], a["d"]
+    programs, BH = launch.grid[0] * launch.grid[1], launch.grid[1]
+    rows, held_rows = a["n"] * BH, held["held"] * BH
+    cost.move(rows, a["QB"], d)
+    cost.move(rows, a["KB"], d)
+    cost.move(held_rows, a["KB"], d)
+    cost.move(rows, a["G"])
+    cost.move(rows, width=1, elem=F32)  # LSEB
+    cost.move(programs * HM, a["HELD"])
+    cost.move(programs * C, a["READS"], C + HM)
+    _chunk_pair(cost, programs, C, HM, c["BD"], a["QB"].dtype, c["PREC"])
+    cost.move(rows, a["OA"], a["e"])
+    return programs, rows, held_rows
+
+
+def chunk_prepare_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    C, HM = c["C"], c["HM"]
+    programs, rows, _ = _chunk_rows_cost(launch, cost, pattern)
+    # T_c, then T_c rhs and T_c geff P_held (HB columns at a time)
+    cost.inverse_applied(programs, C, c["LOG2_C"], (c["BE"], HM), c["SOLVE_PREC"])
+    if c["SAVE_INVERSE"]:
+        cost.move(programs * C, a["TINV"], C)  # T_c, for the backward
+    cost.move(rows, width=a["e"], elem=F32)  # Y (Yhat)
+    cost.move(programs * C * HM, a["J"])  # J, whole tiles
+    return 0
+
+
+def chunk_rows_bwd_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    C, HM, e = c["C"], c["HM"], a["e"]
+    programs, rows, held_rows = _chunk_rows_cost(launch, cost, pattern)
+    cost.applied(programs, C, (c["BE"],), c["SOLVE_PREC"])  # W_c = T_c^T G_c, T_c as the forward saved it
+    cost.move(programs * C, a["TINV"], C)
+    cost.move(rows, a["GRAD"], e)
+    cost.move(rows + held_rows, a["Y"], e)
+    _chunk_pair(cost, programs, C, HM, c["BE"], torch.float32, c["PREC"])  # W_c Y_c^T and W_c Y[H_c]^T
+    cost.move(rows, width=e + 3, elem=F32)  # W, DA, DB, DG
+    return 0
+
+
+COSTS = {"chunk_prepare_kernel": chunk_prepare_cost, "chunk_carry_kernel": chunk_carry_cost,
+         "chunk_rows_bwd_kernel": chunk_rows_bwd_cost, "chunk_grads_kernel": chunk_grads_cost}

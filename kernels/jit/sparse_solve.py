@@ -5,9 +5,16 @@ scores.
 Conventions: :mod:`.common`.
 """
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
+from hf_resolvent.patterns import get_pattern
+
+from .. import launching
+from ..cost import F32
 from .common import (
     _claimed_block,
     _exp2_where,
@@ -278,3 +285,187 @@ def sparse_grads_kernel(QA, KA, X, QB, KB, Y, W, G, DA, DB, LSEA, LSEB, DQA, DKA
         tl.store(_tile_ptrs(DQA, bh, n, rows, ca, da), dqa * scale, mask=_tile_mask(rmask, ca, da))
     if HAS_B:
         tl.store(_tile_ptrs(DQB, bh, n, rows, cb, db), dqb * scale, mask=_tile_mask(rmask, cb, db))
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers (tensors flattened to (B * H, n, w) contiguous; ``launching.LaunchShapes`` gives the sizes). A channel
+# the variant lacks is None: qa and ka for the tied variant, qb and kb (and g) for local attention.
+
+
+def _slots(plan, device) -> tuple:
+    """The slot arguments of every sparse kernel: OFFS, STEPS and NSLOT."""
+    offsets, steps = launching.slot_tables(plan, device)
+    return offsets, steps, len(plan.offsets)
+
+
+def direct(qa, ka, x, qb, kb, start, plan, sh, cfg):
+    """The parallel part of the forward: the direct channel OA with its log-sum-exp LSEA (unless tied: OA = x), and
+    channel B's log-sum-exp LSEB (with a B term). Returns (oa, lsea, lseb), None where absent."""
+    dev, BH, n, e = x.device, sh.BH, sh.n, sh.e
+    has_a, has_b = qa is not None, qb is not None
+    oa = launching.new_buffer((BH, n, e), dev) if has_a else x
+    lsea = launching.new_buffer((BH, n), dev) if has_a else None
+    lseb = launching.new_buffer((BH, n), dev) if has_b else None
+    sparse_direct_kernel[(launching.cdiv(n, cfg.sparse_m), BH)](
+        qa, ka, x, qb, kb, oa if has_a else None, lsea, lseb, start, *_slots(plan, dev), n, sh.H, sh.da, sh.db, e,
+        sh.qk_scale2, BM=cfg.sparse_m, BDA=launching.tile_width(sh.da), BDB=launching.tile_width(sh.db),
+        BE=launching.tile_width(e), CE=plan.ce, HAS_A=has_a, HAS_B=has_b, num_warps=cfg.num_warps)
+    return oa, lsea, lseb
+
+
+def blocked_forward(qb, kb, oa, g, lseb, start, plan, sh, cfg, keep_inverses: bool):
+    """Y = (I - B)^-1 ((1 - geff) OA): one program per head walks its row blocks in order (``cfg.solve`` rows).
+    Returns (y, saved) with R = softmax(P^B) Y for the backward."""
+    dev, BH, n, e = oa.device, sh.BH, sh.n, sh.e
+    y, r = launching.new_buffer((BH, n, e), dev), launching.new_buffer((BH, n, e), dev)
+    sparse_solve_fwd_kernel[(BH,)](
+        qb, kb, oa, g, lseb, y, r, start, *_slots(plan, dev), plan.f0, n, sh.H, sh.db, e, sh.qk_scale2,
+        BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=launching.tile_width(sh.db),
+        BE=launching.tile_width(e), CE=plan.ce, SOLVE_PREC=launching.SOLVE_PREC, num_warps=cfg.solve_warps,
+        num_stages=cfg.solve_stages)
+    return y, dict(r=r)
+
+
+def blocked_backward(dy, qb, kb, oa, g, lseb, y, start, saved, plan, sh, cfg):
+    """W = (I - B)^-T dY in ticket-ordered blocks of ``cfg.solve`` rows, last block first, and the row scalars
+    DA, DB, DG. Returns (w, da, db, dg)."""
+    dev, BH, n, e = dy.device, sh.BH, sh.n, sh.e
+    w = launching.new_buffer((BH, n, e), dev)
+    da, db, dg = (launching.new_buffer((BH, n), dev) for _ in range(3))
+    gathered = torch.zeros(BH, n, e, device=dev)  # what later blocks send back, added atomically
+    sparse_solve_bwd_kernel[launching.solve_grid(n, BH, cfg.solve)](
+        qb, kb, oa, saved["r"], g, lseb, dy, gathered, w, da, db, dg, start, launching.progress_buffer(BH, dev),
+        *_slots(plan, dev), plan.f0, n, sh.H, sh.db, e, sh.qk_scale2,
+        BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=launching.tile_width(sh.db),
+        BE=launching.tile_width(e), CE=plan.ce, SOLVE_PREC=launching.SOLVE_PREC, num_warps=cfg.solve_warps,
+        num_stages=cfg.solve_stages)
+    return w, da, db, dg
+
+
+def grads(qa, ka, x, qb, kb, y, w, g, da, db, lsea, lseb, start, plan, sh, cfg):
+    """The scores' gradients row by row through the slots, both channels in one kernel: (dqa, dka, dx, dqb, dkb),
+    float32, None for a channel the variant lacks (dx too when tied: the caller forms it from W)."""
+    dev, BH, n, e = w.device, sh.BH, sh.n, sh.e
+    has_a, has_b = qa is not None, qb is not None
+    dqa = launching.new_buffer((BH, n, sh.da), dev) if has_a else None
+    dka, dx = (torch.zeros(BH, n, width, device=dev) if has_a else None for width in (sh.da, e))
+    dqb = launching.new_buffer((BH, n, sh.db), dev) if has_b else None
+    dkb = torch.zeros(BH, n, sh.db, device=dev) if has_b else None
+    sparse_grads_kernel[(launching.cdiv(n, cfg.sparse_grads_m), BH)](
+        qa, ka, x, qb, kb, y, w, g, da, db, lsea, lseb, dqa, dka, dx, dqb, dkb, start, *_slots(plan, dev), plan.f0,
+        n, sh.H, sh.da, sh.db, e, sh.qk_scale2, sh.scale, BM=cfg.sparse_grads_m, BDA=launching.tile_width(sh.da),
+        BDB=launching.tile_width(sh.db), BE=launching.tile_width(e), CE=plan.ce, HAS_A=has_a, HAS_B=has_b,
+        num_warps=cfg.num_warps)
+    return dqa, dka, dx, dqb, dkb
+
+
+# ------------------------------------------------------------------------------------------------
+# Cost model (``cost.launch_cost``): each takes a recorded launch and a ``cost.Cost``, returns its chain steps.
+# The sparse kernels work row by row: they move and multiply the (row, slot) pairs the pattern reads.
+
+
+def sparse_pairs(pattern: str, n: int, block: int) -> dict:
+    """(row, slot) pairs the pattern reads at length n (no left padding): all of them, and for blocks of
+    ``block`` rows, those whose source lies in an earlier block or inside the row's own block."""
+    src = get_pattern(pattern).source_index(n)
+    ok = src >= 0
+    first_row = (torch.arange(n) // block * block)[:, None]
+    early = ok & (src < first_row)
+    return {"all": int(ok.sum()), "early": int(early.sum()), "inside": int((ok & ~early).sum())}
+
+
+def _rows_and_pairs(launch, pattern, block):
+    """Rows of the launch (n x BH) and its (row, slot) pairs, all, early and inside, over every head."""
+    a = launch.args
+    BH = a["X"].shape[0] if a.get("X") is not None else a["QB"].shape[0]
+    pairs = sparse_pairs(pattern, a["n"], block)
+    return a["n"] * BH, {key: v * BH for key, v in pairs.items()}
+
+
+def sparse_direct_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    rows, pairs = _rows_and_pairs(launch, pattern, c["BM"])
+    da, db, e = a["da"], a["db"], a["e"]
+    if c["HAS_A"]:
+        cost.move(rows, a["QA"], da)
+        cost.move(rows + pairs["all"], a["KA"], da)
+        cost.move(rows + pairs["all"], a["X"], e)
+        cost.move(rows, width=e + 1, elem=F32)  # OA, LSEA
+        cost.vector(rows + pairs["all"], 2 * da + 2 * e)  # q.k, p x
+    if c["HAS_B"]:
+        cost.move(rows, a["QB"], db)
+        cost.move(pairs["all"], a["KB"], db)
+        cost.move(rows, width=1, elem=F32)  # LSEB
+        cost.vector(pairs["all"], 2 * db)
+    return 0
+
+
+def sparse_grads_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    rows, pairs = _rows_and_pairs(launch, pattern, c["BM"])
+    da, db, e = a["da"], a["db"], a["e"]
+    cost.move(rows, a["W"], e)
+    if c["HAS_B"]:
+        cost.move(rows, a["QB"], db)
+        cost.move(rows, a["G"])
+        cost.move(rows, width=2, elem=F32)  # LSEB, DB
+        cost.move(pairs["all"], a["KB"], db)
+        cost.move(pairs["all"], a["Y"], e)
+        cost.move(pairs["all"], width=db, elem=F32)  # DKB atomics
+        cost.move(rows, width=db, elem=F32)  # DQB
+        cost.vector(pairs["all"], 3 * 2 * db + 2 * e)  # q.k, dq, dk; w.y
+    if c["HAS_A"]:
+        cost.move(rows, a["QA"], da)
+        cost.move(rows, width=2, elem=F32)  # LSEA, DA
+        cost.move(rows + pairs["all"], a["KA"], da)
+        cost.move(rows + pairs["all"], a["X"], e)
+        cost.move(rows + pairs["all"], width=da + e, elem=F32)  # DKA, DX atomics
+        cost.move(rows, width=da, elem=F32)  # DQA
+        cost.vector(rows + pairs["all"], 3 * 2 * da + 2 * 2 * e)  # q.k, dq, dk; do.x, dx
+    return 0
+
+
+def _solve_rows_cost(launch, cost, pattern):
+    """What both sequential solves do: per row its query, gate and LSEB, q.k of every pair, the in-block solve of
+    every block. Returns (rows, pairs, chain steps)."""
+    a, c = launch.args, launch.constexprs
+    B, d = c["BLOCK"], a["d"]
+    rows, pairs = _rows_and_pairs(launch, pattern, B)
+    nblk = launching.cdiv(a["n"], B)
+    cost.move(rows, a["QB"], d)
+    cost.move(rows, a["G"])
+    cost.move(rows, width=1, elem=F32)  # LSEB
+    cost.vector(pairs["all"], 2 * d)  # q.k of every pair
+    cost.solve_block(nblk * (rows // a["n"]), B, c["LOG2_BLOCK"], c["BE"], c["SOLVE_PREC"])
+    return rows, pairs, nblk
+
+
+def sparse_solve_fwd_cost(launch, cost, pattern, in_flight) -> int:
+    a, c = launch.args, launch.constexprs
+    e, BE, B = a["e"], c["BE"], c["BLOCK"]
+    rows, pairs, nblk = _solve_rows_cost(launch, cost, pattern)
+    cost.move(pairs["all"], a["KB"], a["d"])
+    cost.move(pairs["early"], width=e, elem=F32)  # solved Y of earlier blocks
+    cost.vector(pairs["early"], 2 * e)
+    cost.move(rows, a["OA"], e)
+    cost.move(rows, width=2 * e, elem=F32)  # Y, R
+    cost.dot(nblk * (rows // a["n"]), B, BE, B, a["R"].dtype, c["SOLVE_PREC"])  # R's in-block part
+    return nblk
+
+
+def sparse_solve_bwd_cost(launch, cost, pattern, in_flight) -> int:
+    a = launch.args
+    d, e = a["d"], a["e"]
+    rows, pairs, nblk = _solve_rows_cost(launch, cost, pattern)
+    cost.move(pairs["inside"], a["KB"], d)
+    cost.move(pairs["early"], a["KB"], d)  # recomputed for the scatter
+    cost.move(rows, a["DY"], e)
+    cost.move(rows, width=3 * e, elem=F32)  # GACC, OA, R
+    cost.move(rows, width=e + 3, elem=F32)  # W, DA, DB, DG
+    cost.move(pairs["early"], width=e, elem=F32)  # GACC atomics
+    cost.vector(pairs["early"], 2 * d + 2 * e)  # q.k again, p w
+    return nblk
+
+
+COSTS = {"sparse_direct_kernel": sparse_direct_cost, "sparse_grads_kernel": sparse_grads_cost,
+         "sparse_solve_fwd_kernel": sparse_solve_fwd_cost, "sparse_solve_bwd_kernel": sparse_solve_bwd_cost}

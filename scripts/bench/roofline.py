@@ -12,27 +12,8 @@ tensors: nothing runs and nothing is allocated), so grids, tile sizes and dtypes
 ``dense_solver=chunked`` and the backward ``attn_bwd=atomic``; ``default`` for none) is one variant, recorded
 under those settings and named NAME (its settings without one) in the rows and the JSON. Per launch:
 
-- programs: the size of its grid;
-- chain steps: the steps a solve walks one after another, each waiting on the one before it: the blocks of the
-  blocked solves (dense, and sparse backward across programs; the sparse forward inside one program per head),
-  the blocks of the chunked dense solves (one product left after each wait), and the chunks of the chunked
-  sparse solves' carry (one pass per direction). The parallel kernels have none: their programs do not wait on
-  each other, and their loops are counted in the FLOP and byte bounds;
-- bytes: the memory floor, every distinct tensor the launch is passed moved once (inputs read, outputs written,
-  accumulators once), at its real size and dtype: a tile that several programs, or several steps of a loop, read
-  again is taken to come from L2. Beside it, tile bytes: what the programs load and store tile by tile (masked
-  lanes move nothing, so sparse patterns count the (row, slot) pairs, and the chunked solves the held rows, the
-  pattern really reads; an atomic add counts as one store), the traffic L2 serves. The chunked sparse kernels
-  also load their chunk's mask of reads, C x (C + HM) int8 from ``resolvent.held_table``: one table for every
-  head, so from L2 but for its one HBM read;
-- FLOPs: 2 m n k per tensor-core product (``tl.dot``) at its tile sizes, split by the precision it runs at
-  (16-bit operands; float32 operands as tf32, or tf32x3 = three tf32 products), and 2 per multiply-add of the
-  row-by-row dot products of the sparse kernels, which run on the CUDA cores in float32. The operands' dtype is
-  the launch's: with ``solved_copy`` the dense forward solves' P.Y over earlier blocks read YREAD, the copy of Y in
-  the input dtype that the launch also stores (constexpr COPY), the dense backward solves' B^T W over later
-  blocks read WREAD, the copy of W alike, and channel B's attention backward takes Y's copy as V, so those
-  products count at the 16-bit rate and those tiles at two bytes an element (the chunked solves' products with
-  the block next in the chain read Y or W itself);
+- programs, chain steps, bytes (the memory floor, and the tile bytes L2 serves) and FLOPs by precision, as each
+  kernel's cost model beside its code counts them (``hf_resolvent.backends.triton.cost``, which says what counts);
 - roofline time: max(compute time, bytes / bandwidth) + chain steps x the per-step latency, with the compute
   time the sum over precisions of FLOPs / peak, scaled up when the grid has fewer programs than the GPU has
   SMs; integer work (the sources the row-by-row sparse kernels compute per row and slot) is left out. Beside
@@ -55,13 +36,13 @@ the case. Prints a table per case, a summary of the passes against SDPA, and wri
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import math
 import os
 import re
 import sys
 from pathlib import Path
+
+from hf_resolvent.backends.triton.cost import DEFAULT_BLOCKS_IN_FLIGHT, launch_cost
 
 from hf_resolvent.training import cli
 
@@ -77,9 +58,6 @@ H100_SMS = 132
 # Assumed, not measured: the time one step of a solve's chain takes on its own (a wait on the previous block's
 # publication, the L2 round trip of its rows, the dependent products after the wait).
 DEFAULT_STEP_LATENCY_US = 2.0
-# Assumed: blocks of a ticket-ordered solve not yet published when a block's program starts (the block before it
-# included). About the resident programs over the heads: 132 SMs x 2 programs / 64 heads at B4 H16.
-DEFAULT_BLOCKS_IN_FLIGHT = 4
 
 DEFAULT_PATTERNS = "attention,dense,exp2:ce,square:ce"
 DEFAULT_LENGTHS = "4096,8192,32768"
@@ -91,8 +69,6 @@ DEFAULT_VARIANT = "default"
 # (bench_kernels rows without "kernels", profile logs whose case lines name only what they changed) meant the
 # defaults of their day, LEGACY_DEFAULTS, which the measured kernels later replaced.
 LEGACY_DEFAULTS = {"sparse_solver": "blocked", "dense_solver": "blocked", "solved_copy": False, "attn_bwd": "split"}
-# How many tf32 products a tl.dot does per precision of its float32 operands.
-TF32_PASSES = {"tf32": 1, "tf32x3": 3}
 
 
 def parse_args(argv=None):
@@ -174,489 +150,14 @@ def parse_kernel_latencies(text: str) -> dict:
 def record_passes(pattern: str, n: int, batch: int, heads: int, d: int, dtype, settings: dict | None = None) -> dict:
     """The launches of a forward and of a backward of ``pattern`` under the BlockConfig ``settings`` (default: the
     current config), recorded on meta tensors: {"forward": [...], "backward": [...]} of ``aot.Launch``."""
-    from hf_resolvent.backends.triton import resolvent
+    from hf_resolvent.backends.triton import aot, block_config
 
-    with resolvent.block_config(**(settings or {})):
-        return _record_passes(pattern, n, batch, heads, d, dtype)
-
-
-def _record_passes(pattern: str, n: int, batch: int, heads: int, d: int, dtype) -> dict:
-    import torch
-    from hf_resolvent.backends.triton import aot, resolvent
-
-    from hf_resolvent.patterns import get_pattern
-
-    plan = resolvent.make_plan(get_pattern(pattern), n)
-    BH = batch * heads
-    with torch.device("meta"):
-        qa, ka, qb, kb, x = (torch.empty(BH, n, d, dtype=dtype) for _ in range(5))
-        g = torch.empty(BH, n, dtype=dtype) if plan.has_b else None
-        if not plan.has_b:
-            qb = kb = None
-        start = torch.zeros(batch, dtype=torch.int32)
-        sh = resolvent.LaunchShapes(BH=BH, H=heads, n=n, da=d, db=d, e=d, scale=d**-0.5,
-                                    prec=resolvent.FP32_PREC if dtype == torch.float32 else "tf32")
-        cfg = resolvent.fitted_block_config(dtype, d)
-        with aot.recording_launches() as rec:
-            _, saved = resolvent.launch_forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, False)
-            n_forward = len(rec.launches)
-            resolvent.launch_backward(torch.empty(BH, n, d, dtype=dtype), qa, ka, qb, kb, x, g, start, saved, plan,
-                                      sh, cfg, False)
-    return {"forward": rec.launches[:n_forward], "backward": rec.launches[n_forward:]}
+    with block_config(**(settings or {})):
+        return aot.record_passes(pattern, dtype, n=n, d=d, e=d, batch=batch, heads=heads, device="meta")
 
 
 # --------------------------------------------------------------------------------------------------
-# Cost of one launch
-
-
-class Cost:
-    """Totals of one launch: bytes, FLOPs (2 m n k per product) and the FLOPs per unit that does them ("16bit" and
-    "tf32" tensor cores, tf32x3 counted as its three tf32 products; "fp32" CUDA cores)."""
-
-    def __init__(self):
-        self.bytes = 0
-        self.flops = 0
-        self.work = {"16bit": 0, "tf32": 0, "fp32": 0}
-
-    def move(self, count: int, tensor=None, width: int = 1, elem: int | None = None):
-        """``count`` rows of ``width`` elements of ``tensor`` (or of ``elem`` bytes) loaded or stored."""
-        size = tensor.element_size() if tensor is not None else elem
-        self.bytes += int(count) * width * size
-
-    def dot(self, count: int, m: int, n: int, k: int, a_dtype, prec: str):
-        """``count`` tensor-core products (m, k) x (k, n); ``a_dtype`` the operands' dtype, ``prec`` the launch's
-        input precision of float32 operands."""
-        import torch
-
-        flops = int(count) * 2 * m * n * k
-        self.flops += flops
-        if a_dtype == torch.float32:
-            self.work["tf32"] += flops * TF32_PASSES[prec]
-        else:
-            self.work["16bit"] += flops
-
-    def vector(self, count: int, flops_each: int):
-        """``count`` row-by-row float32 operations of ``flops_each`` FLOPs on the CUDA cores."""
-        self.flops += int(count) * flops_each
-        self.work["fp32"] += int(count) * flops_each
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _key_steps_causal(n: int, rows: int, keys: int) -> int:
-    """Key steps of keys per step summed over the query blocks of rows (keys 0 .. the block's last row)."""
-    return sum(_cdiv(min((i + 1) * rows, n), keys) for i in range(_cdiv(n, rows)))
-
-
-def _query_steps_from_key_block(n: int, rows: int, keys: int) -> int:
-    """Query steps of rows per step summed over the key blocks of keys (query blocks from the key block's)."""
-    return sum(_cdiv(n - ((j * keys) // rows) * rows, rows) for j in range(_cdiv(n, keys)))
-
-
-def _solve_block(cost: Cost, count: int, B: int, log2: int, BE: int, solve_prec: str):
-    """The in-block solve (I - L)^-1 rhs by repeated squaring: log2(B) products onto the rhs, log2(B) - 1
-    squarings, all with float32 operands."""
-    import torch
-
-    cost.dot(count * log2, B, BE, B, torch.float32, solve_prec)
-    cost.dot(count * (log2 - 1), B, B, B, torch.float32, solve_prec)
-
-
-def _inverse_applied(cost: Cost, count: int, B: int, log2: int, widths: tuple, solve_prec: str):
-    """T = (I - L)^-1 formed (``_unit_lower_inverse``: 2 (log2(B) - 1) products of B x B, float32 operands), then
-    applied to right-hand sides of the given widths, one product each."""
-    import torch
-
-    cost.dot(count * 2 * (log2 - 1), B, B, B, torch.float32, solve_prec)
-    _applied(cost, count, B, widths, solve_prec)
-
-
-def _applied(cost: Cost, count: int, B: int, widths: tuple, solve_prec: str):
-    """A formed B x B inverse applied to right-hand sides of the given widths, one float32 product each."""
-    import torch
-
-    for width in widths:
-        cost.dot(count, B, width, B, torch.float32, solve_prec)
-
-
-def _chunk_pair(cost: Cost, count: int, C: int, HM: int, width: int, dtype, prec: str):
-    """A product over a chunk's own rows and its twin over the chunk's held rows: C x C or C x HM on two of its
-    sizes, ``width`` the third (which two depends on the product; its FLOPs, 2 C (C + HM) width, do not)."""
-    cost.dot(count, C, C, width, dtype, prec)
-    cost.dot(count, C, HM, width, dtype, prec)
-
-
-def dense_chunk_counts(nblk: int, in_flight: int, backward: bool) -> dict:
-    """Per head, the (BLOCK x BLOCK) score products and the tiles of the chunked dense solves, block by block as
-    the kernels run them (products on masked, all-zero tiles run all the same; masked loads move nothing).
-
-    Forward, block c with u of the blocks before c - 1 not yet published when it starts (``in_flight`` blocks in
-    flight, c - 1 included): the scores of every earlier block and of its own once, those of the u blocks and of
-    block c - 1 a second time (the first pass only builds the normaliser): c + u + 2 score products; c products
-    P.Y (one per earlier block), of which the c - 1 over the blocks before c - 1 read YREAD (``read_products``,
-    one YREAD tile each) and the one with block c - 1, R's, reads Y; c + u + 2 key tiles, c solved Y tiles. Block
-    0 scores itself and an empty block before it and runs its P.Y with Y on zeros. Backward, block at solve
-    position o (0 the last block): B_rc^T W_r for the o - 1 later blocks but the next, each reading a WREAD tile
-    (``read_products``), and the next block's scores (its rows' q, lse, gate and W itself loaded for o >= 1): o - 1
-    + 1 score products and o - 1 products with W (the block's own scores are in T_c, which the forward saved)."""
-    counts = dict(scores=0, value_products=0, read_products=0, key_tiles=0, solved_tiles=0, later_rows=0)
-    for c in range(nblk):
-        if backward:
-            later = max(c - 1, 0)  # c is the solve position here
-            counts["scores"] += later + 1
-            counts["value_products"] += later
-            counts["read_products"] += later
-            counts["later_rows"] += later + (c >= 1)
-            counts["solved_tiles"] += later + (c >= 1)
-        elif c == 0:
-            counts["scores"] += 2
-            counts["value_products"] += 1
-            counts["key_tiles"] += 1
-        else:
-            u = min(in_flight, c) - 1
-            counts["scores"] += c + u + 2
-            counts["value_products"] += c
-            counts["read_products"] += c - 1
-            counts["key_tiles"] += c + u + 2
-            counts["solved_tiles"] += c
-    return counts
-
-
-@functools.lru_cache(maxsize=64)
-def held_counts(pattern: str, n: int, chunk: int) -> dict:
-    """The chunked sparse solves' held rows at length n (no left padding): HM, the width of
-    ``resolvent.held_table``, and the held rows of all chunks together (the rows the kernels really gather)."""
-    from hf_resolvent.backends.triton import resolvent
-    from hf_resolvent.backends.triton.chunked_solve import held_rows
-
-    sizes = [len(h) for h in held_rows(pattern, n, chunk)]
-    return {"HM": resolvent.tile_width(max(sizes, default=1)), "held": sum(sizes), "chunks": len(sizes)}
-
-
-def _sparse_pairs(pattern: str, n: int, block: int) -> dict:
-    """(row, slot) pairs the pattern reads at length n (no left padding): all of them, and for blocks of
-    ``block`` rows, those whose source lies in an earlier block or inside the row's own block."""
-    import torch
-
-    from hf_resolvent.patterns import get_pattern
-
-    src = get_pattern(pattern).source_index(n)
-    ok = src >= 0
-    first_row = (torch.arange(n) // block * block)[:, None]
-    early = ok & (src < first_row)
-    return {"all": int(ok.sum()), "early": int(early.sum()), "inside": int((ok & ~early).sum())}
-
-
-def _key_block_traffic(cost: Cost, programs: int, steps: int, BM: int, BN: int, Q, K, V, W, d: int, e: int,
-                       has_dv: bool):
-    """Tile traffic of an attention backward over key blocks (the split dK/dV kernel, the atomic kernel): each
-    program's K and V once, the query rows' Q, W and row scalars at every step, dK (and dV) stored once."""
-    f32 = 4
-    cost.move(programs * BN, K, d)
-    cost.move(programs * BN, V, e)
-    cost.move(steps * BM, Q, d)
-    cost.move(steps * BM, W, e)
-    cost.move(steps * BM, width=3, elem=f32)  # COEF, DELTA, LSE
-    cost.move(programs * BN, width=d + (e if has_dv else 0), elem=f32)  # DK, DV
-
-
-def launch_cost(launch, pattern: str, in_flight: int = DEFAULT_BLOCKS_IN_FLIGHT) -> dict:
-    """Programs, chain steps, bytes and FLOPs of one recorded launch (see the module docstring for what counts);
-    ``in_flight`` the assumption of the chunked dense forward."""
-    import torch
-
-    a, c = launch.args, launch.constexprs
-    name = launch.name.removesuffix("_kernel")
-    n = a["n"]
-    programs = math.prod(launch.grid)
-    cost = Cost()
-    chain = 0
-    f32 = 4
-    if name == "attn_fwd":
-        BM, BN, BD, BE = c["BM"], c["BN"], c["BD"], c["BE"]
-        Q, K, V, BH, d, e = a["Q"], a["K"], a["V"], a["Q"].shape[0], a["d"], a["e"]
-        steps = _key_steps_causal(n, BM, BN) * BH
-        cost.move(programs * BM, Q, d)
-        cost.move(steps * BN, K, d)
-        cost.move(steps * BN, V, e)
-        cost.move(programs * BM, width=e + 1, elem=f32)  # OUT and LSE
-        cost.dot(steps, BM, BN, BD, Q.dtype, c["PREC"])
-        cost.dot(steps, BM, BE, BN, V.dtype, c["PREC"])
-    elif name in ("attn_bwd_dkdv", "attn_bwd_dq"):
-        BM, BN, BD, BE = c["BM"], c["BN"], c["BD"], c["BE"]
-        Q, K, V, W, BH, d, e = a["Q"], a["K"], a["V"], a["W"], a["Q"].shape[0], a["d"], a["e"]
-        if name == "attn_bwd_dkdv":
-            has_dv = c["HAS_DV"]
-            steps = _query_steps_from_key_block(n, BM, BN) * BH
-            _key_block_traffic(cost, programs, steps, BM, BN, Q, K, V, W, d, e, has_dv)
-            n_value_dots = 2 if has_dv else 1  # dO V^T, and P^T dO for dV
-        else:
-            steps = _key_steps_causal(n, BM, BN) * BH
-            cost.move(programs * BM, Q, d)
-            cost.move(programs * BM, W, e)
-            cost.move(programs * BM, width=3, elem=f32)
-            cost.move(steps * BN, K, d)
-            cost.move(steps * BN, V, e)
-            cost.move(programs * BM, width=d, elem=f32)  # DQ
-            n_value_dots = 1
-        cost.dot(2 * steps, BM, BN, BD, Q.dtype, c["PREC"])  # Q K^T, and dS with Q or K
-        # dO and P meet V in V's dtype: x's for channel A; for B, Y (float32, at tf32) or its 16-bit copy
-        cost.dot(n_value_dots * steps, BM, BN, BE, V.dtype, c["PREC"])
-    elif name == "attn_bwd_atomic":
-        # One program per key block walks the query blocks from its own: scores, dP, dK and dQ once per step.
-        BM, BN, BD, BE = c["BM"], c["BN"], c["BD"], c["BE"]
-        Q, K, V, W, BH, d, e = a["Q"], a["K"], a["V"], a["W"], a["Q"].shape[0], a["d"], a["e"]
-        has_dv = c["HAS_DV"]
-        steps = _query_steps_from_key_block(n, BM, BN) * BH
-        _key_block_traffic(cost, programs, steps, BM, BN, Q, K, V, W, d, e, has_dv)
-        cost.move(steps * BM, width=d, elem=f32)  # DQ atomics
-        cost.dot(3 * steps, BN, BM, BD, Q.dtype, c["PREC"])  # K Q^T, dS Q for dK, dS^T K for dQ
-        # V dO^T, and P^T dO for dV, in V's dtype (channel B's: Y at tf32, or its 16-bit copy)
-        cost.dot((2 if has_dv else 1) * steps, BN, BM, BE, V.dtype, c["PREC"])
-    elif name in ("dense_chunk_fwd", "dense_chunk_bwd"):
-        B, log2, BD, BE = c["BLOCK"], c["LOG2_BLOCK"], c["BD"], c["BE"]
-        QB, KB, G, BH, d, e = a["QB"], a["KB"], a["G"], a["QB"].shape[0], a["d"], a["e"]
-        nblk = _cdiv(n, B)
-        chain = nblk
-        k = {key: v * BH for key, v in dense_chunk_counts(nblk, in_flight, name == "dense_chunk_bwd").items()}
-        cost.dot(k["scores"], B, B, BD, QB.dtype, c["PREC"])
-        if name == "dense_chunk_fwd":
-            # P Y over every earlier block with YREAD's operands (16-bit with COPY): the blocks before c - 1 read
-            # YREAD, R's P Y_(c-1) reads Y rounded alike
-            y_read = a["YREAD"]
-            cost.dot(k["value_products"], B, BE, B, y_read.dtype, c["PREC"])
-        else:
-            # B^T W over the later blocks but c + 1 with WREAD's operands (16-bit with COPY)
-            w_read = a["WREAD"]
-            cost.dot(k["read_products"], B, BE, B, w_read.dtype, c["PREC"])
-        # T_c (formed forward, loaded backward) applied to the rhs and to the block before's (after's) probabilities
-        if name == "dense_chunk_fwd":
-            _inverse_applied(cost, programs, B, log2, (BE, B), c["SOLVE_PREC"])
-        else:
-            _applied(cost, programs, B, (BE, B), c["SOLVE_PREC"])
-        cost.dot(programs, B, BE, B, torch.float32, c["SOLVE_PREC"])  # the product after the wait
-        cost.move(programs * B, G)
-        cost.move(programs * B, a["TINV"], B)  # T_c, stored forward and loaded backward
-        if name == "dense_chunk_fwd":
-            cost.move(programs * B, QB, d)
-            cost.dot(programs, B, BE, B, y_read.dtype, c["PREC"])  # R's in-block part, as R's other terms
-            cost.move(k["key_tiles"] * B, KB, d)
-            cost.move(k["read_products"] * B, y_read, e)  # solved rows of the blocks before c - 1
-            cost.move((k["solved_tiles"] - k["read_products"]) * B, width=e, elem=f32)  # Y of block c - 1
-            cost.move(programs * B, a["OA"], e)
-            cost.move(programs * B, width=2 * e + 1, elem=f32)  # Y, R, LSEB
-            if c["COPY"]:
-                cost.move(programs * B, y_read, e)  # the copy of Y stored
-        else:
-            cost.move(programs * B, KB, d)
-            cost.move(programs * B, a["DY"], e)
-            cost.move(k["later_rows"] * B, QB, d)
-            cost.move(k["later_rows"] * B, G)
-            cost.move(k["later_rows"] * B, width=1, elem=f32)  # LSEB of later blocks
-            cost.move(k["read_products"] * B, w_read, e)  # solved rows of the later blocks but c + 1
-            cost.move((k["solved_tiles"] - k["read_products"]) * B, width=e, elem=f32)  # W of block c + 1
-            cost.move(programs * B, width=2 * e, elem=f32)  # OA, R
-            cost.move(programs * B, width=e + 3, elem=f32)  # W, DA, DB, DG
-            if c["COPY"]:
-                cost.move(programs * B, w_read, e)  # the copy of W stored
-    elif name in ("chunk_prepare", "chunk_rows_bwd", "chunk_carry", "chunk_grads"):
-        C = c["C"]
-        held = held_counts(pattern, n, C)
-        HM, e = c["HM"], a["e"]
-        if HM != held["HM"]:
-            raise ValueError(f"{launch.name}: HM = {HM} but resolvent.held_table gives {held['HM']}: the launch was "
-                             f"not recorded for pattern {pattern!r} at n = {n}")
-        if name == "chunk_carry":
-            # Grid (BH, e / BES): each program walks every chunk of its head for BES value columns.
-            BH, BES = launch.grid[0], c["BES"]
-            chain = _cdiv(n, C)
-            per_step = programs * chain
-            cost.move(per_step * HM, a["HELD"])
-            cost.move(per_step * C * HM, a["J"])  # J_c, read by every column program
-            # Forward: Y_c read and written, the held rows read; backward: G_c read, the held rows read and written.
-            own, carried = (1, 2) if c["REVERSE"] else (2, 1)
-            cost.move(BH * (own * n + carried * held["held"]), width=e, elem=f32)
-            cost.dot(per_step, C, BES, HM, torch.float32, c["SOLVE_PREC"])  # J_c Y[H_c], or J_c^T G_c
-        elif name == "chunk_grads":
-            # Grid (cdiv(n, C), BH): per chunk and channel (A unless tied, B always) P, dP and dS over the chunk's
-            # own rows and its held rows (HB at a time, HM in all); dq written once, dk (and dx for A) as atomic
-            # tile adds.
-            BH, BE, prec = launch.grid[1], c["BE"], c["PREC"]
-            rows, held_rows = n * BH, held["held"] * BH
-            cost.move(rows, a["W"], e)
-            cost.move(rows, a["G"])
-            channels = [(a["QB"], a["KB"], a["Y"], a["db"], c["BDB"], False)]
-            if c["HAS_A"]:
-                channels.insert(0, (a["QA"], a["KA"], a["X"], a["da"], c["BDA"], True))
-            for q, k, v, d, BD, has_dx in channels:
-                cost.move(programs * HM, a["HELD"])  # each channel loads the held table and the mask of reads
-                cost.move(programs * C, a["READS"], C + HM)
-                cost.move(rows, q, d)
-                cost.move(rows + held_rows, k, d)
-                cost.move(rows + held_rows, v, e)  # x (A) or Y (B)
-                cost.move(rows, width=2 + d, elem=f32)  # LSE and D in, dq out
-                cost.move(rows + held_rows, width=d + (e if has_dx else 0), elem=f32)  # dk (and dx) atomics
-                _chunk_pair(cost, programs, C, HM, BD, q.dtype, prec)  # scores q k^T
-                # dP = dO V^T: dO cast to x's dtype for A; float32 operands (Y and geff W) for B
-                _chunk_pair(cost, programs, C, HM, BE, v.dtype, prec)
-                _chunk_pair(cost, programs, C, HM, BD, q.dtype, prec)  # dq = dS k
-                _chunk_pair(cost, programs, C, HM, BD, q.dtype, prec)  # dk = dS^T q
-                if has_dx:
-                    _chunk_pair(cost, programs, C, HM, BE, v.dtype, prec)  # dx = P^T dO
-        else:
-            BH, log2, BD, BE, d = launch.grid[1], c["LOG2_C"], c["BD"], c["BE"], a["d"]
-            rows, held_rows = n * BH, held["held"] * BH
-            # The chunk's scores onto its own rows and its held rows (HB at a time): tensor-core tiles, masked by the
-            # chunk's reads.
-            cost.move(rows, a["QB"], d)
-            cost.move(rows, a["KB"], d)
-            cost.move(held_rows, a["KB"], d)
-            cost.move(rows, a["G"])
-            cost.move(rows, width=1, elem=f32)  # LSEB
-            cost.move(programs * HM, a["HELD"])
-            cost.move(programs * C, a["READS"], C + HM)
-            _chunk_pair(cost, programs, C, HM, BD, a["QB"].dtype, c["PREC"])
-            cost.move(rows, a["OA"], e)
-            if name == "chunk_prepare":
-                # T_c, then T_c rhs and T_c geff P_held (HB columns at a time)
-                _inverse_applied(cost, programs, C, log2, (BE, HM), c["SOLVE_PREC"])
-                cost.move(programs * C, a["TINV"], C)  # T_c, for the backward
-                cost.move(rows, width=e, elem=f32)  # Y (Yhat)
-                cost.move(programs * C * HM, a["J"])  # J, whole tiles
-            else:
-                _applied(cost, programs, C, (BE,), c["SOLVE_PREC"])  # W_c = T_c^T G_c, T_c as the forward saved it
-                cost.move(programs * C, a["TINV"], C)
-                cost.move(rows, a["GRAD"], e)
-                cost.move(rows + held_rows, a["Y"], e)
-                _chunk_pair(cost, programs, C, HM, BE, torch.float32, c["PREC"])  # W_c Y_c^T and W_c Y[H_c]^T
-                cost.move(rows, width=e + 3, elem=f32)  # W, DA, DB, DG
-    elif name in ("dense_solve_fwd", "dense_solve_bwd"):
-        B, log2, BD, BE = c["BLOCK"], c["LOG2_BLOCK"], c["BD"], c["BE"]
-        QB, KB, G, BH, d, e = a["QB"], a["KB"], a["G"], a["QB"].shape[0], a["d"], a["e"]
-        nblk = _cdiv(n, B)
-        chain = nblk
-        pairs = nblk * (nblk - 1) // 2 * BH  # (block, earlier or later block) pairs
-        if name == "dense_solve_fwd":
-            cost.move(programs * B, QB, d)
-            cost.move(programs * B, G)
-            cost.move(programs * B, KB, d)  # in-block keys
-            cost.move(programs * B, a["OA"], e)
-            cost.move(pairs * B, KB, d)
-            # Earlier blocks' solved rows come from YREAD: Y itself, or with COPY its copy in the input dtype,
-            # which the launch also stores.
-            y_read = a["YREAD"]
-            cost.move(pairs * B, y_read, e)
-            cost.move(programs * B, width=2 * e + 1, elem=f32)  # Y, R, LSEB
-            if c["COPY"]:
-                cost.move(programs * B, y_read, e)
-            cost.dot(pairs + programs, B, B, BD, QB.dtype, c["PREC"])
-            cost.dot(pairs, B, BE, B, y_read.dtype, c["PREC"])  # P Y
-            _solve_block(cost, programs, B, log2, BE, c["SOLVE_PREC"])
-            cost.dot(programs, B, BE, B, y_read.dtype, c["PREC"])  # R's in-block part, as R's other terms
-        else:
-            cost.move(programs * B, KB, d)
-            cost.move(programs * B, a["DY"], e)
-            cost.move(pairs * B, QB, d)
-            cost.move(pairs * B, G)
-            cost.move(pairs * B, width=1, elem=f32)  # LSEB of later blocks
-            # Later blocks' solved rows come from WREAD: W itself, or with COPY its copy in the input dtype,
-            # which the launch also stores.
-            w_read = a["WREAD"]
-            cost.move(pairs * B, w_read, e)
-            cost.move(programs * B, QB, d)
-            cost.move(programs * B, G)
-            cost.move(programs * B, width=1 + 2 * e, elem=f32)  # LSEB, OA, R
-            cost.move(programs * B, width=e + 3, elem=f32)  # W, DA, DB, DG
-            if c["COPY"]:
-                cost.move(programs * B, w_read, e)
-            cost.dot(pairs + programs, B, B, BD, QB.dtype, c["PREC"])
-            cost.dot(pairs, B, BE, B, w_read.dtype, c["PREC"])  # B^T W
-            _solve_block(cost, programs, B, log2, BE, c["SOLVE_PREC"])
-    elif name in ("sparse_direct", "sparse_grads", "sparse_solve_fwd", "sparse_solve_bwd"):
-        e = a["e"]
-        if name in ("sparse_direct", "sparse_grads"):
-            rows_per_program = c["BM"]
-            block = rows_per_program
-        else:
-            block = c["BLOCK"]
-        pairs = _sparse_pairs(pattern, n, block)
-        rows = n * (a["QB"].shape[0] if "QB" in a else a["X"].shape[0])
-        BH = rows // n
-        p_all, p_early, p_inside = (pairs[k] * BH for k in ("all", "early", "inside"))
-        if name == "sparse_direct":
-            da, db = a["da"], a["db"]
-            if c["HAS_A"]:
-                cost.move(rows, a["QA"], da)
-                cost.move(rows + p_all, a["KA"], da)
-                cost.move(rows + p_all, a["X"], e)
-                cost.move(rows, width=e + 1, elem=f32)  # OA, LSEA
-                cost.vector(rows + p_all, 2 * da + 2 * e)  # q.k, p x
-            if c["HAS_B"]:
-                cost.move(rows, a["QB"], db)
-                cost.move(p_all, a["KB"], db)
-                cost.move(rows, width=1, elem=f32)  # LSEB
-                cost.vector(p_all, 2 * db)
-        elif name == "sparse_grads":
-            da, db = a["da"], a["db"]
-            cost.move(rows, a["W"], e)
-            if c["HAS_B"]:
-                cost.move(rows, a["QB"], db)
-                cost.move(rows, a["G"])
-                cost.move(rows, width=2, elem=f32)  # LSEB, DB
-                cost.move(p_all, a["KB"], db)
-                cost.move(p_all, a["Y"], e)
-                cost.move(p_all, width=db, elem=f32)  # DKB atomics
-                cost.move(rows, width=db, elem=f32)  # DQB
-                cost.vector(p_all, 3 * 2 * db + 2 * e)  # q.k, dq, dk; w.y
-            if c["HAS_A"]:
-                cost.move(rows, a["QA"], da)
-                cost.move(rows, width=2, elem=f32)  # LSEA, DA
-                cost.move(rows + p_all, a["KA"], da)
-                cost.move(rows + p_all, a["X"], e)
-                cost.move(rows + p_all, width=da + e, elem=f32)  # DKA, DX atomics
-                cost.move(rows, width=da, elem=f32)  # DQA
-                cost.vector(rows + p_all, 3 * 2 * da + 2 * 2 * e)  # q.k, dq, dk; do.x, dx
-        else:
-            B, log2, BE, d = c["BLOCK"], c["LOG2_BLOCK"], c["BE"], a["d"]
-            nblk = _cdiv(n, B)
-            chain = nblk
-            cost.move(rows, a["QB"], d)
-            cost.move(rows, a["G"])
-            cost.move(rows, width=1, elem=f32)  # LSEB
-            cost.vector(p_all, 2 * d)  # q.k of every pair
-            blocks = nblk * BH
-            if name == "sparse_solve_fwd":
-                cost.move(p_all, a["KB"], d)
-                cost.move(p_early, width=e, elem=f32)  # solved Y of earlier blocks
-                cost.vector(p_early, 2 * e)
-                cost.move(rows, a["OA"], e)
-                cost.move(rows, width=2 * e, elem=f32)  # Y, R
-                _solve_block(cost, blocks, B, log2, BE, c["SOLVE_PREC"])
-                cost.dot(blocks, B, BE, B, a["R"].dtype, c["SOLVE_PREC"])  # R's in-block part
-            else:
-                cost.move(p_inside, a["KB"], d)
-                cost.move(p_early, a["KB"], d)  # recomputed for the scatter
-                cost.move(rows, a["DY"], e)
-                cost.move(rows, width=3 * e, elem=f32)  # GACC, OA, R
-                cost.move(rows, width=e + 3, elem=f32)  # W, DA, DB, DG
-                cost.move(p_early, width=e, elem=f32)  # GACC atomics
-                cost.vector(p_early, 2 * d + 2 * e)  # q.k again, p w
-                _solve_block(cost, blocks, B, log2, BE, c["SOLVE_PREC"])
-    else:
-        raise ValueError(f"no cost model for kernel {launch.name!r}: add one to scripts/bench/roofline.py")
-    return {"kernel": name, "grid": list(launch.grid), "programs": programs, "chain_steps": chain,
-            "bytes": hbm_bytes(launch), "tile_bytes": cost.bytes, "flops": cost.flops, "work_flops": dict(cost.work)}
-
-
-def hbm_bytes(launch) -> int:
-    """The launch's memory floor: every distinct tensor it is passed, moved once (inputs read, outputs written,
-    accumulators counted once); tiles read again by other programs or later loop steps are taken to hit L2."""
-    import torch
-
-    seen = {id(v): v for v in launch.args.values() if isinstance(v, torch.Tensor)}
-    return sum(t.numel() * t.element_size() for t in seen.values())
+# Time of a launch (its counts: kernels/cost.py and each op's cost model beside its kernels)
 
 
 def roofline_seconds(row: dict, hw: dict) -> dict:
@@ -725,9 +226,9 @@ def measured_times(measured: dict, name: str, settings: dict, n: int) -> dict:
 
 
 def current_defaults() -> dict:
-    from hf_resolvent.backends.triton import aot, resolvent
+    from hf_resolvent.backends.triton import BlockConfig, aot
 
-    return aot.kernel_choice(resolvent.BlockConfig())
+    return aot.kernel_choice(BlockConfig())
 
 
 def _kernels_key(settings: dict, defaults: dict, pattern: str) -> tuple:

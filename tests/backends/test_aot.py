@@ -19,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from hf_resolvent.backends.triton import aot, resolvent
+from hf_resolvent.backends.triton import aot, launching
 
 N, WIDTH, BATCH, HEADS = 1024, 64, 2, 12
 ARCH = 90
@@ -89,8 +89,8 @@ def compiled():
 
 def record(pattern: str, tied: bool = False, dtype: torch.dtype = torch.bfloat16, **settings) -> list[aot.Launch]:
     """The launches of ``pattern`` at the default BlockConfig, changed by ``settings`` (variants)."""
-    config = {**dataclasses.asdict(resolvent.BlockConfig()), **settings}
-    with resolvent.block_config(**config):
+    config = {**dataclasses.asdict(launching.BlockConfig()), **settings}
+    with launching.block_config(**config):
         return aot.record_launches(pattern, dtype=dtype, n=N, d=WIDTH, e=WIDTH, batch=BATCH, heads=HEADS, tied=tied)
 
 
@@ -209,7 +209,7 @@ def test_atomic_attention_backward_runs_on_warpgroup_mma(pattern, compiled):
     its only atomics the float32 dQ adds, exactly one (atomic_m x d) tile of them per query step.
 
     dense has both channels: A (non-strict, with dV) and B (strict, value operand the float32 solved Y, tf32)."""
-    cfg = resolvent.BlockConfig()
+    cfg = launching.BlockConfig()
     launches = [launch for launch in record(pattern, attn_bwd="atomic") if launch.name.startswith("attn_bwd")]
     assert {launch.name for launch in launches} == {"attn_bwd_atomic_kernel"}
     assert len(launches) == {"attention": 1, "dense": 2}[pattern]
@@ -229,7 +229,7 @@ def test_float32_atomic_attention_backward_fits_at_its_fitted_tiles(compiled):
     pipelined query tiles within shared memory. The tf32x3 products split every operand in three, so the kernel
     spills a little even so; the bound guards it (every other tile and warp count tried spills too, or loses
     wgmma)."""
-    cfg = resolvent.fitted_block_config(torch.float32, WIDTH, resolvent.BlockConfig(attn_bwd="atomic"))
+    cfg = launching.fitted_block_config(torch.float32, WIDTH, launching.BlockConfig(attn_bwd="atomic"))
     launches = [launch for launch in record("dense", dtype=torch.float32, attn_bwd="atomic")
                 if launch.name == "attn_bwd_atomic_kernel"]
     assert len(launches) == 2

@@ -136,11 +136,11 @@ def test_every_block_of_a_solve_is_claimed_once_and_published(pattern, monkeypat
     # publish each block in solve order (kernels/jit/common.py, _claim_block). After a forward and backward, each
     # schedule must count every block of every head as published and every ticket as taken; a block that never
     # published would leave a GPU program of the next block waiting.
-    from hf_resolvent.backends.triton import resolvent
+    from hf_resolvent.backends.triton import launching
 
     schedules = []
-    real = resolvent._progress
-    monkeypatch.setattr(resolvent, "_progress", lambda BH, device: schedules.append(real(BH, device)) or schedules[-1])
+    real = launching.progress_buffer
+    monkeypatch.setattr(launching, "progress_buffer", lambda BH, device: schedules.append(real(BH, device)) or schedules[-1])
     batch, heads, n = 2, 3, 37  # three blocks of 16, the last one partial
     _check_mix(pattern, batch=batch, heads=heads, n=n, d=16, e=16, dtype=torch.float32, rel=1e-4)
     nblk, BH = -(-n // BLOCK), batch * heads
@@ -272,14 +272,14 @@ def test_atomic_attention_backward_tiles():
     asked for); float32 inputs and head width 128 divide both by their row's size over 128 bytes."""
     import dataclasses
 
-    from hf_resolvent.backends.triton import aot, resolvent
+    from hf_resolvent.backends.triton import aot, launching
 
     def tiles(dtype, width):
         launches = aot.record_launches("dense", dtype=dtype, n=256, d=width, e=width)
         return {(launch.constexprs["BM"], launch.constexprs["BN"], launch.options["num_warps"])
                 for launch in launches if launch.name == "attn_bwd_atomic_kernel"}
 
-    with kernels.block_config(**dict(dataclasses.asdict(resolvent.BlockConfig()), attn_bwd="atomic")):
+    with kernels.block_config(**dict(dataclasses.asdict(launching.BlockConfig()), attn_bwd="atomic")):
         assert tiles(torch.bfloat16, 64) == tiles(torch.float16, 32) == {(64, 128, 8)}
         assert tiles(torch.bfloat16, 128) == tiles(torch.float32, 64) == {(32, 64, 8)}
         assert tiles(torch.float32, 128) == {(16, 32, 8)}
@@ -320,7 +320,7 @@ def test_unsupported_dtype_is_refused():
 
 def test_nan_fill_catches_unwritten_outputs():
     # The NaN switch itself: fresh buffers are NaN, so a kernel that skipped rows would fail above.
-    from hf_resolvent.backends.triton.resolvent import new_buffer
+    from hf_resolvent.backends.triton.launching import new_buffer
 
     assert torch.isnan(new_buffer((3, 4), torch.device("cpu"))).all()
 
@@ -421,12 +421,12 @@ def test_float32_attention_at_width_128_fits_a_blocks_shared_memory():
     ``fitted_block_config`` halves the key step there, and ``compile_launch`` refuses a kernel past the limit."""
     import dataclasses
 
-    from hf_resolvent.backends.triton import aot, resolvent
+    from hf_resolvent.backends.triton import aot, launching
 
-    defaults = dataclasses.asdict(resolvent.BlockConfig(attn_bwd="split"))  # the atomic backward: test_aot.py
+    defaults = dataclasses.asdict(launching.BlockConfig(attn_bwd="split"))  # the atomic backward: test_aot.py
     with kernels.block_config(**defaults):
-        assert resolvent.fitted_block_config(torch.bfloat16, 128).attn_n == resolvent.BlockConfig().attn_n == 64
-        assert resolvent.fitted_block_config(torch.float32, 128).attn_n == 32
+        assert launching.fitted_block_config(torch.bfloat16, 128).attn_n == launching.BlockConfig().attn_n == 64
+        assert launching.fitted_block_config(torch.float32, 128).attn_n == 32
         launches = aot.record_launches("attention", dtype=torch.float32, n=64, d=128, e=128, batch=1, heads=1)
         assert {launch.name for launch in launches} >= {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
         for launch in launches:
@@ -443,13 +443,13 @@ def test_float32_chunked_solves_at_width_128_fit_a_blocks_shared_memory():
     launch; ``fitted_block_config`` halves the chunk for rows over 256 bytes."""
     import dataclasses
 
-    from hf_resolvent.backends.triton import aot, resolvent
+    from hf_resolvent.backends.triton import aot, launching
 
-    defaults = dataclasses.asdict(resolvent.BlockConfig(sparse_solver="chunked", dense_solver="chunked"))
+    defaults = dataclasses.asdict(launching.BlockConfig(sparse_solver="chunked", dense_solver="chunked"))
     with kernels.block_config(**defaults):
-        assert resolvent.fitted_block_config(torch.bfloat16, 128).chunk == resolvent.BlockConfig().chunk == 64
-        assert resolvent.fitted_block_config(torch.float32, 64).chunk == 64
-        assert resolvent.fitted_block_config(torch.float32, 128).chunk == 32
+        assert launching.fitted_block_config(torch.bfloat16, 128).chunk == launching.BlockConfig().chunk == 64
+        assert launching.fitted_block_config(torch.float32, 64).chunk == 64
+        assert launching.fitted_block_config(torch.float32, 128).chunk == 32
         for pattern in ("diagonal", "dense"):
             launches = aot.record_launches(pattern, dtype=torch.float32, n=256, d=128, e=128, batch=1, heads=1)
             names = {launch.name for launch in launches}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_resolvent.backends.triton import aot, resolvent
+from hf_resolvent.backends.triton import aot, launching
 from test_triton import _check_mix, _check_tied, _inputs, interpreter  # noqa: F401 (interpreter: autouse fixture)
 
 from hf_resolvent.backends import triton as kernels
@@ -98,8 +98,8 @@ def test_every_block_of_a_chunked_dense_solve_is_claimed_once_and_published(patt
     published and every ticket taken (a chunk that never published would leave the next one waiting on a GPU).
     The sparse chunked solves take no tickets at all."""
     schedules = []
-    real = resolvent._progress
-    monkeypatch.setattr(resolvent, "_progress", lambda BH, device: schedules.append(real(BH, device)) or schedules[-1])
+    real = launching.progress_buffer
+    monkeypatch.setattr(launching, "progress_buffer", lambda BH, device: schedules.append(real(BH, device)) or schedules[-1])
     batch, heads, n = 2, 2, 37
     _check_mix(pattern, batch=batch, heads=heads, n=n, d=16, e=16, dtype=torch.float32, rel=1e-4)
     nblk, BH = -(-n // CHUNK), batch * heads
@@ -114,8 +114,8 @@ def test_the_forward_saves_each_blocks_inverse_for_the_backward(pattern, start, 
     of the pattern's B, for every block of every head: the dense blocks at fixed positions, the sparse chunks
     counted from the first real token; the identity on rows past n and in the padding."""
     saved = []
-    real = resolvent._block_inverses
-    monkeypatch.setattr(resolvent, "_block_inverses", lambda *args: saved.append(real(*args)) or saved[-1])
+    real = launching.block_inverses
+    monkeypatch.setattr(launching, "block_inverses", lambda *args: saved.append(real(*args)) or saved[-1])
     batch, n = 2, 45
     qa, ka, qb, kb, x, g, _ = _inputs(batch, 1, n, 16, 16, seed=3)
     start = None if start is None else torch.tensor(start)
@@ -142,8 +142,8 @@ def test_a_forward_without_gradients_keeps_no_inverses(pattern, monkeypatch):
     """Where no input needs a gradient (inference, or torch.no_grad on activations), no backward can follow: the
     forward keeps no block inverses, and its output is the same to the bit."""
     saved = []
-    real = resolvent._block_inverses
-    monkeypatch.setattr(resolvent, "_block_inverses", lambda *args: saved.append(real(*args)) or saved[-1])
+    real = launching.block_inverses
+    monkeypatch.setattr(launching, "block_inverses", lambda *args: saved.append(real(*args)) or saved[-1])
     qa, ka, qb, kb, x, g, _ = _inputs(2, 1, 45, 16, 16, seed=4)
     start = torch.tensor([0, 20])
     y = kernels.triton_mix(qa, ka, qb, kb, x, g, pattern, start=start)
@@ -159,7 +159,7 @@ def test_held_table_lists_exactly_the_rows_each_chunk_reads(pattern, n):
     """Row c of the held table holds every source before chunk c that one of its rows reads, once, and nothing else;
     the reads table marks exactly the (row, source) pairs of the pattern, by column of the chunk or of its held row.
     Both are checked here against the pattern's source index."""
-    held, reads = resolvent.held_table(get_pattern(pattern), n, CHUNK)
+    held, reads = launching.held_table(get_pattern(pattern), n, CHUNK)
     sources = get_pattern(pattern).source_index(n)
     HM = held.shape[1]
     assert held.shape[0] == -(-n // CHUNK) and HM >= 16 and HM & (HM - 1) == 0
@@ -178,27 +178,28 @@ def test_held_table_lists_exactly_the_rows_each_chunk_reads(pattern, n):
 def test_cache_efficient_chunks_carry_few_rows():
     """What the chain carries per chunk of 64 rows: exp2:ce holds at most 16 earlier rows up to 32k (one tile),
     square:ce a few tiles; a plain f-pattern holds far more (why the cache-efficient patterns suit the chain)."""
-    assert resolvent.held_table(get_pattern("exp2:ce"), 32768, 64)[0].shape[1] == 16
-    assert resolvent.held_table(get_pattern("square:ce"), 4096, 64)[0].shape[1] == 64
-    assert resolvent.held_table(get_pattern("exp2"), 4096, 64)[0].shape[1] >= 256
+    assert launching.held_table(get_pattern("exp2:ce"), 32768, 64)[0].shape[1] == 16
+    assert launching.held_table(get_pattern("square:ce"), 4096, 64)[0].shape[1] == 64
+    assert launching.held_table(get_pattern("exp2"), 4096, 64)[0].shape[1] >= 256
 
 
 def test_held_tables_are_copied_to_the_device_once_for_every_launch():
-    """Forward and backward, and later calls at the same length, read one device copy of the held tables."""
-    resolvent._held_tables_on.cache_clear()
+    """The forward, the backward's solve and its gradients, and later calls at the same length, read one device copy
+    of the held tables."""
+    launching.held_tables_on.cache_clear()
     for _ in range(2):
         _check_mix("exp2:ce", batch=1, heads=1, n=40, d=16, e=16, dtype=torch.float32, rel=1e-4)
-    info = resolvent._held_tables_on.cache_info()
-    assert (info.misses, info.hits) == (1, 3)
+    info = launching.held_tables_on.cache_info()
+    assert (info.misses, info.hits) == (1, 5)
 
 
 def test_held_tables_stay_on_the_cpu_whatever_the_callers_device():
-    resolvent.held_table.cache_clear()
+    launching.held_table.cache_clear()
     with torch.device("meta"):
-        held, reads = resolvent.held_table(get_pattern("exp2:ce"), 100, CHUNK)
+        held, reads = launching.held_table(get_pattern("exp2:ce"), 100, CHUNK)
     assert held.device.type == reads.device.type == "cpu"
     with pytest.raises(ValueError, match="'dense' has no held rows"):
-        resolvent.held_table(get_pattern("dense"), 100, CHUNK)
+        launching.held_table(get_pattern("dense"), 100, CHUNK)
 
 
 def test_bad_solver_settings_are_refused():

@@ -76,30 +76,19 @@ def test_profile_prefill_lists_the_operators_of_a_prefill(capsys):
     assert "exp2:ce: prefill of 300 tokens in chunks of 128" in out and "aten::searchsorted" in out
 
 
-def _spy_on_kernels(monkeypatch) -> dict:
-    """{(sparse_solver, attn_bwd): names of the Triton kernels launched under that BlockConfig}, filled as the
-    launchers of kernels/resolvent.py reach their kernels."""
-    from hf_resolvent.backends.triton import resolvent
-
-    launched, real = {}, resolvent.jit_module
-
-    class Spy:
-        def __getattr__(self, name):
-            cfg = resolvent.get_block_config()
-            launched.setdefault((cfg.sparse_solver, cfg.attn_bwd), set()).add(name)
-            return getattr(real(), name)
-
-    monkeypatch.setattr(resolvent, "jit_module", Spy)
-    return launched
-
-
-def test_bench_kernels_times_each_config_as_its_own_series(tmp_path, monkeypatch):
+def test_bench_kernels_times_each_config_as_its_own_series(tmp_path):
     """--dry-run (the interpreter, tiny shapes): every --config gives its own triton series, run under its settings."""
-    launched = _spy_on_kernels(monkeypatch)
+    from hf_resolvent.backends.triton import aot
+
     out = tmp_path / "kernels"
     configs = ["sparse_solver=blocked,attn_bwd=split", "sparse_solver=chunked,attn_bwd=atomic"]
-    assert load_script("bench/bench_kernels").main(["--dry-run", "--out", str(out), "--patterns", "attention,exp2:ce",
-                                                    "--config", configs[0], "--config", configs[1]]) == 0
+    with aot.recording_launches(run=True) as rec:
+        assert load_script("bench/bench_kernels").main(["--dry-run", "--out", str(out), "--patterns",
+                                                        "attention,exp2:ce", "--config", configs[0], "--config",
+                                                        configs[1]]) == 0
+    launched = {}  # {(sparse_solver, attn_bwd): the kernels launched under that BlockConfig}
+    for launch in rec.launches:
+        launched.setdefault((launch.choice["sparse_solver"], launch.choice["attn_bwd"]), set()).add(launch.name)
     result = json.loads(out.with_suffix(".json").read_text())
     assert result["dry_run"] and result["configs"] == [{"sparse_solver": "blocked", "attn_bwd": "split"},
                                                        {"sparse_solver": "chunked", "attn_bwd": "atomic"}]

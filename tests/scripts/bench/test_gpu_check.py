@@ -74,24 +74,17 @@ def test_dry_run_under_a_variant_runs_its_kernels(tmp_path, monkeypatch):
     """--config: every case runs under the BlockConfig settings (here the chunked sparse and dense solves and the
     atomic attention backward, which launch their own kernels), recorded in the JSON; run in this process so that
     the kernels it launches can be seen."""
-    from hf_resolvent.backends.triton import resolvent
+    from hf_resolvent.backends.triton import aot, launching
 
-    launched, real = set(), resolvent.jit_module
-
-    class Spy:
-        def __getattr__(self, name):
-            launched.add(name)
-            return getattr(real(), name)
-
-    monkeypatch.setattr(resolvent, "jit_module", Spy)
     for name in ("TRITON_INTERPRET", "HF_RESOLVENT_CPU_KERNELS"):  # set by --dry-run; restored after the test
         monkeypatch.setenv(name, os.environ.get(name, "0"))
-    nan_fill, threads = resolvent.set_nan_fill(False), torch.get_num_threads()
+    nan_fill, threads = launching.set_nan_fill(False), torch.get_num_threads()
     try:
-        code = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--config", VARIANTS, "--kinds", "mix,tied",
-                               "--dtypes", "bfloat16", "--patterns", "attention,dense,exp2:ce"])
+        with aot.recording_launches(run=True) as rec:
+            code = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--config", VARIANTS, "--kinds", "mix,tied",
+                                   "--dtypes", "bfloat16", "--patterns", "attention,dense,exp2:ce"])
     finally:
-        resolvent.set_nan_fill(nan_fill)
+        launching.set_nan_fill(nan_fill)
         torch.set_num_threads(threads)
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0 and result["passed"], [r for r in result["cases"] if r["status"] != "PASS"]
@@ -101,6 +94,7 @@ def test_dry_run_under_a_variant_runs_its_kernels(tmp_path, monkeypatch):
     assert (cfg["sparse_solver"], cfg["attn_bwd"], cfg["chunk"], cfg["solve"]) == ("chunked", "atomic", 16, 16)
     assert [r["id"] for r in result["cases"]] == ["mix/attention/bfloat16/tiny", "mix/dense/bfloat16/tiny",
                                                   "mix/exp2:ce/bfloat16/tiny", "tied/exp2:ce/bfloat16/tiny"]
+    launched = {launch.name for launch in rec.launches}
     assert launched >= {"attn_bwd_atomic_kernel", "chunk_prepare_kernel", "chunk_carry_kernel", "chunk_rows_bwd_kernel",
                         "dense_chunk_fwd_kernel", "dense_chunk_bwd_kernel"}
     assert not launched & {"attn_bwd_dq_kernel", "sparse_solve_fwd_kernel", "sparse_solve_bwd_kernel",

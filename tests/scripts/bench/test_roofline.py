@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from conftest import load_script
-from hf_resolvent.backends.triton import aot, resolvent
+from hf_resolvent.backends.triton import aot, launching
 
 B, H, D = 4, 16, 64
 PROFILE_LOG = """=== n=64 dense (2 steps)
@@ -53,11 +53,11 @@ def test_roofline_counts_follow_the_launches_and_measured_times_are_attached(tmp
 
     # the dense pattern: its solves walk n / block blocks; programs are the recorded grids
     dense = _case(result, "dense", 4096)
-    block = resolvent.get_block_config().solve
+    block = launching.get_block_config().solve
     solves = [r for r in dense["launches"]["forward"] + dense["launches"]["backward"] if "solve" in r["kernel"]]
     assert [r["kernel"] for r in solves] == ["dense_solve_fwd", "dense_solve_bwd"]
     assert all(r["chain_steps"] == 4096 // block for r in solves)
-    with resolvent.block_config(**aot.parse_config(BLOCKED)):
+    with launching.block_config(**aot.parse_config(BLOCKED)):
         recorded = load_script("bench/roofline").record_passes("dense", 4096, B, H, D, torch.bfloat16)
     for phase in ("forward", "backward"):
         assert [r["programs"] for r in dense["launches"][phase]] == [
@@ -65,7 +65,7 @@ def test_roofline_counts_follow_the_launches_and_measured_times_are_attached(tmp
         assert [r["grid"] for r in dense["launches"][phase]] == [list(launch.grid) for launch in recorded[phase]]
     # attention's forward kernel: one program per 64 rows and head, nothing chained, the FLOPs of causal tiles
     (attn_fwd,) = _case(result, "attention", 4096)["launches"]["forward"]
-    cfg = resolvent.get_block_config()
+    cfg = launching.get_block_config()
     tiles = sum(-(-min((i + 1) * cfg.attn_m, 4096) // cfg.attn_n) for i in range(4096 // cfg.attn_m))
     assert attn_fwd["programs"] == 4096 // cfg.attn_m * B * H and attn_fwd["chain_steps"] == 0
     assert attn_fwd["flops"] == tiles * B * H * 2 * (2 * cfg.attn_m * cfg.attn_n * D)
@@ -139,15 +139,15 @@ def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
     # The held rows by hand: the sources before each chunk that the chunk's rows read.
     from hf_resolvent.patterns import get_pattern
 
-    C = resolvent.get_block_config().chunk
+    C = launching.get_block_config().chunk
     src = get_pattern("exp2:ce").source_index(n)
     held = [set(src[c0:c0 + C][(src[c0:c0 + C] >= 0) & (src[c0:c0 + C] < c0)].tolist()) for c0 in range(0, n, C)]
     held_total = sum(len(h) for h in held)
     HM = max(16, 1 << (max(len(h) for h in held) - 1).bit_length())
     nc, log2 = n // C, C.bit_length() - 1
     rows, held_rows, mask = BH * n, BH * held_total, C * (C + HM)  # the mask: int8, one byte per entry
-    # recorded on meta tensors, the launches leave resolvent.held_table's cached tables on the CPU for real launches
-    assert [t.device.type for t in resolvent.held_table(get_pattern("exp2:ce"), n, C)] == ["cpu", "cpu"]
+    # recorded on meta tensors, the launches leave launching.held_table's cached tables on the CPU for real launches
+    assert [t.device.type for t in launching.held_table(get_pattern("exp2:ce"), n, C)] == ["cpu", "cpu"]
 
     # The carry: n / C steps in each direction, nothing else chained; one (C x HM) x (HM x 16) product per step
     carry = _rows(case, "chunk_carry")
@@ -220,7 +220,7 @@ def test_chunked_sparse_solve_follows_the_chunk_formulas(tmp_path):
 
     # the blocked solves (the default for the sparse patterns) walk n / solve blocks in each direction instead
     blocked = _variant(result, "exp2:ce", n, "blocked")
-    block = resolvent.get_block_config().solve
+    block = launching.get_block_config().solve
     solves = _rows(blocked, "sparse_solve_fwd") + _rows(blocked, "sparse_solve_bwd")
     assert [(r["kernel"], r["chain_steps"]) for r in solves] == [("sparse_solve_fwd", n // block),
                                                                    ("sparse_solve_bwd", n // block)]
@@ -251,7 +251,7 @@ def test_chunked_dense_solve_has_one_chain_step_per_block(tmp_path):
     n, BH, in_flight = 512, 2, 3
     result = _run_variants(tmp_path, "dense", str(n), "--blocks-in-flight", str(in_flight))
     case = _variant(result, "dense", n, "chunked")
-    B = resolvent.get_block_config().chunk
+    B = launching.get_block_config().chunk
     nblk, log2 = n // B, B.bit_length() - 1
     fwd, bwd = _rows(case, "dense_chunk_fwd") + _rows(case, "dense_chunk_bwd")
     assert fwd["chain_steps"] == bwd["chain_steps"] == nblk
@@ -270,7 +270,7 @@ def test_chunked_dense_solve_has_one_chain_step_per_block(tmp_path):
                                  + nblk * (applied + 2 * B * B * D))
     # the blocked variant's solves walk n / solve blocks
     blocked = _variant(result, "dense", n, "blocked")
-    block = resolvent.get_block_config().solve
+    block = launching.get_block_config().solve
     assert [r["chain_steps"] for r in _rows(blocked, "dense_solve_fwd") + _rows(blocked, "dense_solve_bwd")] == [
         n // block, n // block]
 
@@ -278,7 +278,7 @@ def test_chunked_dense_solve_has_one_chain_step_per_block(tmp_path):
 def test_atomic_backward_is_one_kernel_per_channel(tmp_path):
     n, BH = 512, 2
     result = _run_variants(tmp_path, "attention,dense", str(n))
-    cfg = resolvent.get_block_config()
+    cfg = launching.get_block_config()
     # one key block per program walks the query blocks from its own: scores, dP, dK, dQ and dV once per tile
     tiles = sum(n // cfg.atomic_m - (j * cfg.atomic_n) // cfg.atomic_m for j in range(n // cfg.atomic_n))
     (attn,) = _variant(result, "attention", n, "chunked")["launches"]["backward"]
@@ -295,7 +295,7 @@ def test_solved_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp
     n, BH, in_flight = 512, 2, 3
     result = _run_variants(tmp_path, "dense", str(n), "--blocks-in-flight", str(in_flight), "--config",
                            f"copy:{BLOCKED},solved_copy=true", "--config", f"chunked+copy:{CHUNKED},solved_copy=true")
-    cfg = resolvent.get_block_config()
+    cfg = launching.get_block_config()
     case = {v: _variant(result, "dense", n, v) for v in ("blocked", "copy", "chunked", "chunked+copy")}
     assert case["chunked+copy"]["config"] == {**case["chunked"]["config"], "solved_copy": True}
 
@@ -416,3 +416,14 @@ def test_bad_variant_and_latency_options_are_refused_with_the_fix(tmp_path, caps
             script.main(["--out", str(tmp_path / "x.json"), *argv])
         assert refused.value.code == 2
         assert said in capsys.readouterr().err
+
+
+def test_every_training_kernel_has_its_cost_model_beside_it():
+    """The roofline reads each kernel's cost from its op module (``COSTS``): a kernel added without one would stop
+    the roofline at its first launch. The decode step is timed, not modelled."""
+    from hf_resolvent.backends.triton._loader import jit_module
+
+    jit = jit_module(interpret=False)
+    assert set(jit.COSTS) == set(jit.KERNELS) - {"decode_step_kernel"}
+    for op in jit.OPS:
+        assert all(name in vars(op) for name in op.COSTS), f"{op.__name__} models a kernel it does not hold"
