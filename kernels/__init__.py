@@ -27,7 +27,7 @@ _EXPORTS = {
     "get_block_config": ".launching",
     "make_plan": ".launching",
     "set_nan_fill": ".launching",
-    "triton_mix": ".resolvent",
+    "triton_mix": ".mix",
 }
 
 

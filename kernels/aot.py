@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the kernels for a GPU target, on a machine without a GPU.
 
-``record_launches`` runs the real launch code of :mod:`.resolvent` / :mod:`.decode` with the kernel
+``record_launches`` runs the real launch code of :mod:`.mix` / :mod:`.decode` with the kernel
 module swapped for a recorder, so it sees every launch exactly as it would happen (arguments, tile
 sizes, flags) without running anything. ``compile_launch`` then builds each recorded launch with
 Triton's compiler for a CUDA target (``ptxas`` ships with the triton wheel; no driver or device is
@@ -28,7 +28,7 @@ import torch
 
 from . import _loader, launching
 from . import decode as _decode
-from . import resolvent as _resolvent
+from . import mix as _mix
 from ._loader import jit_module
 
 _TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -139,9 +139,9 @@ def record_passes(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 64
                                 prec=launching.FP32_PREC if dtype == torch.float32 else "tf32")
     cfg = launching.fitted_block_config(dtype, max(d, e))
     with recording_launches() as rec:
-        _, saved = _resolvent.launch_forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, tied)
+        _, saved = _mix.launch_forward(qa, ka, qb, kb, x, g, start, plan, sh, cfg, tied)
         n_forward = len(rec.launches)
-        _resolvent.launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
+        _mix.launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan, sh, cfg, tied)
     return {"forward": rec.launches[:n_forward], "backward": rec.launches[n_forward:]}
 
 
@@ -207,7 +207,7 @@ def kernel_choice(cfg) -> dict:
 
 
 def relevant(settings: dict, pattern: str) -> dict:
-    """The settings among ``settings`` that change the kernels ``pattern`` runs (resolvent.py's table): the
+    """The settings among ``settings`` that change the kernels ``pattern`` runs (mix.py's table): the
     attention backward for attention and dense, the dense solver and its copy for dense, the sparse solver for
     the other patterns with a B term; the chunk for either chunked solver."""
     from hf_resolvent.patterns import get_pattern
