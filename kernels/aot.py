@@ -134,7 +134,7 @@ def record_passes(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 64
         x = torch.zeros(BH, n, e, dtype=dtype)
         g = torch.zeros(BH, n, dtype=dtype) if plan.has_b else None
         start = torch.zeros(batch, dtype=torch.int32)
-        dy = torch.zeros(BH, n, e)
+        dy = torch.zeros(BH, n, e, dtype=torch.float32 if tied else dtype)  # the output's dtype, as is its gradient
     sh = launching.LaunchShapes(BH=BH, H=heads, n=n, da=d, db=d, e=e, scale=d**-0.5,
                                 prec=launching.FP32_PREC if dtype == torch.float32 else "tf32")
     cfg = launching.fitted_block_config(dtype, max(d, e))
