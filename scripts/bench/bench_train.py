@@ -124,21 +124,33 @@ def run(args) -> dict:
               + ", ".join(f"{n} {times[n][-1] * 1000:.0f}" for n in names) + " ms", flush=True)
     tokens = args.batch * seq_len
     base, base_params = times["gpt2"], count_parameters(trainees[0].model)
+    without_conv = {(mixer, aot.config_label(settings)): name for name, mixer, settings, k in models if not k}
     rows = []
     for (name, mixer, settings, conv_size), t in zip(models, trainees):
         step = statistics.median(times[name])
         params = count_parameters(t.model)
-        ratios = [a / b for a, b in zip(times[name], base)]
-        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+        median, quartiles = _round_ratios(times[name], base)
         rows.append({"model": name, "tokens_per_s": tokens / step, "step_ms": step * 1000,
-                     "ratio_to_gpt2": statistics.median(ratios), "ratio_quartiles": [q1, q3],
+                     "ratio_to_gpt2": median, "ratio_quartiles": quartiles,
                      "params": params, "params_ratio_to_gpt2": params / base_params,
                      "complexity": complexity_of(mixer), "mixer": mixer, "config": settings,
                      "conv_size": conv_size})
+        plain = without_conv.get((mixer, aot.config_label(settings)))
+        if conv_size and plain is not None:
+            # the convolution's cost: each round's step over the same model's without it, in that round
+            rows[-1]["ratio_to_no_conv"], rows[-1]["ratio_to_no_conv_quartiles"] = _round_ratios(times[name],
+                                                                                                 times[plain])
     return {"rows": rows, "shape": {**PRESETS[args.preset], "seq_len": seq_len, "vocab": args.vocab},
             "batch": args.batch, "rounds": args.rounds, "device": str(device),
             "threads": torch.get_num_threads() if device.type == "cpu" else None, "bf16": args.bf16,
             "torch": torch.__version__, "step_s": times}
+
+
+def _round_ratios(times: list[float], base: list[float]) -> tuple[float, list[float]]:
+    """Median and quartiles over rounds of one model's step time over another's in the same round."""
+    ratios = [a / b for a, b in zip(times, base)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), [q1, q3]
 
 
 def markdown(result: dict) -> str:
@@ -148,6 +160,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M ({r['params_ratio_to_gpt2']:.2f}x) | "
                      f"{r['step_ms']:.0f} | {r['tokens_per_s']:,.0f} | {r['ratio_to_gpt2']:.2f}x "
                      f"({q1:.2f}-{q3:.2f}) |")
+    conv = [r for r in result["rows"] if "ratio_to_no_conv" in r]
+    if conv:
+        lines += ["", "| model | step time vs the same model without the convolution (quartiles) |", "|---|---:|"]
+        lines += [f"| {r['model']} | {r['ratio_to_no_conv']:.3f}x ({r['ratio_to_no_conv_quartiles'][0]:.3f}-"
+                  f"{r['ratio_to_no_conv_quartiles'][1]:.3f}) |" for r in conv]
     return "\n".join(lines) + "\n"
 
 
@@ -176,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check(parser, device=args.device, files=[("--out", args.out)])
+    if "gpt2" in args.skip:
+        parser.error("--skip gpt2: GPT-2 is the model every ratio is taken to; it cannot be left out")
     try:
         args.configs = [aot.parse_config(text) for text in args.config or [""]]
     except ValueError as err:

@@ -36,7 +36,19 @@ def test_bench_train_writes_one_row_per_model(tmp_path):
         q1, q3 = r["ratio_quartiles"]
         assert min(result["step_s"][name]) > 0 and q1 <= r["ratio_to_gpt2"] <= q3
     assert rows["gpt2"]["ratio_to_gpt2"] == 1.0 and rows["dense"]["params"] > rows["gpt2"]["params"]
+    # the convolution's cost: per round, over the same mixer without it
+    for mixer in ("exp2:ce", "dense"):
+        steps = zip(result["step_s"][f"{mixer} [conv 4]"], result["step_s"][mixer])
+        ratios = sorted(a / b for a, b in steps)
+        assert rows[f"{mixer} [conv 4]"]["ratio_to_no_conv"] == pytest.approx(sum(ratios) / 2)
+        assert "ratio_to_no_conv" not in rows[mixer]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_train_refuses_to_leave_out_the_reference(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load_script("bench/bench_train").main(["--out", str(tmp_path / "t.json"), "--skip", "gpt2"])
+    assert "GPT-2 is the model every ratio is taken to" in capsys.readouterr().err
 
 
 def test_bench_decode_times_eager_and_compiled_steps(tmp_path):
