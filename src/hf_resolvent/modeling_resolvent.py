@@ -46,6 +46,7 @@ from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
 from .patterns import get_pattern
 from .remote_code import AUTO_MAP, add_architecture_record, check_weight_files, check_weight_index, write_ops_bundle
 from .resolvent_ops import (
+    causal_conv_silu,
     decode_tokens,
     gelu_tanh,
     require,
@@ -235,8 +236,7 @@ class ResolventMixer(nn.Module):
         if layer_cache is not None:
             layer_cache.keep_conv_rows(rows)
         window = rows[:, rows.shape[1] - proj.shape[1] - (k - 1):]  # the new tokens and the k - 1 before them
-        out = F.conv1d(window.transpose(1, 2), self.conv.weight, self.conv.bias, groups=proj.shape[2])
-        return F.silu(out.transpose(1, 2))
+        return causal_conv_silu(window.contiguous(), self.conv.weight, self.conv.bias, impl=self.config.mixer_impl)
 
     def _state_rows(self, t, y, d, start) -> dict[str, torch.Tensor]:
         """The per-position tensors a decode state stores (docs/DESIGN.md section 4), each (B, H, n, .)."""

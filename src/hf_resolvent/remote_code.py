@@ -78,9 +78,10 @@ AUTO_MAP = {
 # Remote code
 
 # The ops modules the mixer functions need: mixer (resolvent_mix, decode_tokens), the dispatch, the forms, the
-# PyTorch code of the parallel form, rope and gelu; patterns.py comes with the model files.
-SHIPPED_OPS = ("attention", "common", "dense_solve", "dispatch", "extend", "gelu", "graph", "mixer", "parallel",
-               "recurrent", "register", "rope", "slots", "sparse_solve", "state", "static_state", "threads")
+# PyTorch code of the parallel form, rope, gelu and the short convolution; patterns.py comes with the model files.
+SHIPPED_OPS = ("attention", "common", "conv", "dense_solve", "dispatch", "extend", "gelu", "graph", "mixer",
+               "parallel", "recurrent", "register", "rope", "slots", "sparse_solve", "state", "static_state",
+               "threads")
 
 # What a saved folder's resolvent_ops.py imports, by shipped module: the names the model files use.
 BUNDLE_IMPORTS = (
@@ -90,6 +91,7 @@ BUNDLE_IMPORTS = (
     ("common", ("require",)),
     ("rope", ("rotated_heads",)),
     ("gelu", ("gelu_tanh",)),
+    ("conv", ("causal_conv_silu",)),
 )
 
 # The text of a saved folder's resolvent_ops.py; {imports} and {names} are filled in by write_ops_bundle (transformers

@@ -12,6 +12,7 @@ from hf_resolvent.ops import (
     resolvent_mix,
 )
 from hf_resolvent.ops.common import require
+from hf_resolvent.ops.conv import causal_conv_silu
 from hf_resolvent.ops.gelu import gelu_tanh
 from hf_resolvent.ops.rope import rotated_heads
 from hf_resolvent.ops.static_state import StaticDecodeState
@@ -21,6 +22,7 @@ IS_BUNDLE = False  # this is the library's module, not a saved folder's entry
 __all__ = [
     "IS_BUNDLE",
     "DecodeState",
+    "causal_conv_silu",
     "decode_tokens",
     "gelu_tanh",
     "require",

@@ -347,3 +347,49 @@ def test_slot_probs_and_combine_read_keys_and_values_past_their_rows():
         ops.slot_probs(q, k, torch.tensor([[3, 4, 5, 7]]), 0.5)
     with pytest.raises(RuntimeError, match=r"slot_probs: k must match q but for its rows"):
         ops.slot_probs(q, k[..., :2].contiguous(), src, 0.5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (F64, 1e-13)])
+def test_cpu_short_convolution_equals_pytorchs_depthwise_conv1d_and_its_gradients(dtype, tol):
+    """ops.causal_conv_silu (the short convolution, conv_size) on the compiled passes and on SiLU of F.conv1d
+    (groups = channels): values and the gradients of the rows, filters and biases, at several widths K and batches."""
+    from hf_resolvent.ops.conv import _CausalConvSilu, causal_conv_silu
+
+    gen = torch.Generator().manual_seed(0)
+    for batch, n, channels, k in ((1, 1, 5, 4), (3, 37, 300, 4), (2, 9, 17, 2), (1, 6, 8, 1)):
+        window = torch.randn(batch, n + k - 1, channels, generator=gen, dtype=dtype) * 2
+        weight = torch.randn(channels, 1, k, generator=gen, dtype=dtype)
+        bias = torch.randn(channels, generator=gen, dtype=dtype)
+        grad = torch.randn(batch, n, channels, generator=gen, dtype=dtype)
+        out = {}
+        for impl in ("cpu", "torch"):
+            leaves = [t.clone().requires_grad_() for t in (window, weight, bias)]
+            y = causal_conv_silu(*leaves, impl=impl)
+            assert (y.grad_fn.name() == "_CausalConvSiluBackward") == (impl == "cpu")
+            out[impl] = (y, *torch.autograd.grad(y, leaves, grad))
+        for got, want in zip(out["cpu"], out["torch"]):
+            torch.testing.assert_close(got, want, atol=10 * tol * max(1, n), rtol=10 * tol)
+    if dtype == F64:
+        leaves = [torch.randn(*shape, dtype=F64, requires_grad=True) for shape in ((2, 10, 5), (5, 1, 3), (5,))]
+        assert torch.autograd.gradcheck(_CausalConvSilu.apply, tuple(leaves))
+
+
+def test_cpu_short_convolution_is_chosen_in_one_place_and_refuses_bad_shapes():
+    from hf_resolvent.ops.conv import causal_conv_silu
+
+    window, weight, bias = torch.randn(2, 7, 6, requires_grad=True), torch.randn(6, 1, 4), torch.randn(6)
+    assert causal_conv_silu(window, weight, bias).grad_fn.name() == "_CausalConvSiluBackward"  # auto, float32, CPU
+    assert causal_conv_silu(window, weight, bias, impl="torch").grad_fn.name() == "SiluBackward0"
+    with dispatch.torch_only():
+        assert causal_conv_silu(window, weight, bias).grad_fn.name() == "SiluBackward0"
+    strided = window.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    assert causal_conv_silu(strided, weight, bias).grad_fn.name() == "SiluBackward0"  # not contiguous: the reference
+    ops = cpu.operators()
+    with pytest.raises(RuntimeError, match="weight must be \\(channels, 1, K\\)"):
+        ops.causal_conv_silu(window.detach(), torch.randn(5, 1, 4), bias)
+    with pytest.raises(RuntimeError, match="window must hold at least K = 4 rows"):
+        ops.causal_conv_silu(torch.randn(2, 3, 6), weight, bias)
+    with pytest.raises(RuntimeError, match="must have the window's dtype"):
+        ops.causal_conv_silu(window.detach(), weight.double(), bias)
+    with pytest.raises(RuntimeError, match="grad must be a contiguous \\(2, 4, 6\\) tensor"):
+        ops.causal_conv_silu_backward(torch.zeros(2, 5, 6), window.detach(), weight, bias)

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import hf_resolvent.ops.conv
 import hf_resolvent.ops.gelu
-import hf_resolvent.ops.rope  # noqa: F401  (gelu and rope declare their twins on import, as the model imports them)
+import hf_resolvent.ops.rope  # noqa: F401  (conv, gelu and rope declare their twins on import, as the model imports them)
 from hf_resolvent.backends import cpu
 from hf_resolvent.ops import DecodeState, dispatch, extend_mix, recurrent_step
 from hf_resolvent.ops.attention import causal_attention
+from hf_resolvent.ops.conv import causal_conv_silu
 from hf_resolvent.ops.dense_solve import dense_solve
 from hf_resolvent.ops.gelu import gelu_tanh
 from hf_resolvent.ops.rope import rotated_heads
@@ -126,6 +128,10 @@ def _gelu_tanh(t):
     _backward(gelu_tanh(t(4, 6)))
 
 
+def _causal_conv_silu(t):
+    _backward(causal_conv_silu(t(2, N + 3, 6), t(6, 1, 4), t(6)))
+
+
 def _rotated_heads(t):
     angles = t(1, N, 2, grad=False).repeat(1, 1, 2)
     _backward(rotated_heads(t(1, N, 2, 2, 4), angles.cos(), angles.sin()))
@@ -142,6 +148,7 @@ RECIPES = {
     "recurrent._mix": _recurrent_mix,
     "extend._outputs": _extend_outputs,
     "gelu.gelu_tanh": _gelu_tanh,
+    "conv.causal_conv_silu": _causal_conv_silu,
     "rope.rotated_heads": _rotated_heads,
 }
 
@@ -152,6 +159,7 @@ RUNS_TWIN = dict.fromkeys(RECIPES, USUAL) | {
     # no backward; the extend path computes in float32 whatever the inputs' dtype
     "extend._outputs": USUAL - {"float32, recording gradients"} | {"bfloat16"},
     "gelu.gelu_tanh": USUAL - {"float32, not contiguous"},
+    "conv.causal_conv_silu": USUAL - {"float32, not contiguous"},
     "rope.rotated_heads": {"float32", "float32, recording gradients"},  # float32, last dimension contiguous
 }
 
