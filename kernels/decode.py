@@ -37,20 +37,21 @@ def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: boo
     ref = qb if tied else qa
     scale = ref.shape[-1] ** -0.5 if scale is None else float(scale)
 
-    def rows_held(name, width, kept):
-        """The cache's rows of one tensor, (B, H, S, w); none yet: an empty one."""
-        if not kept:
+    if not has_b:  # attention kinds read no B channel, whatever was passed
+        qb = kb = g = None
+
+    def rows_held(name, token):
+        """The cache's rows of the tensor that stores ``token``'s kind, (B, H, S, w): none for a channel the variant
+        lacks (``token`` None), an empty one while the cache holds no rows."""
+        if token is None:
             return None
         t = getattr(state, name)
-        return x.new_empty(batch, heads, 0, width) if t is None or S == 0 else t.contiguous()
+        return token.new_empty(batch, heads, 0, token.shape[-1]) if t is None or S == 0 else t.contiguous()
 
-    cache = {"keys_a": rows_held("keys_a", qa.shape[-1] if has_a else 0, has_a),
-             "values": rows_held("values", e, has_a),
-             "keys_b": rows_held("keys_b", qb.shape[-1] if has_b else 0, has_b),
-             "outputs": rows_held("outputs", e, has_b)}
+    cache = {"keys_a": rows_held("keys_a", qa), "values": rows_held("values", x if has_a else None),
+             "keys_b": rows_held("keys_b", qb), "outputs": rows_held("outputs", x if has_b else None)}
     contiguous = lambda t: None if t is None else t.contiguous()
-    y, z = jit_module().decode.step(contiguous(qa), contiguous(ka), x.contiguous(), contiguous(qb) if has_b else None,
-                                    contiguous(g) if has_b else None, contiguous(d), cache, positions, r,
+    y, z = jit_module().decode.step(*(contiguous(t) for t in (qa, ka, x, qb, g, d)), cache, positions, r,
                                     DecodeState.read_rule(pattern, r), scale, get_block_config())
     y = y.to(x.dtype)
     if tied:

@@ -305,6 +305,18 @@ def solve_grid(n: int, BH: int, block: int) -> tuple:
     return (cdiv(n, block) * BH,)
 
 
+def score_grad_buffers(sh: LaunchShapes, device, has_a: bool, has_b: bool) -> tuple:
+    """The sparse kernels' gradients of the scores and values: dqa, dka, dx (direct channel) and dqb, dkb (recurrent
+    channel), float32, None for a channel the variant lacks. dq is written whole; dk and dx receive atomic adds, so
+    they start at zero."""
+    def channel(present: bool, d: int, widths: tuple) -> tuple:
+        if not present:
+            return (None,) * (1 + len(widths))
+        return (new_buffer((sh.BH, sh.n, d), device), *(torch.zeros(sh.BH, sh.n, w, device=device) for w in widths))
+
+    return (*channel(has_a, sh.da, (sh.da, sh.e)), *channel(has_b, sh.db, (sh.db,)))
+
+
 def progress_buffer(BH: int, device) -> torch.Tensor:
     """The solves' schedule (``jit.common._claim_block``): blocks published per (batch x head), then the ticket."""
     return torch.zeros(BH + 1, dtype=torch.int32, device=device)

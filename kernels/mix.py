@@ -107,29 +107,28 @@ def launch_backward(dy, qa, ka, qb, kb, x, g, start, saved, plan: Plan, sh: Laun
     jit = jit_module()
     run = variant(jit, plan, cfg)
     heads = sh.BH // start.shape[0]
-    oa, lsea, lseb, y = (saved[k] for k in ("oa", "lsea", "lseb", "y"))
     if run.solve_backward is None:
         w = dy.float() * valid_rows(start, heads, sh.n)[..., None]
-        da, db, dg = (w * oa).sum(-1), None, None
+        da, db, dg = (w * saved["oa"]).sum(-1), None, None
         geff = torch.zeros(sh.BH, sh.n, device=dy.device)
     else:
         if run.dense:
-            w, da, db, dg = run.solve_backward(dy, qb, kb, oa, g, start, saved, sh, cfg)
+            w, da, db, dg = run.solve_backward(dy, qb, kb, g, start, saved, sh, cfg)
         else:
-            w, da, db, dg = run.solve_backward(dy, qb, kb, oa, g, lseb, y, start, saved, plan, sh, cfg)
+            w, da, db, dg = run.solve_backward(dy, qb, kb, g, start, saved, plan, sh, cfg)
         geff = g.float() * has_recurrent_rows(plan, start, heads, sh.n)
     dqa = dka = dqb = dkb = dx = None
     if run.dense:
         if not tied:
-            dqa, dka, dx = run.attention_backward(qa, ka, x, w, 1.0 - geff, da, lsea, start, sh, sh.da, cfg,
+            dqa, dka, dx = run.attention_backward(qa, ka, x, w, 1.0 - geff, da, saved["lsea"], start, sh, sh.da, cfg,
                                                   strict=False, with_dv=True)
         if plan.has_b:
             # Channel B's values are the solved rows: their copy in the input dtype where the forward kept one.
-            v = saved["y_read"] if saved["y_read"] is not None else y
-            dqb, dkb, _ = run.attention_backward(qb, kb, v, w, geff, db, lseb, start, sh, sh.db, cfg, strict=True,
-                                                 with_dv=False)
+            v = saved["y_read"] if saved["y_read"] is not None else saved["y"]
+            dqb, dkb, _ = run.attention_backward(qb, kb, v, w, geff, db, saved["lseb"], start, sh, sh.db, cfg,
+                                                 strict=True, with_dv=False)
     else:
-        dqa, dka, dx, dqb, dkb = run.grads(qa, ka, x, qb, kb, y, w, g, da, db, lsea, lseb, start, plan, sh, cfg)
+        dqa, dka, dx, dqb, dkb = run.grads(qa, ka, x, qb, kb, w, g, da, db, start, saved, plan, sh, cfg)
     if tied:
         dx = (1.0 - geff)[..., None] * w
     return dqa, dka, dqb, dkb, dx, dg

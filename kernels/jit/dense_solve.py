@@ -317,8 +317,9 @@ def dense_chunk_bwd_kernel(QB, KB, OA, R, G, LSEB, DY, W, WREAD, DA, DB, DG, STA
 
 
 # ------------------------------------------------------------------------------------------------
-# Launchers (tensors flattened to (B * H, n, w) contiguous; ``launching.LaunchShapes`` gives the sizes). Each
-# returns what the backward needs in ``saved``: R, LSEB, the solved rows' copy (YREAD) and the block inverses.
+# Launchers (tensors flattened to (B * H, n, w) contiguous; ``launching.LaunchShapes`` gives the sizes). The
+# forwards return what the backwards read in ``saved``: R, LSEB, the solved rows' copy (YREAD) and the block
+# inverses, beside the direct channel's OA.
 
 
 def _copies(cfg, qb) -> bool:
@@ -352,28 +353,29 @@ def chunked_forward(qb, kb, oa, g, start, sh, cfg, keep_inverses: bool):
                     SAVE_INVERSE=keep_inverses)
 
 
-def _backward(kernel, block: int, dy, qb, kb, oa, g, start, saved, sh, cfg, **chunked):
+def _backward(kernel, block: int, dy, qb, kb, g, start, saved, sh, cfg, **chunked):
     dev, BH, n, e = dy.device, sh.BH, sh.n, sh.e
     w = launching.new_buffer((BH, n, e), dev)
     da, db, dg = (launching.new_buffer((BH, n), dev) for _ in range(3))
     copy = _copies(cfg, qb)
     w_read = launching.new_buffer((BH, n, e), dev, dtype=qb.dtype) if copy else w
     kernel[launching.solve_grid(n, BH, block)](
-        qb, kb, oa, saved["r"], g, saved["lseb"], dy, w, w_read, da, db, dg, start, launching.progress_buffer(BH, dev),
+        qb, kb, saved["oa"], saved["r"], g, saved["lseb"], dy, w, w_read, da, db, dg, start,
+        launching.progress_buffer(BH, dev),
         n, sh.H, sh.db, e, sh.qk_scale2, **chunked, BLOCK=block, LOG2_BLOCK=int(math.log2(block)),
         BD=launching.tile_width(sh.db), BE=launching.tile_width(e), COPY=copy, PREC=sh.prec,
         SOLVE_PREC=launching.SOLVE_PREC, num_warps=cfg.solve_warps, num_stages=cfg.solve_stages)
     return w, da, db, dg
 
 
-def blocked_backward(dy, qb, kb, oa, g, start, saved, sh, cfg):
+def blocked_backward(dy, qb, kb, g, start, saved, sh, cfg):
     """W = (I - B)^-T dY, last block first, and the row scalars DA = (1 - geff) W.OA, DB = geff W.R, DG."""
-    return _backward(dense_solve_bwd_kernel, cfg.solve, dy, qb, kb, oa, g, start, saved, sh, cfg)
+    return _backward(dense_solve_bwd_kernel, cfg.solve, dy, qb, kb, g, start, saved, sh, cfg)
 
 
-def chunked_backward(dy, qb, kb, oa, g, start, saved, sh, cfg):
+def chunked_backward(dy, qb, kb, g, start, saved, sh, cfg):
     """As :func:`blocked_backward` in blocks of ``cfg.chunk`` rows, with the inverses the forward kept."""
-    return _backward(dense_chunk_bwd_kernel, cfg.chunk, dy, qb, kb, oa, g, start, saved, sh, cfg,
+    return _backward(dense_chunk_bwd_kernel, cfg.chunk, dy, qb, kb, g, start, saved, sh, cfg,
                      TINV=saved["inverses"])
 
 

@@ -313,38 +313,36 @@ def forward(qb, kb, oa, g, lseb, start, plan, sh, cfg, keep_inverses: bool):
         BE=launching.tile_width(e), PREC=sh.prec, SOLVE_PREC=launching.SOLVE_PREC, SAVE_INVERSE=keep_inverses,
         num_warps=cfg.solve_warps)
     _carry(y, j, held, start, sh, cfg, reverse=False)
-    return y, dict(j=j, inverses=inverses)
+    return y, dict(j=j, inverses=inverses, held=held, reads=reads)
 
 
-def backward(dy, qb, kb, oa, g, lseb, y, start, saved, plan, sh, cfg):
+def backward(dy, qb, kb, g, start, saved, plan, sh, cfg):
     """W = (I - B)^-T dY: the reverse carry gives G, then W_c = T_c^T G_c for every chunk at once, with the row
     scalars DA, DB, DG. Returns (w, da, db, dg)."""
     dev, BH, n, e = dy.device, sh.BH, sh.n, sh.e
-    held, reads = launching.held_tables_on(plan.pattern, n, cfg.chunk, dev)
+    held, reads = saved["held"], saved["reads"]
     grad = dy.float() * launching.valid_rows(start, BH // start.shape[0], n)[..., None]
     _carry(grad, saved["j"], held, start, sh, cfg, reverse=True)
     w = launching.new_buffer((BH, n, e), dev)
     da, db, dg = (launching.new_buffer((BH, n), dev) for _ in range(3))
     chunk_rows_bwd_kernel[(held.shape[0], BH)](
-        qb, kb, oa, g, lseb, held, reads, y, grad, saved["inverses"], w, da, db, dg, start, plan.f0, n, sh.H, sh.db,
+        qb, kb, saved["oa"], g, saved["lseb"], held, reads, saved["y"], grad, saved["inverses"], w, da, db, dg, start,
+        plan.f0, n, sh.H, sh.db,
         e, sh.qk_scale2, **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=launching.tile_width(sh.db),
         BE=launching.tile_width(e), PREC=sh.prec, SOLVE_PREC=launching.SOLVE_PREC, num_warps=cfg.solve_warps)
     return w, da, db, dg
 
 
-def grads(qa, ka, x, qb, kb, y, w, g, da, db, lsea, lseb, start, plan, sh, cfg):
+def grads(qa, ka, x, qb, kb, w, g, da, db, start, saved, plan, sh, cfg):
     """The scores' gradients as tiles over each chunk's own and held rows: (dqa, dka, dx, dqb, dkb) float32, the
     direct channel's None for the tied variant (its dx comes from W)."""
-    dev, BH, n, e = w.device, sh.BH, sh.n, sh.e
-    held, reads = launching.held_tables_on(plan.pattern, n, cfg.chunk, dev)
-    has_a = qa is not None
-    dqa = launching.new_buffer((BH, n, sh.da), dev) if has_a else None
-    dka, dx = (torch.zeros(BH, n, width, device=dev) if has_a else None for width in (sh.da, e))
-    dqb, dkb = launching.new_buffer((BH, n, sh.db), dev), torch.zeros(BH, n, sh.db, device=dev)
-    chunk_grads_kernel[(held.shape[0], BH)](
-        qa, ka, x, qb, kb, y, w, g, da, db, lsea, lseb, held, reads, dqa, dka, dx, dqb, dkb, start, plan.f0, n, sh.H,
-        sh.da, sh.db, e, sh.qk_scale2, sh.scale, **_held_tiles(cfg, held), BDA=launching.tile_width(sh.da),
-        BDB=launching.tile_width(sh.db), BE=launching.tile_width(e), HAS_A=has_a, PREC=sh.prec,
+    held, reads = saved["held"], saved["reads"]
+    dqa, dka, dx, dqb, dkb = launching.score_grad_buffers(sh, w.device, has_a=qa is not None, has_b=True)
+    chunk_grads_kernel[(held.shape[0], sh.BH)](
+        qa, ka, x, qb, kb, saved["y"], w, g, da, db, saved["lsea"], saved["lseb"], held, reads, dqa, dka, dx, dqb, dkb,
+        start, plan.f0, sh.n, sh.H,
+        sh.da, sh.db, sh.e, sh.qk_scale2, sh.scale, **_held_tiles(cfg, held), BDA=launching.tile_width(sh.da),
+        BDB=launching.tile_width(sh.db), BE=launching.tile_width(sh.e), HAS_A=qa is not None, PREC=sh.prec,
         num_warps=cfg.solve_warps)
     return dqa, dka, dx, dqb, dkb
 

@@ -326,7 +326,7 @@ def blocked_forward(qb, kb, oa, g, lseb, start, plan, sh, cfg, keep_inverses: bo
     return y, dict(r=r)
 
 
-def blocked_backward(dy, qb, kb, oa, g, lseb, y, start, saved, plan, sh, cfg):
+def blocked_backward(dy, qb, kb, g, start, saved, plan, sh, cfg):
     """W = (I - B)^-T dY in ticket-ordered blocks of ``cfg.solve`` rows, last block first, and the row scalars
     DA, DB, DG. Returns (w, da, db, dg)."""
     dev, BH, n, e = dy.device, sh.BH, sh.n, sh.e
@@ -334,7 +334,8 @@ def blocked_backward(dy, qb, kb, oa, g, lseb, y, start, saved, plan, sh, cfg):
     da, db, dg = (launching.new_buffer((BH, n), dev) for _ in range(3))
     gathered = torch.zeros(BH, n, e, device=dev)  # what later blocks send back, added atomically
     sparse_solve_bwd_kernel[launching.solve_grid(n, BH, cfg.solve)](
-        qb, kb, oa, saved["r"], g, lseb, dy, gathered, w, da, db, dg, start, launching.progress_buffer(BH, dev),
+        qb, kb, saved["oa"], saved["r"], g, saved["lseb"], dy, gathered, w, da, db, dg, start,
+        launching.progress_buffer(BH, dev),
         *_slots(plan, dev), plan.f0, n, sh.H, sh.db, e, sh.qk_scale2,
         BLOCK=cfg.solve, LOG2_BLOCK=int(math.log2(cfg.solve)), BD=launching.tile_width(sh.db),
         BE=launching.tile_width(e), CE=plan.ce, SOLVE_PREC=launching.SOLVE_PREC, num_warps=cfg.solve_warps,
@@ -342,20 +343,17 @@ def blocked_backward(dy, qb, kb, oa, g, lseb, y, start, saved, plan, sh, cfg):
     return w, da, db, dg
 
 
-def grads(qa, ka, x, qb, kb, y, w, g, da, db, lsea, lseb, start, plan, sh, cfg):
+def grads(qa, ka, x, qb, kb, w, g, da, db, start, saved, plan, sh, cfg):
     """The scores' gradients row by row through the slots, both channels in one kernel: (dqa, dka, dx, dqb, dkb),
     float32, None for a channel the variant lacks (dx too when tied: the caller forms it from W)."""
-    dev, BH, n, e = w.device, sh.BH, sh.n, sh.e
+    dev, n, e = w.device, sh.n, sh.e
     has_a, has_b = qa is not None, qb is not None
-    dqa = launching.new_buffer((BH, n, sh.da), dev) if has_a else None
-    dka, dx = (torch.zeros(BH, n, width, device=dev) if has_a else None for width in (sh.da, e))
-    dqb = launching.new_buffer((BH, n, sh.db), dev) if has_b else None
-    dkb = torch.zeros(BH, n, sh.db, device=dev) if has_b else None
-    sparse_grads_kernel[(launching.cdiv(n, cfg.sparse_grads_m), BH)](
-        qa, ka, x, qb, kb, y, w, g, da, db, lsea, lseb, dqa, dka, dx, dqb, dkb, start, *_slots(plan, dev), plan.f0,
-        n, sh.H, sh.da, sh.db, e, sh.qk_scale2, sh.scale, BM=cfg.sparse_grads_m, BDA=launching.tile_width(sh.da),
-        BDB=launching.tile_width(sh.db), BE=launching.tile_width(e), CE=plan.ce, HAS_A=has_a, HAS_B=has_b,
-        num_warps=cfg.num_warps)
+    dqa, dka, dx, dqb, dkb = launching.score_grad_buffers(sh, dev, has_a, has_b)
+    sparse_grads_kernel[(launching.cdiv(n, cfg.sparse_grads_m), sh.BH)](
+        qa, ka, x, qb, kb, saved["y"], w, g, da, db, saved["lsea"], saved["lseb"], dqa, dka, dx, dqb, dkb, start,
+        *_slots(plan, dev), plan.f0, n, sh.H, sh.da, sh.db, e, sh.qk_scale2, sh.scale, BM=cfg.sparse_grads_m,
+        BDA=launching.tile_width(sh.da), BDB=launching.tile_width(sh.db), BE=launching.tile_width(e), CE=plan.ce,
+        HAS_A=has_a, HAS_B=has_b, num_warps=cfg.num_warps)
     return dqa, dka, dx, dqb, dkb
 
 

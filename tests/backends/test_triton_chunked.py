@@ -184,13 +184,13 @@ def test_cache_efficient_chunks_carry_few_rows():
 
 
 def test_held_tables_are_copied_to_the_device_once_for_every_launch():
-    """The forward, the backward's solve and its gradients, and later calls at the same length, read one device copy
-    of the held tables."""
+    """Each forward looks the held tables up once, later calls at the same length reading the same device copy, and
+    its backward reads what the forward read (saved beside the other tensors)."""
     launching.held_tables_on.cache_clear()
     for _ in range(2):
         _check_mix("exp2:ce", batch=1, heads=1, n=40, d=16, e=16, dtype=torch.float32, rel=1e-4)
     info = launching.held_tables_on.cache_info()
-    assert (info.misses, info.hits) == (1, 5)
+    assert (info.misses, info.hits) == (1, 1)
 
 
 def test_held_tables_stay_on_the_cpu_whatever_the_callers_device():
