@@ -23,11 +23,13 @@ the context the task was trained at):
   learned to read it, and its losses past T say little. A model named ``<mixer> [none]`` has no position encoding
   (``position_embedding="none"``); the ``bytes`` preset prepares its own byte-level tokenisation of the offline
   corpus (one token per byte) in the runs folder.
-- **passkey** (carrying one token's identity over a distance; presets ``hour`` and ``quick``): ``BOS``, a few filler tokens (0 to ``prefix`` of them, so that the pair
-  does not sit at a fixed position), a key and its value stated once, ``distance`` filler tokens, then the key:
-  the model must answer the value. Trained on samples that fit in T (distances from 1 to the longest that fits),
-  evaluated on samples of every length kT, whose distance is the longest that fits in kT
-  (``settings.passkey.distance``). Metric: accuracy of the answer.
+- **token_carry** (carrying one token's identity over a distance; presets ``hour`` and ``quick``): ``BOS``, a few
+  filler tokens (0 to ``prefix`` of them, so that the pair does not sit at a fixed position), a key and its value
+  stated once, ``distance`` filler tokens, then the key: the model must answer the value. It is a passkey without
+  decoys: the value is the sample's only value token, so a model that ignores order answers it without the key
+  (``scripts/recall_at_distance.py`` is the recall that needs the key). Trained on samples that fit in T
+  (distances from 1 to the longest that fits), evaluated on samples of every length kT, whose distance is the
+  longest that fits in kT (``settings.token_carry.distance``). Metric: accuracy of the answer.
 - **mqar** (multi-query associative recall, ``hf_resolvent.training.synthetic``): trained on sequences of one
   length L, evaluated on sequences of kL with the same number of pairs (the queries spread over the longer
   sequence). Metric: accuracy over the queries.
@@ -45,7 +47,7 @@ With ``--seeds A B ...`` (default: the preset's) the first seed trains every mod
 OUT gets ``results.json`` (``{"command", "settings", "rows": [{"model", "task", "length", "seed", "value",
 "metric"}, ...]}``), ``results.md`` (the tables, "n/a" where a model cannot run), ``loss_by_position.png``
 (loss against position, one colour per mixer, one line style per RoPE scaling) and, with the synthetic tasks,
-``recall.png`` (accuracy against distance for the passkey and against length for MQAR, one colour per mixer).
+``recall.png`` (accuracy against distance for token carry and against length for MQAR, one colour per mixer).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """scripts/long_context.py: a preset smaller than --quick end to end (GPT-2 and exp2:ce through scripts/pretrain.py,
-loss by position with and without RoPE scaling, passkey and MQAR), its JSON's schema, its rows (one for every
-model, task and length, not-applicable ones for GPT-2 past its context), tables and figures; the passkey samples
+loss by position with and without RoPE scaling, token carry and MQAR), its JSON's schema, its rows (one for every
+model, task and length, not-applicable ones for GPT-2 past its context), tables and figures; the token-carry samples
 and the position buckets on their own."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ TEST_PRESET = {
     "lm": {"shape": {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_inner": 64, "n_positions": 16},
            "seq_len": 16, "batch": 4, "micro_batch": 4, "steps": 4, "lr": 3e-3, "warmup": 1,
            "multiples": [1, 2, 4], "windows": 2},
-    "passkey": {"context": 16, "prefix": 2, "vocab": (2, 4, 4), "d": 16, "layers": 1, "heads": 2,
+    "token_carry": {"context": 16, "prefix": 2, "vocab": (2, 4, 4), "d": 16, "layers": 1, "heads": 2,
                 "steps": 4, "batch": 4, "lr": 3e-3, "warmup": 1, "eval_samples": 8, "multiples": [1, 2, 4]},
     "mqar": {"length": 8, "pairs": 2, "vocab": (2, 4, 4), "d": 16, "layers": 1, "heads": 2,
              "steps": 4, "batch": 4, "lr": 3e-3, "warmup": 1, "eval_samples": 8, "multiples": [1, 2]},
@@ -48,15 +48,15 @@ def test_every_model_task_and_length_has_one_row_of_the_schema(result):
     want = {(m, t, n, 0) for m in ("gpt2", "exp2:ce") for t in ("loss", "loss:linear", "loss:dynamic", "loss:yarn")
             for n in (16, 32, 64)}
     want |= {(m, "context_use", 16, 0) for m in ("gpt2", "exp2:ce")}
-    want |= {(m, "passkey", n, 0) for m in ("gpt2", "exp2:ce") for n in (16, 32, 64)}
+    want |= {(m, "token_carry", n, 0) for m in ("gpt2", "exp2:ce") for n in (16, 32, 64)}
     want |= {(m, "mqar", n, 0) for m in ("gpt2", "exp2:ce") for n in (8, 16)}
     assert set(keys) == want == lc.expected_keys(res["settings"])
     for r in res["rows"]:
         assert {"model", "task", "length", "seed", "value", "metric"} <= set(r) <= {*r, "note"}
-        assert r["metric"] == ("accuracy" if r["task"] in ("passkey", "mqar") else lc.METRICS[r["task"].split(":")[0]])
+        assert r["metric"] == ("accuracy" if r["task"] in ("token_carry", "mqar") else lc.METRICS[r["task"].split(":")[0]])
     s = res["settings"]
     assert s["loss"]["windows"] == 2 and s["loss"]["window"] == 64 and s["loss"]["factor"] == 4
-    assert s["passkey"]["distance"] == {"16": 10, "32": 26, "64": 58}  # n - BOS, key, value, key - prefix 2
+    assert s["token_carry"]["distance"] == {"16": 10, "32": 26, "64": 58}  # n - BOS, key, value, key - prefix 2
 
 
 def test_gpt2_past_its_context_is_not_applicable_and_every_other_value_is_finite(result):
@@ -88,12 +88,14 @@ def test_tables_and_figures(result):
     table = (out / "results.md").read_text()
     assert "| gpt2 | loss | " in table and "| n/a | n/a |" in table and "| exp2:ce | loss:yarn |" in table
     assert "Context use inside T = 16" in table and "| exp2:ce | " in table.split("Context use")[1]
+    earlier = {**res, "rows": [r for r in res["rows"] if r["task"] != "context_use"]}  # written before the task
+    assert "Context use" not in lc.markdown(earlier) and "| exp2:ce | token_carry |" in lc.markdown(earlier)
     assert (out / "loss_by_position.png").stat().st_size > 5000 and (out / "recall.png").stat().st_size > 5000
 
 
-def test_passkey_samples_state_the_pair_once_and_ask_the_key_at_the_end():
+def test_token_carry_samples_state_the_pair_once_and_ask_the_key_at_the_end():
     vocab = lc.tasks.Vocab(3, 5, 5)
-    batch = lc.passkey_batch(vocab, (7, 7), 2, 32, np.random.default_rng(0))
+    batch = lc.token_carry_batch(vocab, (7, 7), 2, 32, np.random.default_rng(0))
     for ids, labels in zip(batch.input_ids.numpy(), batch.labels.numpy()):
         real = ids[ids != lc.tasks.PAD]
         assert real[0] == lc.tasks.BOS and 11 <= len(real) <= 13  # 7 fillers between, 0 to 2 before
@@ -103,7 +105,7 @@ def test_passkey_samples_state_the_pair_once_and_ask_the_key_at_the_end():
         assert values[0] == keys[0] + 1 and real[keys[0]] == real[keys[1]] and keys[1] - values[0] == 8
         assert np.flatnonzero(labels != lc.tasks.IGNORE).tolist() == [len(real) - 1]
         assert labels[len(real) - 1] == real[values[0]]
-    assert lc.passkey_distance(64, 2) == 58
+    assert lc.token_carry_distance(64, 2) == 58
 
 
 def test_context_use_compares_the_last_half_of_the_context_with_its_first_sixteenth():
@@ -129,7 +131,7 @@ def test_a_missing_value_needs_its_reason_and_nan_is_refused():
         lc.row("gpt2", "loss", 32, 0, None)
     with pytest.raises(lc.LongContextError, match="not finite"):
         lc.row("dense", "loss", 32, 0, float("nan"))
-    assert torch.isfinite(torch.tensor(lc.row("dense", "passkey", 32, 0, 0.5)["value"]))
+    assert torch.isfinite(torch.tensor(lc.row("dense", "token_carry", 32, 0, 0.5)["value"]))
 
 
 def test_bad_requests_fail_clearly(tmp_path, capsys):
@@ -150,7 +152,7 @@ def test_a_preset_with_its_own_data_and_models_without_positions(tmp_path):
     runs = tmp_path / "runs"
     assert script.main(["--preset", "test_bytes", "--runs-dir", str(runs), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert {r["task"] for r in res["rows"]} == {*lc.LOSS_TASKS, "context_use"} and "passkey" not in res["settings"]
+    assert {r["task"] for r in res["rows"]} == {*lc.LOSS_TASKS, "context_use"} and "token_carry" not in res["settings"]
     assert "257" in res["settings"]["loss"]["tokenizer"] and (runs / "data" / "meta.json").exists()
     assert all(r["value"] is None and "no position encoding" in r["note"] for r in res["rows"]
                if r["task"].startswith("loss:"))

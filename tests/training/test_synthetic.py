@@ -13,6 +13,7 @@ import torch
 from conftest import load_script
 
 from hf_resolvent.training import synthetic as S
+from hf_resolvent.training.long_context import token_carry_batch
 
 V = S.Vocab(n_noise=4, n_keys=16, n_values=16)
 SPECS = [S.TaskSpec("copy", 12, vocab=V), S.TaskSpec("assoc", 30, 8, vocab=V), S.TaskSpec("multihop", 30, 8, vocab=V),
@@ -356,12 +357,14 @@ def _bag_of_tokens_accuracy(draw, vocab: S.Vocab, steps: int = 300) -> float:
 
 
 def test_recall_with_decoys_needs_the_key_and_the_plain_passkey_does_not():
-    """A bag of tokens answers the plain passkey (one pair: its value is the sample's only value token) but not the
-    passkey with decoys, where only the key says which of the values present is asked."""
+    """A bag of tokens answers the plain passkey (one pair: its value is the sample's only value token, as in the long
+    context study's token carry) but not the passkey with decoys, where only the key says which of the values
+    present is asked."""
     vocab = S.Vocab(8, 16, 16)
     plain = _bag_of_tokens_accuracy(lambda rng, n: S.passkey_batch(vocab, 32, 1, n, rng), vocab)
+    carry = _bag_of_tokens_accuracy(lambda rng, n: token_carry_batch(vocab, (20, 20), 0, n, rng), vocab)
     decoys = _bag_of_tokens_accuracy(lambda rng, n: S.passkey_batch(vocab, 32, 4, n, rng), vocab)
-    assert plain > 0.95
+    assert plain > 0.95 and carry > 0.95
     assert decoys < 0.4  # chance over the values present: 1/4, a little more where two pairs share a value
 
 

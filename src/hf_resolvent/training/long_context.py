@@ -1,7 +1,8 @@
 """Which mixer for long context? (``scripts/long_context.py`` is its command line, and its help describes the
 measurements.) Language models trained at a short context T by :mod:`.sweep`'s runs, read at up to 16 x T: loss
 by position with and without zero-shot RoPE scaling, and how much of its context each model uses; with the hour and
-quick presets, the plain passkey (carrying one token's identity over a distance) and MQAR trained in-process.
+quick presets, token carry (one key and value, no decoys: carrying one token's identity over a distance) and MQAR
+trained in-process.
 The recall study that needs the key is :mod:`.recall`.
 """
 
@@ -28,8 +29,9 @@ from .sweep import HEADLINE, HYBRID, MODELS, SWEEP_MODELS, data_dir_of, run_dir,
 
 SCALINGS = ("linear", "dynamic", "yarn")
 LOSS_TASKS = ("loss", *(f"loss:{s}" for s in SCALINGS))
-TASKS = (*LOSS_TASKS, "context_use", "passkey", "mqar")
-METRICS = {"loss": "loss (nats/token) over the positions of the bucket", "passkey": "accuracy", "mqar": "accuracy",
+TASKS = (*LOSS_TASKS, "context_use", "token_carry", "mqar")
+METRICS = {"loss": "loss (nats/token) over the positions of the bucket", "token_carry": "accuracy",
+           "mqar": "accuracy",
            "context_use": "1 - (mean loss over positions [T/2, T)) / (mean loss over positions [1, T/16])"}
 CONTEXT_USE_GOAL = 0.10  # a model uses its context when its loss in the last half of T is 10% below the first T/16
 
@@ -41,7 +43,7 @@ PRESETS = {
         "lm": {"shape": {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 256},
                "seq_len": 128, "batch": 16, "micro_batch": 16, "steps": 150, "lr": 2e-3, "warmup": 30,
                "multiples": [1, 2, 4, 8, 16], "windows": 18},
-        "passkey": {"context": 128, "prefix": 8, "vocab": (8, 16, 16), "d": 64, "layers": 2, "heads": 2,
+        "token_carry": {"context": 128, "prefix": 8, "vocab": (8, 16, 16), "d": 64, "layers": 2, "heads": 2,
                     "steps": 600, "batch": 32, "lr": 3e-3, "warmup": 60, "eval_samples": 64,
                     "multiples": [1, 2, 4, 8, 16]},
         "mqar": {"length": 32, "pairs": 4, "vocab": (4, 16, 16), "d": 64, "layers": 2, "heads": 2,
@@ -65,7 +67,7 @@ PRESETS = {
         "lm": {"shape": {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_inner": 64, "n_positions": 32},
                "seq_len": 32, "batch": 8, "micro_batch": 8, "steps": 300, "lr": 3e-3, "warmup": 30,
                "multiples": [1, 2, 4, 8], "windows": 4},
-        "passkey": {"context": 32, "prefix": 4, "vocab": (4, 8, 8), "d": 32, "layers": 2, "heads": 2,
+        "token_carry": {"context": 32, "prefix": 4, "vocab": (4, 8, 8), "d": 32, "layers": 2, "heads": 2,
                     "steps": 400, "batch": 32, "lr": 3e-3, "warmup": 40, "eval_samples": 64,
                     "multiples": [1, 2, 4, 8]},
         "mqar": {"length": 16, "pairs": 2, "vocab": (2, 8, 8), "d": 32, "layers": 2, "heads": 2,
@@ -96,7 +98,7 @@ def resolve(args) -> tuple[str, dict, list[tuple[str, int]]]:
         raise LongContextError(f"--seeds repeats a seed: {seeds}")
     preset["models"], preset["seeds"] = list(models), list(seeds)
     preset["seeded"] = list(preset.get("seeded", HEADLINE))
-    for task in ("lm", *(t for t in ("passkey", "mqar") if t in preset)):
+    for task in ("lm", *(t for t in ("token_carry", "mqar") if t in preset)):
         mult = preset[task]["multiples"]
         if mult[0] != 1 or any(b <= a for a, b in zip(mult, mult[1:])):
             raise LongContextError(f"{task}: multiples must start at 1 and increase, got {mult}")
@@ -230,13 +232,14 @@ def loss_rows(model_name: str, seed: int, folder: Path, windows: np.ndarray, lm:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Synthetic tasks: passkey and MQAR
+# Synthetic tasks: token carry and MQAR
 
 
-def passkey_batch(vocab: tasks.Vocab, distances: tuple[int, int], prefix: int, batch_size: int,
+def token_carry_batch(vocab: tasks.Vocab, distances: tuple[int, int], prefix: int, batch_size: int,
                   rng: np.random.Generator) -> tasks.Batch:
-    """``batch_size`` passkey samples: BOS, 0..``prefix`` fillers, key, value, d fillers (d drawn from
-    ``distances``, both ends included), the key again, labelled with the value; right-padded with PAD."""
+    """``batch_size`` token-carry samples (a passkey without decoys): BOS, 0..``prefix`` fillers, key, value, d
+    fillers (d drawn from ``distances``, both ends included), the key again, labelled with the value; right-padded
+    with PAD."""
     samples = []
     for _ in range(batch_size):
         d = int(rng.integers(distances[0], distances[1] + 1))
@@ -257,7 +260,7 @@ def passkey_batch(vocab: tasks.Vocab, distances: tuple[int, int], prefix: int, b
                    torch.from_numpy(query))
 
 
-def passkey_distance(length: int, prefix: int) -> int:
+def token_carry_distance(length: int, prefix: int) -> int:
     """The longest distance whose every sample (any prefix up to ``prefix``) fits in ``length`` tokens."""
     return length - 4 - prefix
 
@@ -304,20 +307,20 @@ def accuracy(model, draw, n_samples: int, seed: int, device, batch_size: int = 3
     return right / max(1, total)
 
 
-def passkey_rows(name: str, seed: int, cfg: dict, device, log) -> list[dict]:
+def token_carry_rows(name: str, seed: int, cfg: dict, device, log) -> list[dict]:
     vocab, T, prefix = tasks.Vocab(*cfg["vocab"]), cfg["context"], cfg["prefix"]
-    longest = passkey_distance(T, prefix)
+    longest = token_carry_distance(T, prefix)
     if longest < 1:
-        raise LongContextError(f"passkey: context {T} leaves no distance after a prefix of up to {prefix}")
+        raise LongContextError(f"token_carry: context {T} leaves no distance after a prefix of up to {prefix}")
     t0 = time.time()
     model, loss = train_task(name, seed, cfg, vocab.size, T,
-                             lambda rng, n: passkey_batch(vocab, (1, longest), prefix, n, rng), device)
+                             lambda rng, n: token_carry_batch(vocab, (1, longest), prefix, n, rng), device)
 
     def samples_of(n: int):  # the longest distance that fits in n tokens
-        d = passkey_distance(n, prefix)
-        return lambda rng, b: passkey_batch(vocab, (d, d), prefix, b, rng)
+        d = token_carry_distance(n, prefix)
+        return lambda rng, b: token_carry_batch(vocab, (d, d), prefix, b, rng)
 
-    return recall_rows(name, "passkey", seed, cfg, T, model, samples_of, device, log, loss, t0)
+    return recall_rows(name, "token_carry", seed, cfg, T, model, samples_of, device, log, loss, t0)
 
 
 def recall_rows(name: str, task: str, seed: int, cfg: dict, trained: int, model, samples_of, device, log,
@@ -369,9 +372,9 @@ def expected_keys(settings: dict) -> set[tuple[str, str, int, int]]:
         for task in LOSS_TASKS:
             out |= {(model, task, k * settings["loss"]["context"], seed) for k in settings["loss"]["multiples"]}
         out.add((model, "context_use", settings["loss"]["context"], seed))
-        if "passkey" in settings:
-            out |= {(model, "passkey", k * settings["passkey"]["context"], seed)
-                    for k in settings["passkey"]["multiples"]}
+        if "token_carry" in settings:
+            out |= {(model, "token_carry", k * settings["token_carry"]["context"], seed)
+                    for k in settings["token_carry"]["multiples"]}
             out |= {(model, "mqar", k * settings["mqar"]["length"], seed) for k in settings["mqar"]["multiples"]}
     return out
 
@@ -394,11 +397,12 @@ def markdown(result: dict) -> str:
                  f"positions [n', n) of {s['loss']['windows']} windows of {s['loss']['window']} tokens; zero-shot "
                  f"RoPE scaling by {s['loss']['factor']}", LOSS_TASKS,
                  [k * s["loss"]["context"] for k in s["loss"]["multiples"]], "position")]
-    if "passkey" in s:
+    if "token_carry" in s:
         sections += [
-            (f"Passkey accuracy, trained on samples of up to {s['passkey']['context']} tokens; column n: samples of "
-             f"n tokens, distance {', '.join(f'{d}' for d in s['passkey']['distance'].values())}", ("passkey",),
-             [k * s["passkey"]["context"] for k in s["passkey"]["multiples"]], "length"),
+            (f"Token-carry accuracy (one key and value: carrying the value's identity, no key needed), trained on "
+             f"samples of up to {s['token_carry']['context']} tokens; column n: samples of n tokens, distance "
+             f"{', '.join(f'{d}' for d in s['token_carry']['distance'].values())}", ("token_carry",),
+             [k * s["token_carry"]["context"] for k in s["token_carry"]["multiples"]], "length"),
             (f"MQAR accuracy ({s['mqar']['pairs']} pairs), trained on sequences of {s['mqar']['length']}; "
              "column n: sequences of n tokens", ("mqar",),
              [k * s["mqar"]["length"] for k in s["mqar"]["multiples"]], "length")]
@@ -412,15 +416,14 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {model} | {task} | " + " | ".join(cells) + " |")
         lines.append("")
     T = s["loss"]["context"]
-    lines += [f"Context use inside T = {T}: 1 - (mean loss over positions [{T // 2}, {T})) / (mean loss over [1, "
-              f"{max(1, T // 16)}]); a model that reads its context is at least {CONTEXT_USE_GOAL:.2f}:", "",
-              "| model | context use | reads its context |", "|---|---:|---|"]
-    for model in s["models"]:
-        values = by_key.get((model, "context_use", T), [])
-        if values:
-            met = sum(v >= CONTEXT_USE_GOAL for v in values)
-            lines.append(f"| {model} | {_cell(values)} | {met} of {len(values)} seeds |")
-    lines.append("")
+    use = {model: by_key[(model, "context_use", T)] for model in s["models"] if (model, "context_use", T) in by_key}
+    if use:  # results written before the task existed have none
+        lines += [f"Context use inside T = {T}: 1 - (mean loss over positions [{T // 2}, {T})) / (mean loss over [1, "
+                  f"{max(1, T // 16)}]); a model that reads its context is at least {CONTEXT_USE_GOAL:.2f}:", "",
+                  "| model | context use | reads its context |", "|---|---:|---|"]
+        lines += [f"| {model} | {_cell(v)} | {sum(x >= CONTEXT_USE_GOAL for x in v)} of {len(v)} seeds |"
+                  for model, v in use.items()]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -466,14 +469,14 @@ def plot(result: dict, out: Path) -> list[Path]:
     loss_png = out / "loss_by_position.png"
     fig.savefig(loss_png, dpi=120)
     plt.close(fig)
-    if "passkey" not in s:
+    if "token_carry" not in s:
         return [loss_png]
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    distance = {int(n): d for n, d in s["passkey"]["distance"].items()}
+    distance = {int(n): d for n, d in s["token_carry"]["distance"].items()}
     for ax, task, xlabel, x_of, trained in (
-            (axes[0], "passkey", "filler tokens between the value and its query", lambda n: distance[n],
-             passkey_distance(s["passkey"]["context"], s["passkey"]["prefix"])),
+            (axes[0], "token_carry", "filler tokens between the value and its query", lambda n: distance[n],
+             token_carry_distance(s["token_carry"]["context"], s["token_carry"]["prefix"])),
             (axes[1], "mqar", f"sequence length ({s['mqar']['pairs']} pairs)", lambda n: n, s["mqar"]["length"])):
         for model, (xs, ys, lo, hi) in _mean_curves(rows, task).items():
             ax.plot([x_of(x) for x in xs], [100 * y for y in ys], "o-", ms=4, color=color[model], label=model)
@@ -534,15 +537,15 @@ def long_context(args, argv: list[str], pretrain: Path, log=print) -> dict:
                  "data": trained[0][3].get("data"), "tokenizer": trained[0][3].get("tokenizer"),
                  "train_time_s": {f"{m} (seed {s})": res["train_time_s"] for m, s, _, res in trained}},
     }
-    if "passkey" in preset:
+    if "token_carry" in preset:
         for model, seed in runs:
-            rows += passkey_rows(model, seed, preset["passkey"], device, log)
+            rows += token_carry_rows(model, seed, preset["token_carry"], device, log)
             rows += mqar_rows(model, seed, preset["mqar"], device, log)
-        pk = preset["passkey"]
-        settings["passkey"] = {**pk, "distance": {str(k * pk["context"]): passkey_distance(k * pk["context"],
-                                                                                          pk["prefix"])
-                                                  for k in pk["multiples"]},
-                               "trained_distances": [1, passkey_distance(pk["context"], pk["prefix"])]}
+        tc = preset["token_carry"]
+        settings["token_carry"] = {**tc, "distance": {str(k * tc["context"]): token_carry_distance(k * tc["context"],
+                                                                                                   tc["prefix"])
+                                                      for k in tc["multiples"]},
+                                   "trained_distances": [1, token_carry_distance(tc["context"], tc["prefix"])]}
         settings["mqar"] = dict(preset["mqar"])
     result = {"command": "python scripts/long_context.py " + " ".join(shlex.quote(a) for a in argv),
               "settings": settings, "rows": rows}
