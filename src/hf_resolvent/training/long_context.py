@@ -44,8 +44,8 @@ PRESETS = {
                "seq_len": 128, "batch": 16, "micro_batch": 16, "steps": 150, "lr": 2e-3, "warmup": 30,
                "multiples": [1, 2, 4, 8, 16], "windows": 18},
         "token_carry": {"context": 128, "prefix": 8, "vocab": (8, 16, 16), "d": 64, "layers": 2, "heads": 2,
-                    "steps": 600, "batch": 32, "lr": 3e-3, "warmup": 60, "eval_samples": 64,
-                    "multiples": [1, 2, 4, 8, 16]},
+                        "steps": 600, "batch": 32, "lr": 3e-3, "warmup": 60, "eval_samples": 64,
+                        "multiples": [1, 2, 4, 8, 16]},
         "mqar": {"length": 32, "pairs": 4, "vocab": (4, 16, 16), "d": 64, "layers": 2, "heads": 2,
                  "steps": 1000, "batch": 32, "lr": 3e-3, "warmup": 100, "eval_samples": 128,
                  "multiples": [1, 2, 4, 8]},
@@ -68,8 +68,8 @@ PRESETS = {
                "seq_len": 32, "batch": 8, "micro_batch": 8, "steps": 300, "lr": 3e-3, "warmup": 30,
                "multiples": [1, 2, 4, 8], "windows": 4},
         "token_carry": {"context": 32, "prefix": 4, "vocab": (4, 8, 8), "d": 32, "layers": 2, "heads": 2,
-                    "steps": 400, "batch": 32, "lr": 3e-3, "warmup": 40, "eval_samples": 64,
-                    "multiples": [1, 2, 4, 8]},
+                        "steps": 400, "batch": 32, "lr": 3e-3, "warmup": 40, "eval_samples": 64,
+                        "multiples": [1, 2, 4, 8]},
         "mqar": {"length": 16, "pairs": 2, "vocab": (2, 8, 8), "d": 32, "layers": 2, "heads": 2,
                  "steps": 400, "batch": 32, "lr": 3e-3, "warmup": 40, "eval_samples": 64,
                  "multiples": [1, 2, 4]},
@@ -236,7 +236,7 @@ def loss_rows(model_name: str, seed: int, folder: Path, windows: np.ndarray, lm:
 
 
 def token_carry_batch(vocab: tasks.Vocab, distances: tuple[int, int], prefix: int, batch_size: int,
-                  rng: np.random.Generator) -> tasks.Batch:
+                      rng: np.random.Generator) -> tasks.Batch:
     """``batch_size`` token-carry samples (a passkey without decoys): BOS, 0..``prefix`` fillers, key, value, d
     fillers (d drawn from ``distances``, both ends included), the key again, labelled with the value; right-padded
     with PAD."""
