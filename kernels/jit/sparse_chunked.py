@@ -327,9 +327,9 @@ def backward(dy, qb, kb, g, start, saved, plan, sh, cfg):
     da, db, dg = (launching.new_buffer((BH, n), dev) for _ in range(3))
     chunk_rows_bwd_kernel[(held.shape[0], BH)](
         qb, kb, saved["oa"], g, saved["lseb"], held, reads, saved["y"], grad, saved["inverses"], w, da, db, dg, start,
-        plan.f0, n, sh.H, sh.db,
-        e, sh.qk_scale2, **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)), BD=launching.tile_width(sh.db),
-        BE=launching.tile_width(e), PREC=sh.prec, SOLVE_PREC=launching.SOLVE_PREC, num_warps=cfg.solve_warps)
+        plan.f0, n, sh.H, sh.db, e, sh.qk_scale2, **_held_tiles(cfg, held), LOG2_C=int(math.log2(cfg.chunk)),
+        BD=launching.tile_width(sh.db), BE=launching.tile_width(e), PREC=sh.prec, SOLVE_PREC=launching.SOLVE_PREC,
+        num_warps=cfg.solve_warps)
     return w, da, db, dg
 
 
@@ -340,10 +340,9 @@ def grads(qa, ka, x, qb, kb, w, g, da, db, start, saved, plan, sh, cfg):
     dqa, dka, dx, dqb, dkb = launching.score_grad_buffers(sh, w.device, has_a=qa is not None, has_b=True)
     chunk_grads_kernel[(held.shape[0], sh.BH)](
         qa, ka, x, qb, kb, saved["y"], w, g, da, db, saved["lsea"], saved["lseb"], held, reads, dqa, dka, dx, dqb, dkb,
-        start, plan.f0, sh.n, sh.H,
-        sh.da, sh.db, sh.e, sh.qk_scale2, sh.scale, **_held_tiles(cfg, held), BDA=launching.tile_width(sh.da),
-        BDB=launching.tile_width(sh.db), BE=launching.tile_width(sh.e), HAS_A=qa is not None, PREC=sh.prec,
-        num_warps=cfg.solve_warps)
+        start, plan.f0, sh.n, sh.H, sh.da, sh.db, sh.e, sh.qk_scale2, sh.scale, **_held_tiles(cfg, held),
+        BDA=launching.tile_width(sh.da), BDB=launching.tile_width(sh.db), BE=launching.tile_width(sh.e),
+        HAS_A=qa is not None, PREC=sh.prec, num_warps=cfg.solve_warps)
     return dqa, dka, dx, dqb, dkb
 
 

@@ -30,8 +30,7 @@ from .sweep import HEADLINE, HYBRID, MODELS, SWEEP_MODELS, data_dir_of, run_dir,
 SCALINGS = ("linear", "dynamic", "yarn")
 LOSS_TASKS = ("loss", *(f"loss:{s}" for s in SCALINGS))
 TASKS = (*LOSS_TASKS, "context_use", "token_carry", "mqar")
-METRICS = {"loss": "loss (nats/token) over the positions of the bucket", "token_carry": "accuracy",
-           "mqar": "accuracy",
+METRICS = {"loss": "loss (nats/token) over the positions of the bucket", "token_carry": "accuracy", "mqar": "accuracy",
            "context_use": "1 - (mean loss over positions [T/2, T)) / (mean loss over positions [1, T/16])"}
 CONTEXT_USE_GOAL = 0.10  # a model uses its context when its loss in the last half of T is 10% below the first T/16
 
