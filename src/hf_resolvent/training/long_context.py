@@ -76,6 +76,16 @@ PRESETS = {
 }
 
 
+# The same language models with the short convolution of 4 (the order of the last few bytes without a position
+# encoding), each with RoPE and without positions: what dropping RoPE costs inside T once the stack has local order.
+PRESETS["bytes_conv"] = {
+    **PRESETS["bytes"],
+    "models": [f"{m} [{pos}conv4]" for m in ("attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied")
+               for pos in ("", "none+")],
+    "seeded": ["exp2:ce [conv4]", "exp2:ce [none+conv4]"],
+}
+
+
 class LongContextError(RuntimeError):
     """A request the script cannot carry out (the message says what to change)."""
 
