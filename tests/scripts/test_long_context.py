@@ -142,10 +142,10 @@ def test_bad_requests_fail_clearly(tmp_path, capsys):
 
 
 def test_a_preset_with_its_own_data_and_models_without_positions(tmp_path):
-    """The bytes preset's plumbing, smaller: the offline corpus tokenised one token per byte into the runs folder, a
-    model without positions, the language-model tasks only."""
+    """The bytes preset's plumbing, smaller: the offline corpus tokenised one token per byte into the runs folder,
+    models without positions (one with the short convolution, as bytes_conv trains), the language-model tasks only."""
     lc.PRESETS["test_bytes"] = {
-        "models": ["attention [none]"], "seeds": [0], "seeded": [],
+        "models": ["attention [none]", "attention [none+conv4]"], "seeds": [0], "seeded": [],
         "data": {"tokenizer": "bpe", "vocab_size": 257, "max_docs": 12},
         "lm": {"shape": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32, "n_positions": 16}, "seq_len": 16,
                "batch": 2, "micro_batch": 2, "steps": 2, "lr": 3e-3, "warmup": 1, "multiples": [1, 2], "windows": 2}}
@@ -156,7 +156,8 @@ def test_a_preset_with_its_own_data_and_models_without_positions(tmp_path):
     assert "257" in res["settings"]["loss"]["tokenizer"] and (runs / "data" / "meta.json").exists()
     assert all(r["value"] is None and "no position encoding" in r["note"] for r in res["rows"]
                if r["task"].startswith("loss:"))
-    config = json.loads((runs / "attention-none-seed0" / "config.json").read_text())
-    assert config["position_embedding"] == "none"
+    configs = [json.loads((runs / f"attention-{slug}-seed0" / "config.json").read_text())
+               for slug in ("none", "none-conv4")]
+    assert [(c["position_embedding"], c["conv_size"]) for c in configs] == [("none", 0), ("none", 4)]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["loss_by_position.png", "results.json",
                                                                     "results.md"]
