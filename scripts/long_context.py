@@ -5,6 +5,7 @@
     python scripts/long_context.py --quick --out runs/long_context/quick   # CI: gpt2 and exp2:ce, about a minute
     python scripts/long_context.py --preset hour --out runs/long_context/hour   # every model of the sweep, 3 seeds (bench/long_context holds a copy)
     python scripts/long_context.py --preset bytes --out runs/long_context/bytes  # byte-level models that read their context, with and without RoPE
+    python scripts/long_context.py --preset bytes_conv --out runs/long_context/bytes_conv  # the same with the short convolution
 
 Three questions, each trained at a short context and measured at longer ones (lengths: the preset's multiples of
 the context the task was trained at):
@@ -21,8 +22,9 @@ the context the task was trained at):
   Task ``context_use`` (length T): 1 - (mean loss over positions [T/2, T)) / (mean loss over [1, T/16]), how much
   the model gains from its context where it was trained; a model short of ``CONTEXT_USE_GOAL`` (0.10) has not
   learned to read it, and its losses past T say little. A model named ``<mixer> [none]`` has no position encoding
-  (``position_embedding="none"``); the ``bytes`` preset prepares its own byte-level tokenisation of the offline
-  corpus (one token per byte) in the runs folder.
+  (``position_embedding="none"``), ``<mixer> [conv4]`` has RoPE and the short causal convolution of 4
+  (``conv_size=4``), ``<mixer> [none+conv4]`` both; the ``bytes`` and ``bytes_conv`` presets prepare their own
+  byte-level tokenisation of the offline corpus (one token per byte) in the runs folder.
 - **token_carry** (carrying one token's identity over a distance; presets ``hour`` and ``quick``): ``BOS``, a few
   filler tokens (0 to ``prefix`` of them, so that the pair does not sit at a fixed position), a key and its value
   stated once, ``distance`` filler tokens, then the key: the model must answer the value. It is a passkey without
