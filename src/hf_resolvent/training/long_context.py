@@ -82,7 +82,8 @@ PRESETS["bytes_conv"] = {
     **PRESETS["bytes"],
     "models": [f"{m} [{pos}conv4]" for m in ("attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied")
                for pos in ("", "none+")],
-    "seeded": [f"{m} [{pos}conv4]" for m in ("attention", "dense", "exp2:ce") for pos in ("", "none+")],
+    "seeded": [f"{m} [{pos}conv4]" for m in ("attention", "dense", "exp2:ce", "exp2:ce+tied")
+               for pos in ("", "none+")],
 }
 
 
