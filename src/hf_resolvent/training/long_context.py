@@ -76,8 +76,8 @@ PRESETS = {
 }
 
 
-# The same language models with the short convolution of 4 (the order of the last few bytes without a position
-# encoding), each with RoPE and without positions: what dropping RoPE costs inside T once the stack has local order.
+# The same language models with the short convolution of 4, each with RoPE and without positions: the convolution
+# gives a model without positions the order of the last few tokens, so the pair shows what RoPE adds beyond that.
 PRESETS["bytes_conv"] = {
     **PRESETS["bytes"],
     "models": [f"{m} [{pos}conv4]" for m in ("attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied")
