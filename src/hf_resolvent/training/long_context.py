@@ -25,7 +25,7 @@ from . import data as hdata
 from . import synthetic as tasks
 from .data import prepare_dataset
 from .optim import build_optimizer, lr_at
-from .sweep import HEADLINE, HYBRID, MODELS, SWEEP_MODELS, data_dir_of, run_dir, train
+from .sweep import HEADLINE, HYBRID, LONG_CONTEXT_MIXERS, MODELS, SWEEP_MODELS, data_dir_of, run_dir, train
 
 SCALINGS = ("linear", "dynamic", "yarn")
 LOSS_TASKS = ("loss", *(f"loss:{s}" for s in SCALINGS))
@@ -80,8 +80,7 @@ PRESETS = {
 # gives a model without positions the order of the last few tokens, so the pair shows what RoPE adds beyond that.
 PRESETS["bytes_conv"] = {
     **PRESETS["bytes"],
-    "models": [f"{m} [{pos}conv4]" for m in ("attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied")
-               for pos in ("", "none+")],
+    "models": [f"{m} [{pos}conv4]" for m in LONG_CONTEXT_MIXERS for pos in ("", "none+")],
     "seeded": [f"{m} [{pos}conv4]" for m in ("attention", "dense", "exp2:ce", "exp2:ce+tied")
                for pos in ("", "none+")],
 }

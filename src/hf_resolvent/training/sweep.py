@@ -48,13 +48,13 @@ MODELS = {
     "exp2:ce/attention": ["--set", "model.mixer={hybrid}"],
 }
 SWEEP_MODELS = list(MODELS)  # the sweep's own presets: every mixer with RoPE
-# the same models without a position encoding (position_embedding="none"), for the long-context comparison
+# the mixers of the long-context comparison, which also runs them without a position encoding
+# (position_embedding="none") and with the short causal convolution of 4 (conv_size=4), with RoPE and without
+LONG_CONTEXT_MIXERS = ("attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied")
 MODELS.update({f"{m} [none]": [*MODELS[m], "--set", "model.overrides.position_embedding=none"]
-               for m in ("attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied")})
-# ... and with the short causal convolution of 4 before the mixer (conv_size=4), with RoPE and without positions
+               for m in LONG_CONTEXT_MIXERS})
 MODELS.update({f"{m} [{pos}conv4]": [*MODELS[m + suffix], "--set", "model.overrides.conv_size=4"]
-               for m in ("attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied")
-               for pos, suffix in (("", ""), ("none+", " [none]"))})
+               for m in LONG_CONTEXT_MIXERS for pos, suffix in (("", ""), ("none+", " [none]"))})
 REFERENCES = ("gpt2", "attention")
 HEADLINE = ("attention", "dense", "exp2:ce")  # the models trained again with --seeds
 HYBRID = ("exp2:ce", "attention")
