@@ -61,11 +61,17 @@ def test_a_run_writes_a_row_per_model_and_seed(tmp_path):
         ("exp2:ce [rope]", 0), ("exp2:ce [rope]", 1), ("exp2:ce [none]", 0), ("exp2:ce [none]", 1),
         ("gpt2", 0), ("gpt2", 1)]
     assert set(result["rows"][0]["accuracy"]) == {32, 64} and set(result["rows"][-1]["accuracy"]) == {32}
+    # the decode cache after the longest length read: GPT-2's at T (its position table ends there), the same for
+    # every seed of one architecture
+    assert [r["cache"]["length"] for r in result["rows"]] == [64] * 4 + [32] * 2
+    assert result["rows"][0]["cache"] == result["rows"][1]["cache"] and result["rows"][0]["cache"]["bytes"] > 0
     assert result["chance"] == {"values": 1 / 16, "values_present": 1 / 2}
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["rows"]) == 6 and saved["settings"]["pairs"] == 2
     table = recall.markdown(saved)  # read back from JSON: lengths as strings
     assert "| exp2:ce [none] | " in table and "chance 0.062 over the values, 0.50 over those present" in table
+    gpt2_kib = saved["rows"][-1]["cache"]["bytes"] / 1024
+    assert "cache (KiB) |" in table and re.search(rf"\| gpt2 \|.* \| {gpt2_kib:.1f} at 32 \|", table)
     recall.plot(saved, tmp_path / "recall.png")
     assert (tmp_path / "recall.png").stat().st_size > 0
 
@@ -105,6 +111,13 @@ def test_a_run_cut_short_resumes_without_retraining_and_never_overwrites(tmp_pat
     assert [r["seed"] for r in second["rows"]] == [0, 1]
     assert sum("seed 0: kept from" in line for line in logs) == 1 and not any("seed 0 step" in line for line in logs)
     assert len(json.loads((tmp_path / "results.json").read_text())["rows"]) == 2
+    # a row written before the cache was recorded gets it on resuming, from its architecture (weights play no part)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    del saved["rows"][0]["cache"]
+    (tmp_path / "results.json").write_text(json.dumps(saved))
+    third = recall.run(["attention"], [0], ["none"], TINY, tmp_path, torch.device("cpu"), logs.append, resume=True)
+    assert third["rows"][0]["cache"] == first["rows"][0]["cache"]
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["cache"] == first["rows"][0]["cache"]
     # a file written before a setting existed resumes at that setting's default, and not at another value
     saved = json.loads((tmp_path / "results.json").read_text())
     del saved["settings"]["conv_size"]

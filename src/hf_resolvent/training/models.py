@@ -1,10 +1,12 @@
 """The models of the papers' comparison: ``resolvent`` models with any mixer and the GPT-2 baseline
-(``transformers.GPT2LMHeadModel`` with SDPA) at the same shape (:func:`build_model`), and how tables, plots and file
-names call them (:func:`model_label`, :func:`mixer_slug`, :func:`complexity_of`)."""
+(``transformers.GPT2LMHeadModel`` with SDPA) at the same shape (:func:`build_model`), what their decode cache holds (:func:`cache_bytes`), and how tables, plots and
+file names call them (:func:`model_label`, :func:`mixer_slug`, :func:`complexity_of`)."""
 
 from __future__ import annotations
 
 import re
+
+import torch
 
 from ..configuration_resolvent import PRESETS
 from .config import ConfigError
@@ -96,3 +98,15 @@ def count_parameters(model) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
+
+
+def cache_bytes(model, n: int, device) -> int:
+    """Bytes of the decode cache after a prefill of ``n`` tokens (batch 1)."""
+    from ..modeling_resolvent import CACHE_NAME  # the cache's field name in this transformers
+
+    ids = torch.zeros(1, n, dtype=torch.long, device=device)
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True)[CACHE_NAME]
+    if callable(getattr(cache, "nbytes", None)):
+        return int(cache.nbytes())
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))

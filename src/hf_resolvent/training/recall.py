@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import synthetic as tasks
+from .models import cache_bytes
 from .optim import build_optimizer
 
 
@@ -163,13 +164,19 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
         resume: bool = False) -> dict:
     """Train and read every (mixer, position encoding, seed); writes ``out/results.json`` after every model (a run
     cut short keeps what it measured) and returns the results: ``{"settings", "chance", "rows": [{"model",
-    "mixer", "positions", "seed", "training": record, "accuracy": {length: value}}]}``.
+    "mixer", "positions", "seed", "training": record, "accuracy": {length: value}, "cache": {"length": n,
+    "bytes": b}}]}``, where ``cache`` is the decode cache the model holds after the longest length read (batch 1).
 
     ``resume``: keep the rows of the ``out/results.json`` an earlier run with the same settings wrote, and train
     only the models it lacks. Without it, an existing ``results.json`` is refused rather than overwritten."""
     settings = s.record()
     result = {"settings": settings, "chance": s.chance, "rows": _earlier_rows(out / "results.json", settings, resume)}
     out.mkdir(parents=True, exist_ok=True)
+    for row in result["rows"]:
+        if "cache" not in row:  # a row written before the cache was recorded: it depends on the architecture alone
+            untrained = tasks.task_model(row["mixer"], tasks.Vocab(*s.vocab).size, s.context, s.d, s.layers, s.heads,
+                                         row["positions"], s.conv_size).to(device).eval()
+            row["cache"] = _cache_after(untrained, _lengths(row["mixer"], s), device)
     for mixer in mixers:
         for pe in (["learned"] if mixer == "gpt2" else positions):
             for seed in seeds:
@@ -177,13 +184,24 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
                     log(f"[recall] {_name(mixer, pe)} seed {seed}: kept from {out / 'results.json'}")
                     continue
                 model, record = train_to_competence(mixer, seed, s, pe, device, log)
-                lengths = [k * s.context for k in s.multiples if mixer != "gpt2" or k == 1]
+                lengths = _lengths(mixer, s)
                 acc = {n: accuracy(model, s, n, s.eval_samples, seed, device) for n in lengths}
                 log("[recall]   accuracy by length: " + ", ".join(f"{n}: {a:.3f}" for n, a in acc.items()))
                 result["rows"].append({"model": _name(mixer, pe), "mixer": mixer, "positions": pe, "seed": seed,
-                                       "training": record, "accuracy": acc})
+                                       "training": record, "accuracy": acc, "cache": _cache_after(model, lengths,
+                                                                                                  device)})
                 (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _lengths(mixer, s: RecallSettings) -> list[int]:
+    """The lengths a model is read at: the multiples of T (T alone for GPT-2, whose position table ends there)."""
+    return [k * s.context for k in s.multiples if mixer != "gpt2" or k == 1]
+
+
+def _cache_after(model, lengths: list[int], device) -> dict:
+    return {"length": max(lengths), "bytes": cache_bytes(model, max(lengths), device)}
 
 
 def _earlier_rows(path: Path, settings: dict, resume: bool) -> list[dict]:
@@ -232,22 +250,37 @@ def _accuracy_at(row: dict, n: int) -> float | None:
 def markdown(result: dict) -> str:
     """The accuracy table, a row per model: how many seeds reached the target at T, each seed's steps, the accuracy
     at T of every seed, and past T the accuracy of the competent seeds only (mean, min-max over seeds; "-" where
-    none was competent: no length past T is read off a model that did not learn the task)."""
+    none was competent: no length past T is read off a model that did not learn the task); then the decode cache
+    after the longest length, where the rows record it."""
     s = result["settings"]
     lengths = [k * s["context"] for k in s["multiples"]]
     conv = f", short convolution of {s['conv_size']}" if s.get("conv_size") else ""
+    with_cache = any("cache" in r for r in result["rows"])
     lines = [f"{_task_title(s)}, trained at T = {s['context']} ({s['layers']} layers of width {s['d']}{conv}); "
              f"chance {1 / s['vocab'][2]:.3f} "
              f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell. "
-             f"Column T: every seed; longer lengths: the competent seeds (accuracy >= {s['target']} at T) only.", "",
-             "| model | competent seeds | steps | " + " | ".join(f"{n}" for n in lengths) + " |",
-             "|---|---:|---|" + "---:|" * len(lengths)]
+             f"Column T: every seed; longer lengths: the competent seeds (accuracy >= {s['target']} at T) only."
+             + (" Cache: the decode cache after the longest length read (KiB, float32, batch 1)." if with_cache else ""),
+             "", "| model | competent seeds | steps | " + " | ".join(f"{n}" for n in lengths) + " |"
+             + (" cache (KiB) |" if with_cache else ""),
+             "|---|---:|---|" + "---:|" * (len(lengths) + with_cache)]
     for model, rows in _by_model(result["rows"]).items():
         steps = ", ".join(f"{r['training']['steps']}" + _short_of_T(r["training"], s["context"]) for r in rows)
         competent = [r for r in rows if r["training"]["reached"]]
         cells = [_spread([_accuracy_at(r, n) for r in (rows if n == s["context"] else competent)]) for n in lengths]
+        if with_cache:
+            cells.append(_cache_cell(rows[0]))
         lines.append(f"| {model} | {len(competent)} of {len(rows)} | {steps} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _cache_cell(row: dict) -> str:
+    """The decode cache of a model (every seed has the same architecture): "96.0", or "96.0 at 64" when it was read
+    at a shorter length than the others (GPT-2), "-" when not recorded."""
+    if "cache" not in row:
+        return "-"
+    kib = f"{row['cache']['bytes'] / 1024:.1f}"
+    return kib if row["mixer"] != "gpt2" else f"{kib} at {row['cache']['length']}"
 
 
 def _spread(values: list) -> str:

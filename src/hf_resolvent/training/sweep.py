@@ -28,7 +28,7 @@ from . import data as hdata
 from .config import RunError, training_budget
 from .evaluate import EvalSettings, evaluate, strided_perplexity
 from .metrics import write_result
-from .models import COMPLEXITY_ORDER, complexity_of
+from .models import COMPLEXITY_ORDER, cache_bytes, complexity_of
 
 # name -> pretrain.py arguments choosing the model (on top of the base config "tiny", a resolvent model).
 # "{hybrid}" is replaced by one spec per layer, alternating exp2:ce and attention.
@@ -169,18 +169,6 @@ def layer_patterns(model) -> list[str]:
     if model.config.model_type == "gpt2":
         return ["attention"] * model.config.n_layer
     return [spec["pattern"] for spec in model.config.layer_mixers]
-
-
-def cache_bytes(model, n: int, device) -> int:
-    """Bytes of the decode cache after a prefill of ``n`` tokens (batch 1)."""
-    from hf_resolvent.modeling_resolvent import CACHE_NAME  # the cache's field name in this transformers
-
-    ids = torch.zeros(1, n, dtype=torch.long, device=device)
-    with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True)[CACHE_NAME]
-    if callable(getattr(cache, "nbytes", None)):
-        return int(cache.nbytes())
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 def costs(model, n: int, device) -> dict:
