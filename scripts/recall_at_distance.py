@@ -8,14 +8,16 @@ up to 16 x T (``hf_resolvent.training.recall`` describes the task and the rule; 
     python scripts/recall_at_distance.py --task mqar --context 128 --pairs 8 --out runs/mqar8
     python scripts/recall_at_distance.py --quick --out runs/recall_quick        # the plumbing, a minute
     python scripts/recall_at_distance.py --out runs/recall --resume             # continue a run that was cut short
+    python scripts/recall_at_distance.py --compare runs/r8 runs/r8_6layers --out runs/how_far   # runs side by side
 
-OUT gets results.json (settings, chance levels, one row per model and seed: its training record and accuracy by
-length), results.md and recall.png.
+OUT gets results.json (settings, chance levels, one row per model and seed: its training record, accuracy by length
+and decode cache), results.md and recall.png; with --compare, how_far.md and how_far.png of the runs named.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from hf_resolvent.training import cli
-from hf_resolvent.training.recall import POSITIONS, TASKS, RecallSettings, markdown, plot, run
+from hf_resolvent.training.recall import POSITIONS, TASKS, RecallSettings, how_far, how_far_plot, markdown, plot, run
 from hf_resolvent.training.synthetic import Vocab, passkey_batch
 
 MIXERS = ["attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied"]
@@ -40,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixers", nargs="+", default=MIXERS,
                    help="mixer specs, and gpt2 (learned positions); a comma-separated list is one spec per layer, "
                         "e.g. exp2:ce,square:ce,exp2:ce")
-    p.add_argument("--positions", nargs="+", default=["rope", "none"], choices=POSITIONS,
-                   help="position encodings to compare; rope:a and rope:b rotate one channel only (rope_channels)")
+    p.add_argument("--positions", nargs="+", choices=POSITIONS,
+                   help="position encodings to compare (default: rope and none); rope:a and rope:b rotate one channel "
+                        "only (rope_channels); with --compare, only the models with these")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--task", default=d.task, choices=sorted(TASKS),
                    help="decoy: the passkey with decoys (one pair asked); mqar: every pair asked, all far back")
@@ -68,13 +71,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run whose results.json is in --out: train only the models it lacks")
     p.add_argument("--quick", action="store_true", help="tiny settings: checks the plumbing (results mean nothing)")
+    p.add_argument("--compare", nargs="+", metavar="RUN",
+                   help="train nothing: put the runs in these folders (one task, pairs and T) side by side, every seed "
+                        "at every length with its cache, in OUT/how_far.md and OUT/how_far.png")
     return p
+
+
+def compare(parser: argparse.ArgumentParser, folders: list[str], positions: list[str] | None, out: Path) -> int:
+    results = []
+    for folder in folders:
+        path = Path(folder) / "results.json"
+        if not path.is_file():
+            parser.error(f"--compare {folder}: no results.json there (a folder a run of this script wrote)")
+        result = json.loads(path.read_text())
+        result["rows"] = [r for r in result["rows"] if positions is None or r["positions"] in positions]
+        if not result["rows"]:
+            parser.error(f"--compare {folder}: no model with --positions {' '.join(positions)}")
+        results.append(result)
+    try:
+        table = how_far(results)
+    except ValueError as err:
+        parser.error(str(err))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "how_far.md").write_text(table)
+    how_far_plot(results, out / "how_far.png")
+    print(table)
+    print(f"[recall] wrote {out / 'how_far.md'} and {out / 'how_far.png'}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check(parser, device=args.device, folders=[("--out", args.out)])
+    if args.compare:
+        return compare(parser, args.compare, args.positions, Path(args.out))
     try:
         settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers,
                                   heads=args.heads, conv_size=args.conv_size, lr=args.lr, batch=args.batch,
@@ -93,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     try:
         mixers = [m.split(",") if "," in m else m for m in args.mixers]  # a hybrid stack: one spec per layer
-        result = run(mixers, args.seeds, args.positions, settings, out, torch.device(args.device),
+        result = run(mixers, args.seeds, args.positions or ["rope", "none"], settings, out, torch.device(args.device),
                      resume=args.resume)
     except (FileExistsError, ValueError) as err:
         parser.error(str(err))

@@ -129,6 +129,37 @@ def test_a_run_cut_short_resumes_without_retraining_and_never_overwrites(tmp_pat
                    logs.append, resume=True)
 
 
+def test_how_far_puts_runs_of_one_task_side_by_side(tmp_path, capsys):
+    """Every seed at every length, competent or not, with each run's setting and its cache; runs of another task,
+    pairs or T are refused, and so is a folder without results."""
+    quick = replace(TINY, max_steps=20, check_every=10)
+    cpu, quiet = torch.device("cpu"), lambda *a: None
+    recall.run(["attention"], [0], ["none"], quick, tmp_path / "a", cpu, quiet)
+    deeper = recall.run(["exp2:ce"], [0, 1], ["none", "rope"], replace(quick, layers=3, patience=2), tmp_path / "b",
+                        cpu, quiet)
+    script = load_script("recall_at_distance")
+    assert script.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--positions", "none",
+                        "--out", str(tmp_path / "c")]) == 0
+    table = (tmp_path / "c" / "how_far.md").read_text()
+    assert "| attention [none] | 2 layers x 32, 2 heads, grow 100.0, grow_at 0.0, 20 steps | 0 of 1 | " in table
+    row = next(line for line in table.splitlines() if line.startswith("| exp2:ce [none] |"))
+    assert "3 layers x 32, 2 heads, patience 2, grow 100.0, grow_at 0.0, 20 steps" in row and "[rope]" not in table
+    cells = row.strip("|").split(" | ")
+    seeds = [r for r in deeper["rows"] if r["positions"] == "none"]
+    for cell, n in zip(cells[3:5], (32, 64)):  # every seed at T and past it, none of them competent
+        values = [r["accuracy"][n] for r in seeds]
+        assert cell.startswith(f"{sum(values) / 2:.2f} ({min(values):.2f}-{max(values):.2f})")
+    assert cells[5].strip(" |") == f"{seeds[0]['cache']['bytes'] / 1024:.1f}"
+    assert (tmp_path / "c" / "how_far.png").stat().st_size > 0
+    recall.run(["attention"], [0], ["none"], replace(quick, pairs=3), tmp_path / "p3", cpu, quiet)
+    with pytest.raises(SystemExit):
+        script.main(["--compare", str(tmp_path / "a"), str(tmp_path / "p3"), "--out", str(tmp_path / "d")])
+    assert "compares runs of one task, pairs, T and lengths" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.main(["--compare", str(tmp_path / "nothing"), "--out", str(tmp_path / "d")])
+    assert "no results.json there" in capsys.readouterr().err
+
+
 class _Oracle(torch.nn.Module):
     """Answers a query key with the value that followed it in the sample, at the last ``answered`` positions only."""
 

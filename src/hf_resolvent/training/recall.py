@@ -316,3 +316,76 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def how_far(results: list[dict]) -> str:
+    """One table across runs of one task, pairs and T (their settings may differ otherwise): a row per model and
+    setting, with the accuracy at every length over all its seeds, competent or not (the column "competent" says how
+    many reached the target at T), and the decode cache after the longest length. It answers how far each setting
+    gets and what it holds to get there; the per-run tables (:func:`markdown`) keep the rule that only competent
+    seeds are read past T."""
+    first = results[0]["settings"]
+    for r in results[1:]:
+        s = r["settings"]
+        if (s.get("task", "decoy"), s["pairs"], s["context"], s["multiples"]) != (
+                first.get("task", "decoy"), first["pairs"], first["context"], first["multiples"]):
+            raise ValueError(f"how_far compares runs of one task, pairs, T and lengths: {_task_title(first)} at T = "
+                             f"{first['context']} against {_task_title(s)} at T = {s['context']}")
+    lengths = [k * first["context"] for k in first["multiples"]]
+    lines = [f"{_task_title(first)}, trained at T = {first['context']}; chance {1 / first['vocab'][2]:.3f} over the "
+             f"values, {1 / first['pairs']:.2f} over those present. Every seed at every length (mean, min-max), "
+             "competent or not; cache: the decode cache after the longest length (KiB, float32, batch 1).", "",
+             "| model | setting | competent seeds | " + " | ".join(f"{n}" for n in lengths) + " | cache (KiB) |",
+             "|---|---|---:|" + "---:|" * (len(lengths) + 1)]
+    for result in results:
+        s = result["settings"]
+        for model, rows in _by_model(result["rows"]).items():
+            competent = sum(r["training"]["reached"] for r in rows)
+            cells = [_spread([_accuracy_at(r, n) for r in rows]) for n in lengths]
+            lines.append(f"| {model} | {_setting(s)} | {competent} of {len(rows)} | " + " | ".join(cells)
+                         + f" | {_cache_cell(rows[0])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _setting(s: dict) -> str:
+    """"6 layers x 128, 16 heads, conv 4, patience 4, 12000 steps": what sets a run's models apart."""
+    parts = [f"{s['layers']} layers x {s['d']}", f"{s['heads']} heads"]
+    if s.get("conv_size"):
+        parts.append(f"conv {s['conv_size']}")
+    if s.get("patience"):
+        parts.append(f"patience {s['patience']}")
+    default = RecallSettings()
+    parts += [f"{key} {s[key]}" for key in ("lr", "batch", "grow", "grow_at") if s.get(key, getattr(default, key))
+              != getattr(default, key)]
+    return ", ".join(parts + [f"{s['max_steps']} steps"])
+
+
+def how_far_plot(results: list[dict], path: Path) -> None:
+    """:func:`how_far` as a figure: the mean over every seed by length, a line per model and setting (dashed where no
+    seed was competent), its cache in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 5))
+    i = 0
+    for result in results:
+        for model, rows in _by_model(result["rows"]).items():
+            lengths = sorted({int(n) for r in rows for n in r["accuracy"]})
+            mean = [np.mean([_accuracy_at(r, n) for r in rows]) for n in lengths]
+            competent = sum(r["training"]["reached"] for r in rows)
+            ax.plot(lengths, mean, marker="o", color=plt.get_cmap("tab20")(i % 20), linestyle="-" if competent else "--",
+                    label=f"{model}, {_setting(result['settings'])} ({competent}/{len(rows)} competent; "
+                          f"{_cache_cell(rows[0])} KiB)")
+            i += 1
+    s = results[0]["settings"]
+    ax.axhline(1 / s["pairs"], color="grey", lw=0.8, ls=":", label="chance over the values present")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (asked pairs in the first quarter)")
+    ax.set_ylabel("accuracy (mean over every seed)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"How far: {_task_title(s)}, trained at T = {s['context']}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legend lies outside the axes
+    plt.close(fig)
