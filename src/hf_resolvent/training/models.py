@@ -1,6 +1,7 @@
 """The models of the papers' comparison: ``resolvent`` models with any mixer and the GPT-2 baseline
-(``transformers.GPT2LMHeadModel`` with SDPA) at the same shape (:func:`build_model`), what their decode cache holds (:func:`cache_bytes`), and how tables, plots and
-file names call them (:func:`model_label`, :func:`mixer_slug`, :func:`complexity_of`)."""
+(``transformers.GPT2LMHeadModel`` with SDPA) at the same shape (:func:`build_model`), what their decode cache holds
+(:func:`cache_bytes`), and how tables, plots and file names call them (:func:`model_label`, :func:`mixer_slug`,
+:func:`complexity_of`)."""
 
 from __future__ import annotations
 

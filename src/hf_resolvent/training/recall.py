@@ -256,11 +256,12 @@ def markdown(result: dict) -> str:
     lengths = [k * s["context"] for k in s["multiples"]]
     conv = f", short convolution of {s['conv_size']}" if s.get("conv_size") else ""
     with_cache = any("cache" in r for r in result["rows"])
+    cache_note = " Cache: the decode cache after the longest length read (KiB, float32, batch 1)." if with_cache else ""
     lines = [f"{_task_title(s)}, trained at T = {s['context']} ({s['layers']} layers of width {s['d']}{conv}); "
              f"chance {1 / s['vocab'][2]:.3f} "
              f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell. "
              f"Column T: every seed; longer lengths: the competent seeds (accuracy >= {s['target']} at T) only."
-             + (" Cache: the decode cache after the longest length read (KiB, float32, batch 1)." if with_cache else ""),
+             + cache_note,
              "", "| model | competent seeds | steps | " + " | ".join(f"{n}" for n in lengths) + " |"
              + (" cache (KiB) |" if with_cache else ""),
              "|---|---:|---|" + "---:|" * (len(lengths) + with_cache)]
@@ -375,9 +376,10 @@ def how_far_plot(results: list[dict], path: Path) -> None:
             lengths = sorted({int(n) for r in rows for n in r["accuracy"]})
             mean = [np.mean([_accuracy_at(r, n) for r in rows]) for n in lengths]
             competent = sum(r["training"]["reached"] for r in rows)
-            ax.plot(lengths, mean, marker="o", color=plt.get_cmap("tab20")(i % 20), linestyle="-" if competent else "--",
-                    label=f"{model}, {_setting(result['settings'])} ({competent}/{len(rows)} competent; "
-                          f"{_cache_cell(rows[0])} KiB)")
+            label = (f"{model}, {_setting(result['settings'])} ({competent}/{len(rows)} competent; "
+                     f"{_cache_cell(rows[0])} KiB)")
+            ax.plot(lengths, mean, marker="o", color=plt.get_cmap("tab20")(i % 20),
+                    linestyle="-" if competent else "--", label=label)
             i += 1
     s = results[0]["settings"]
     ax.axhline(1 / s["pairs"], color="grey", lw=0.8, ls=":", label="chance over the values present")
