@@ -294,6 +294,22 @@ def _spread(values: list) -> str:
     return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def _mean_by_length(rows: list[dict]) -> tuple[list[int], list[float]]:
+    """The lengths read and the accuracy at each, averaged over the rows (seeds) given."""
+    lengths = sorted({int(n) for r in rows for n in r["accuracy"]})
+    return lengths, [float(np.mean([_accuracy_at(r, n) for r in rows])) for n in lengths]
+
+
+def _accuracy_axes(ax, settings: dict, ylabel: str, title: str) -> None:
+    """Accuracy against a log2 length axis, with chance over the values present."""
+    ax.axhline(1 / settings["pairs"], color="grey", lw=0.8, ls=":", label="chance over the values present")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (asked pairs in the first quarter)")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -303,16 +319,9 @@ def plot(result: dict, path: Path) -> None:
     s = result["settings"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (model, rows) in enumerate(_by_model(result["rows"]).items()):
-        lengths = sorted({int(n) for r in rows for n in r["accuracy"]})
-        mean = [np.mean([_accuracy_at(r, n) for r in rows]) for n in lengths]
-        ax.plot(lengths, mean, marker="o", label=model, color=f"C{i % 10}",
+        ax.plot(*_mean_by_length(rows), marker="o", label=model, color=f"C{i % 10}",
                 linestyle="--" if "[none]" in model else "-")
-    ax.axhline(1 / s["pairs"], color="grey", lw=0.8, ls=":", label="chance over the values present")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (asked pairs in the first quarter)")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(f"{_task_title(s)}, trained at T = {s['context']}")
+    _accuracy_axes(ax, s, "accuracy", f"{_task_title(s)}, trained at T = {s['context']}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -373,21 +382,15 @@ def how_far_plot(results: list[dict], path: Path) -> None:
     i = 0
     for result in results:
         for model, rows in _by_model(result["rows"]).items():
-            lengths = sorted({int(n) for r in rows for n in r["accuracy"]})
-            mean = [np.mean([_accuracy_at(r, n) for r in rows]) for n in lengths]
             competent = sum(r["training"]["reached"] for r in rows)
             label = (f"{model}, {_setting(result['settings'])} ({competent}/{len(rows)} competent; "
                      f"{_cache_cell(rows[0])} KiB)")
-            ax.plot(lengths, mean, marker="o", color=plt.get_cmap("tab20")(i % 20),
+            ax.plot(*_mean_by_length(rows), marker="o", color=plt.get_cmap("tab20")(i % 20),
                     linestyle="-" if competent else "--", label=label)
             i += 1
     s = results[0]["settings"]
-    ax.axhline(1 / s["pairs"], color="grey", lw=0.8, ls=":", label="chance over the values present")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (asked pairs in the first quarter)")
-    ax.set_ylabel("accuracy (mean over every seed)")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(f"How far: {_task_title(s)}, trained at T = {s['context']}")
+    _accuracy_axes(ax, s, "accuracy (mean over every seed)",
+                   f"How far: {_task_title(s)}, trained at T = {s['context']}")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path, dpi=120, bbox_inches="tight")  # the legend lies outside the axes
     plt.close(fig)
