@@ -187,9 +187,9 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
                 lengths = _lengths(mixer, s)
                 acc = {n: accuracy(model, s, n, s.eval_samples, seed, device) for n in lengths}
                 log("[recall]   accuracy by length: " + ", ".join(f"{n}: {a:.3f}" for n, a in acc.items()))
+                cache = _cache_after(model, lengths, device)
                 result["rows"].append({"model": _name(mixer, pe), "mixer": mixer, "positions": pe, "seed": seed,
-                                       "training": record, "accuracy": acc, "cache": _cache_after(model, lengths,
-                                                                                                  device)})
+                                       "training": record, "accuracy": acc, "cache": cache})
                 (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.json").write_text(json.dumps(result, indent=1))
     return result
