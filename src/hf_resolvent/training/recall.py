@@ -114,8 +114,7 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     ``record``: steps, whether the target was reached, the longest length trained on, the accuracy at T when training
     stopped, seconds."""
     torch.manual_seed(seed)
-    model = tasks.task_model(mixer, tasks.Vocab(*s.vocab).size, s.context, s.d, s.layers, s.heads,
-                             position_embedding, s.conv_size).to(device).train()
+    model = _model(mixer, position_embedding, s).to(device).train()
     opt = build_optimizer(model, s.lr, betas=(0.9, 0.98), weight_decay=0.1, fused=False)
     vocab, rng = tasks.Vocab(*s.vocab), np.random.default_rng([seed, 0])
     name, queries = _name(mixer, position_embedding), s.train_queries
@@ -172,11 +171,12 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
     settings = s.record()
     result = {"settings": settings, "chance": s.chance, "rows": _earlier_rows(out / "results.json", settings, resume)}
     out.mkdir(parents=True, exist_ok=True)
-    for row in result["rows"]:
-        if "cache" not in row:  # a row written before the cache was recorded: it depends on the architecture alone
-            untrained = tasks.task_model(row["mixer"], tasks.Vocab(*s.vocab).size, s.context, s.d, s.layers, s.heads,
-                                         row["positions"], s.conv_size).to(device).eval()
-            row["cache"] = _cache_after(untrained, _lengths(row["mixer"], s), device)
+    backfill = [row for row in result["rows"] if "cache" not in row]
+    for row in backfill:  # a row written before the cache was recorded: it depends on the architecture alone
+        untrained = _model(row["mixer"], row["positions"], s).to(device).eval()
+        row["cache"] = _cache_after(untrained, _lengths(row["mixer"], s), device)
+    if backfill:
+        (out / "results.json").write_text(json.dumps(result, indent=1))
     for mixer in mixers:
         for pe in (["learned"] if mixer == "gpt2" else positions):
             for seed in seeds:
@@ -191,8 +191,13 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
                 result["rows"].append({"model": _name(mixer, pe), "mixer": mixer, "positions": pe, "seed": seed,
                                        "training": record, "accuracy": acc, "cache": cache})
                 (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _model(mixer, position_embedding: str, s: RecallSettings):
+    """The untrained model of one row: the mixer and position encoding at the run's shape."""
+    return tasks.task_model(mixer, tasks.Vocab(*s.vocab).size, s.context, s.d, s.layers, s.heads, position_embedding,
+                            s.conv_size)
 
 
 def _lengths(mixer, s: RecallSettings) -> list[int]:
