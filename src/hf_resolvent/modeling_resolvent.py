@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import pickle
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +46,14 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from .cache_resolvent import ResolventCache
 from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
 from .patterns import get_pattern
-from .remote_code import AUTO_MAP, add_architecture_record, check_weight_files, check_weight_index, write_ops_bundle
+from .remote_code import (
+    AUTO_MAP,
+    add_architecture_record,
+    check_weight_files,
+    check_weight_index,
+    unsafe_pickle_problem,
+    write_ops_bundle,
+)
 from .resolvent_ops import (
     causal_conv_silu,
     decode_tokens,
@@ -358,9 +367,15 @@ class ResolventPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """``PreTrainedModel.from_pretrained``, after checking a local folder's safetensors index, which transformers
-        reads without a check (a damaged one fails deep inside it)."""
+        reads without a check (a damaged one fails deep inside it); a pickled weights file that names code to run is
+        an OSError saying so and how to convert a trusted one."""
         check_weight_index(pretrained_model_name_or_path, kwargs.get("subfolder"), kwargs.get("variant"))
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except pickle.UnpicklingError as err:
+            folder = Path(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+            pickled = next(iter(sorted(folder.glob("*.bin"))), folder / "pytorch_model.bin")
+            raise OSError(unsafe_pickle_problem(pickled, err)) from None
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -64,6 +65,7 @@ __all__ = [
     "check_weight_files",
     "check_weight_index",
     "read_weight_index",
+    "unsafe_pickle_problem",
     "write_ops_bundle",
 ]
 
@@ -206,6 +208,20 @@ def check_saved_weights(folder: str | os.PathLike, variant: str | None = None) -
     """The checks of :func:`check_weight_files` on a saved folder's safetensors files (the single file and the shards
     its index lists), for tools that read a folder without loading it (push_to_hub): an OSError naming the file."""
     _read_checked([str(path) for path in _saved_weight_files(Path(folder), variant)])
+
+
+def unsafe_pickle_problem(file: str | os.PathLike, err: BaseException) -> str:
+    """What to tell a user whose pickled weights file (``pytorch_model.bin``) ``torch.load(weights_only=True)``
+    refused with ``err``: the file names code to run, so it is not loaded, and how to convert a trusted one. (torch's
+    own message suggests ``weights_only=False``, which would run that code.)"""
+    named = re.search(r"GLOBAL (\S+)", str(err))
+    what = f"it names {named.group(1)}, " if named else ""
+    folder = Path(file).parent
+    return (f"{file} is a pickle that holds more than tensors ({what}which loading would run): it is not safe to "
+            f"load, and was not. If you trust where it came from, convert it to safetensors once and remove it: "
+            f"python -c \"import hf_resolvent; from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{folder}', weights_only=False).save_pretrained('{folder}')\" && rm '{file}'; "
+            f"otherwise delete it and get the model as safetensors")
 
 
 def _read_checked(files: list) -> tuple[str, dict] | None:
