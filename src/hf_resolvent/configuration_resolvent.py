@@ -97,6 +97,22 @@ def parse_mixer_spec(spec: Any, default_gate_init: str | float = "mamba2", where
     return {"pattern": pattern.name, "tied": tied, "gate_init": gate_init}
 
 
+# The largest size a config may ask for, per field: far past any model trained today, small enough that a damaged or
+# mistyped config.json (n_layer: 1000000) is refused by name instead of building for minutes or failing in the
+# allocator.
+SIZE_BOUNDS = {
+    "vocab_size": 2**24,
+    "n_positions": 2**31 - 1,
+    "n_embd": 2**16,
+    "n_layer": 2**10,
+    "n_head": 2**12,
+    "head_dim": 2**12,
+    "n_inner": 2**19,
+    "conv_size": 2**10,
+}
+# Rows of a learned position table (position_embedding="learned"), which is allocated whole.
+LEARNED_POSITIONS_BOUND = 2**21
+
 POSITION_EMBEDDINGS = ("rope", "learned", "none")  # see ResolventConfig's position_embedding
 ROPE_CHANNELS = ("ab", "a", "b")  # see ResolventConfig's rope_channels
 
@@ -273,6 +289,15 @@ class ResolventConfig(PretrainedConfig):
                              f"{self.position_embedding!r}")
         if type(self.conv_size) is not int or self.conv_size == 1 or self.conv_size < 0:
             raise ValueError(f"conv_size must be 0 (no convolution) or a width of at least 2, got {self.conv_size!r}")
+        for name, bound in SIZE_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and value > bound:
+                raise ValueError(f"{name} = {value:,} is over the largest size a config may ask for ({bound:,}): the "
+                                 f"config is damaged or mistyped; give a smaller {name}")
+        if self.position_embedding == "learned" and self.n_positions > LEARNED_POSITIONS_BOUND:
+            raise ValueError(f"n_positions = {self.n_positions:,} rows of a learned position table is over the bound "
+                             f"of {LEARNED_POSITIONS_BOUND:,}; give a smaller n_positions, or position_embedding="
+                             f"'rope' (RoPE allocates no table and runs past n_positions)")
         if self.rope_channels not in ROPE_CHANNELS:
             raise ValueError(f"rope_channels must be one of {', '.join(map(repr, ROPE_CHANNELS))} (the channels whose "
                              f"queries and keys RoPE rotates), got {self.rope_channels!r}")

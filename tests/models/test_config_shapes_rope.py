@@ -51,6 +51,28 @@ def test_inconsistent_shapes_are_refused(fields, message):
         hr.ResolventConfig(**fields)
 
 
+@pytest.mark.parametrize("field, value", [("n_layer", 1_000_000), ("conv_size", 10**12), ("conv_size", 10**6),
+                                          ("vocab_size", 10**9), ("n_embd", 10**6), ("n_inner", 10**8)])
+def test_a_config_json_asking_for_absurd_sizes_is_refused_by_field(tmp_path, field, value):
+    """A damaged or mistyped config.json is refused before anything is allocated, naming the field and its bound."""
+    import json
+
+    tiny_model().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    bound = f"{hr.configuration_resolvent.SIZE_BOUNDS[field]:,}"
+    with pytest.raises(ValueError, match=f"{field} = {value:,} is over the largest size a config may ask for "
+                                         f"\\({bound}\\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_learned_position_table_is_bounded_and_rope_is_not():
+    with pytest.raises(ValueError, match="n_positions = 1,073,741,824 rows of a learned position table"):
+        hr.ResolventConfig(position_embedding="learned", n_positions=2**30)
+    assert hr.ResolventConfig(position_embedding="rope", n_positions=2**30).n_positions == 2**30
+
+
 def test_linear_scaling_is_the_default_at_scaled_positions():
     """Linear RoPE scaling by 2 divides every frequency by 2: positions 2p then read as positions p unscaled."""
     plain = tiny_model()
