@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -83,7 +84,7 @@ def _check_weights(folder: Path) -> None:
     too) as from_pretrained checks them, a legacy pytorch_model.bin tensor by tensor."""
     import torch
 
-    from hf_resolvent.remote_code import check_saved_weights
+    from hf_resolvent.remote_code import check_saved_weights, unsafe_pickle_problem
 
     try:
         check_saved_weights(folder)
@@ -93,6 +94,8 @@ def _check_weights(folder: Path) -> None:
     if legacy.is_file() and not (folder / "model.safetensors").is_file():
         try:
             tensors = torch.load(legacy, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:  # it names code to run; torch's message would suggest running it
+            raise HubError(unsafe_pickle_problem(legacy, err)) from None
         except (OSError, RuntimeError, ValueError, EOFError) as err:
             raise HubError(f"cannot read the weights file {legacy} ({type(err).__name__}: {err}): the file is "
                            f"truncated or damaged; save the model again (model.save_pretrained)") from None

@@ -162,3 +162,32 @@ def test_a_damaged_model_is_refused_before_anything_is_staged(model_folder, tmp_
             damage]  # the messages of from_pretrained's checks, which push_to_hub shares
         assert expected in err and "Traceback" not in err, err
     assert not dest.exists() and not (tmp_path / "upload.manifest.json").exists()
+
+
+class _RunsACommand:
+    """A pickled object whose unpickling would run a shell command (what a hostile pytorch_model.bin holds)."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (self.command,)
+
+
+def test_a_pickled_weights_file_that_would_run_code_is_refused_without_running_it(model_folder, tmp_path, capsys):
+    import torch
+
+    model = _copy(model_folder, tmp_path)
+    (model / "model.safetensors").unlink()  # the legacy pickle is then the folder's only weights
+    marker = tmp_path / "the-payload-ran"
+    torch.save({"lm_head.weight": torch.zeros(2, 2), "x": _RunsACommand(f"touch {marker}")},
+               model / "pytorch_model.bin")
+    for extra in (["--dry-run", str(tmp_path / "upload")], ["--token", "hf_dummy"]):
+        assert push.main([str(model), "--repo-id", "someone/x", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "pytorch_model.bin is a pickle that holds more than tensors" in err and "not safe to load" in err
+        assert "Traceback" not in err and "UnpicklingError" not in err, err
+    assert not marker.exists()
+    assert not (tmp_path / "upload").exists()
