@@ -312,7 +312,39 @@ def test_every_numeric_setting_is_checked_and_sound_values_pass():
     # edge values that are allowed, and a fraction as YAML leaves it (a string float() reads)
     cfg = load_config("tiny", ["train.lr=3e-4", "train.warmup_steps=0", "checkpoint.keep=0", "train.seed=0",
                                  "train.min_lr_ratio=0", "train.weight_decay=0", "train.betas=[0.0, 0.999]"])
-    assert cfg["train"]["lr"] == "3e-4" and lr_at(0, cfg["train"]) == pytest.approx(3e-4)
+    assert cfg["train"]["lr"] == 3e-4 and lr_at(0, cfg["train"]) == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize("setting, named", [
+    ("model.overrides={n_layer: 2, vocab_size: 100}", "model.overrides.vocab_size cannot be set: the tokenizer sets it"),
+    ("model.overrides={n_layer: 2, mixer: exp2}", "model.overrides.mixer cannot be set: it is model.mixer (--mixer)"),
+    ("model.overrides.n_layerz=2", "model.overrides.n_layerz is not a field of a resolvent model's config (did you "
+                                   "mean n_layer?)"),
+])
+def test_an_override_that_would_collide_or_be_ignored_stops_the_run_by_name(tiny_data, tmp_path, capsys, setting,
+                                                                            named):
+    out = tmp_path / "run"
+    code, err = _main(tiny_run_args(tiny_data, out, "--max-steps", "4", "--set", setting), capsys)
+    assert code == 2 and named in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_gpt2_overrides_are_checked_against_gpt2s_fields():
+    assert load_config("tiny-gpt2", ["model.overrides.attn_pdrop=0.1"])["model"]["overrides"]["attn_pdrop"] == 0.1
+    with pytest.raises(ConfigError, match="model.overrides.conv_size is not a field of a gpt2 model's config"):
+        load_config("tiny-gpt2", ["model.overrides.conv_size=4"])
+
+
+def test_a_number_written_without_a_decimal_point_is_a_number_and_resumes_as_one():
+    from hf_resolvent.training.checkpoints import check_resumable
+
+    as_typed, as_decimal = load_config("tiny", ["train.lr=1e-3"]), load_config("tiny", ["train.lr=0.001"])
+    assert as_typed["train"]["lr"] == 0.001 and isinstance(as_typed["train"]["lr"], float)
+    check_resumable(as_typed, as_decimal)
+    recorded_as_text = {**as_decimal, "train": {**as_decimal["train"], "lr": "1e-3"}}  # a record YAML left a string
+    check_resumable(recorded_as_text, as_decimal)
+    with pytest.raises(ConfigError, match=r"train.lr: 0.001 -> 0.002"):
+        check_resumable(recorded_as_text, load_config("tiny", ["train.lr=2e-3"]))
 
 
 # ---------------------------------------------------------- round two, item 8: a full device, a read-only folder

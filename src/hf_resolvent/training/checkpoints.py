@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from ..files import atomic_write_json, file_problem, file_record, writing
-from .config import ConfigError, RunError, recorded_data_dir
+from .config import ConfigError, RunError, as_numbers, recorded_data_dir
 
 CKPT_RE = re.compile(r"^step_(\d{7,})$")
 MANIFEST = "manifest.json"
@@ -156,7 +156,9 @@ def absolute_data_dir(record: dict) -> dict:
 
 
 def check_resumable(saved: dict, now: dict) -> None:
-    """Refuse to resume a checkpoint whose run record (configuration and data) differs from this run's."""
+    """Refuse to resume a checkpoint whose run record (configuration and data) differs from this run's. Numeric
+    settings compare as numbers (a record may hold YAML's string ``"1e-3"``)."""
+    saved, now = as_numbers(saved), as_numbers(now)
     diffs = []
     for section in sorted(set(saved) | set(now)):
         old, new = saved.get(section), now.get(section)

@@ -21,7 +21,7 @@ DEFAULTS: dict[str, Any] = {
         "type": "resolvent",  # resolvent | gpt2
         "preset": "tiny",  # a key of PRESETS (configuration_resolvent): the shape of both model types
         "mixer": "dense",  # pattern spec or list of specs (one per layer); ignored by gpt2
-        "overrides": {},  # extra config fields (e.g. n_layer, dropout)
+        "overrides": {},  # fields of the model's config (e.g. n_layer, resid_pdrop)
         "pad_vocab_multiple": 1,  # round the embedding up (64 is faster on GPUs)
     },
     "data": {
@@ -124,7 +124,10 @@ def load_config(name: str, overrides: list[str] | None = None, config_dir: Path 
         set_dotted(cfg, key.strip(), yaml.safe_load(raw))
     cfg["name"] = cfg.get("name") or Path(name).stem
     check_numbers(cfg)
-    return cfg
+    from .models import check_overrides  # the model classes' fields: imported only when a config is read
+
+    check_overrides(cfg["model"])
+    return as_numbers(cfg)
 
 
 # The numeric settings of a run and the values each allows: whole number or not, and the bounds. A value outside
@@ -190,6 +193,30 @@ def check_numbers(cfg: dict) -> None:
             allowed = f"{'a whole number' if whole else 'a number'} {rule}"
         if not ok:
             raise ConfigError(f"{key}={value!r} is not allowed: it must be {allowed}")
+
+
+def _as_number(value: Any, whole: bool) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return int(number) if whole and number.is_integer() else number
+
+
+def as_numbers(cfg: dict) -> dict:
+    """``cfg`` with every numeric setting (:data:`NUMERIC_SETTINGS`) a number: YAML leaves ``1e-3`` (no decimal
+    point) a string, which a run would record as one, so that a resume given ``0.001`` would look like a change."""
+    out = copy.deepcopy(cfg)
+    for key, (whole, _) in NUMERIC_SETTINGS.items():
+        section, field = key.split(".")
+        values = out.get(section)
+        if isinstance(values, dict) and field in values:
+            value = values[field]
+            values[field] = ([_as_number(v, whole) for v in value] if isinstance(value, list)
+                             else _as_number(value, whole))
+    return out
 
 
 def _check_keys(data: dict) -> None:

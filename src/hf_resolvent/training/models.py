@@ -32,6 +32,7 @@ def build_model(model_cfg: dict, vocab_size: int, seq_len: int, eos_token_id: in
     ``ResolventConfig.from_preset(preset, mixer=...)``. ``overrides`` (GPT-2 field names: ``n_layer``,
     ``n_embd``, ``resid_pdrop``, ...) are passed to the config either way; dropout defaults to 0.
     """
+    check_overrides(model_cfg)
     kind = model_cfg["type"]
     overrides = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, **dict(model_cfg.get("overrides") or {})}
     if eos_token_id is not None:
@@ -50,16 +51,69 @@ def build_model(model_cfg: dict, vocab_size: int, seq_len: int, eos_token_id: in
         config = GPT2Config(vocab_size=vocab, **fields)
         config._attn_implementation = "sdpa"
         return GPT2LMHeadModel(config)
-    if kind == "resolvent":
-        from .. import ResolventConfig, ResolventForCausalLM
+    from .. import ResolventConfig, ResolventForCausalLM
 
-        config = ResolventConfig.from_preset(model_cfg.get("preset", "tiny"), mixer=model_cfg["mixer"],
-                                             vocab_size=vocab, **overrides)
-        for name in ("n_positions", "max_position_embeddings"):
-            if hasattr(config, name) and getattr(config, name) < seq_len:
-                setattr(config, name, seq_len)
-        return ResolventForCausalLM(config)
-    raise ConfigError(f"model.type must be 'resolvent' or 'gpt2', got {kind!r}")
+    config = ResolventConfig.from_preset(model_cfg.get("preset", "tiny"), mixer=model_cfg["mixer"],
+                                         vocab_size=vocab, **overrides)
+    for name in ("n_positions", "max_position_embeddings"):
+        if hasattr(config, name) and getattr(config, name) < seq_len:
+            setattr(config, name, seq_len)
+    return ResolventForCausalLM(config)
+
+
+# model.overrides that build_model sets from elsewhere: naming them there would be a second, conflicting value
+SET_ELSEWHERE = {
+    "vocab_size": "the tokenizer sets it (rounded up to model.pad_vocab_multiple)",
+    "mixer": "it is model.mixer (--mixer)",
+}
+
+
+def _config_class(kind: str):
+    if kind == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config
+    from .. import ResolventConfig
+
+    return ResolventConfig
+
+
+def config_fields(kind: str) -> set[str]:
+    """The fields a model config of ``kind`` (``resolvent`` or ``gpt2``) takes: its constructor's arguments, those
+    of ``PretrainedConfig``, and their aliases (``hidden_size`` for ``n_embd``, ...)."""
+    import inspect
+
+    from transformers import PretrainedConfig
+
+    cls = _config_class(kind)
+    names = {name for c in (cls, PretrainedConfig) for name, param in inspect.signature(c.__init__).parameters.items()
+             if param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL) and name != "self"}
+    return names | set(cls.attribute_map)
+
+
+def check_overrides(model_cfg: dict) -> None:
+    """Refuse a ``model.overrides`` key the model config does not take (a misspelt field would be stored and ignored,
+    and the preset's value used) or one that another setting gives (:data:`SET_ELSEWHERE`), naming it."""
+    import difflib
+
+    kind, overrides = model_cfg.get("type"), model_cfg.get("overrides") or {}
+    if kind not in ("resolvent", "gpt2"):
+        raise ConfigError(f"model.type must be 'resolvent' or 'gpt2', got {kind!r}")
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"model.overrides must be a mapping of config fields (e.g. {{n_layer: 4}}), got "
+                          f"{overrides!r}")
+    fields = config_fields(kind)
+    for key in overrides:
+        if key in SET_ELSEWHERE:
+            raise ConfigError(f"model.overrides.{key} cannot be set: {SET_ELSEWHERE[key]}; leave it out")
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            hint = f"did you mean {close[0]}?" if close else f"the fields are those of {_config_class(kind).__name__}"
+            raise ConfigError(f"model.overrides.{key} is not a field of a {kind} model's config ({hint}); the preset's "
+                              f"value would be used instead")
+    for alias, field in _config_class(kind).attribute_map.items():
+        if alias in overrides and field in overrides:
+            raise ConfigError(f"model.overrides gives both {alias} and {field}, two names of one field; keep one")
 
 
 def model_label(model_cfg: dict) -> str:
