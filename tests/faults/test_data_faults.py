@@ -244,6 +244,17 @@ def test_bad_input_file_gives_one_clear_error(case, tmp_path, capsys):
     assert not out.exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("tokenizer", ["saved", "bpe"])
+def test_a_corpus_of_empty_documents_is_refused_by_name(tmp_path, capsys, tokenizer_dir, tokenizer):
+    src = _jsonl(tmp_path / "empty_docs.jsonl", [""] * 49)
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "--output-dir", out, "--files", src, "--tokenizer",
+                     tokenizer_dir if tokenizer == "saved" else "bpe", "--vocab-size", 300, "--num-proc", 1)
+    assert code == 2
+    _assert_one_clear_error(err, "the corpus holds no text: its 49 documents are all empty", "--text-column")
+    assert not D.is_prepared(out)
+
+
 def test_bad_line_found_while_streaming(tmp_path, tokenizer_dir):
     bad = _jsonl(tmp_path / "a.jsonl", ROWS[:12])
     with bad.open("a") as f:

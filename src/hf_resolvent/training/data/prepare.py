@@ -449,6 +449,9 @@ def prepare_dataset(
     }
     if meta["num_docs"] == 0:
         raise DataError(f"the corpus is empty ({data_desc})")
+    if meta["train_tokens"] + meta["val_tokens"] == meta["num_docs"]:  # one separator per document, nothing else
+        raise DataError(f"the corpus holds no text: its {meta['num_docs']:,} documents are all empty ({data_desc}); "
+                        f"check that the text is in the column read (--text-column) and not elsewhere")
     if meta["val_tokens"] == 0:
         log("[data] warning: the validation split is empty; pass a larger --val-fraction")
     atomic_write_json(out / "meta.json", meta)
