@@ -20,23 +20,61 @@ or above it is refused.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import json
 import os
 import pickle
+import posixpath
 import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import unquote
 
 from hf_resolvent.training import data as hdata
 from hf_resolvent.training.card import render_model_card
 from hf_resolvent.training.models import mixer_slug
 
-EXCLUDE_DIRS = {"checkpoints", "logs", "eval", "__pycache__", ".git"}
 STAGING_MARK = ".push_to_hub-staging"  # in every --dry-run folder this tool made, so that it replaces only those
-EXCLUDE_FILES = re.compile(r"(^\.|\.tmp|\.lock$|^random_states_.*\.pkl$|^optimizer\.bin$)")
+
+# What a model repository holds, by name at the top of the folder; the weights, the model code and the files the
+# card links to are found from the folder's own records (the weights index, auto_map, the card's links).
+MODEL_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
+                   "merges.txt", "added_tokens.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "chat_template.jinja", "chat_template.json")
+CHAT_TEMPLATES = "additional_chat_templates"  # tokenizer.save_pretrained's folder of named templates (*.jinja)
+RECORD_FILES = ("train_results.json", "eval_results.json", "all_results.json", "run_config.json")
+WEIGHTS, WEIGHTS_INDEX, LEGACY_WEIGHTS = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
+CARD = "README.md"
+
+# Never published, not even when --include names them: the bytes would leave the folder, or look like credentials.
+OUTSIDE = "a link to outside the folder: never published"
+SECRET = "looks like a secret (a token, key or credentials): never published; rename it if it is not one"
+SECRET_NAME = re.compile(
+    r"(^|[._-])(credentials?|secrets?|passwords?|passwd|api[_-]?keys?|private[_-]?keys?)([._-]|$)"
+    r"|^((hf|huggingface|access|auth|api|github|gh|wandb|bearer|refresh)[_-])?token(\.(txt|json))?$"
+    r"|^id_(rsa|dsa|ecdsa|ed25519)|\.(pem|key|p12|pfx|jks|keystore)$|^\.?(netrc|npmrc|pypirc|git-credentials)$"
+    r"|^\.env(\..*)?$")
+NEVER = (OUTSIDE, SECRET, "a link to a missing file", "not a regular file")
+
+# Why the rest of a run folder is left out, by the name of the file or of a folder above it (first match wins)
+LEFT_OUT = (
+    (re.compile(r"^\."), "hidden"),
+    (re.compile(r"^(checkpoints?|checkpoint-\d+|global_step\d+)$|^(optimizer|scheduler|scaler)\.(pt|bin|pth)$"
+                r"|^rng_state.*\.pth$|^random_states_.*\.pkl$|^training_args\.bin$|^trainer_state\.json$"),
+     "training state"),
+    (re.compile(r"^(logs|wandb|runs|mlruns|lightning_logs|tensorboard)$|^metrics\.jsonl$|^events\.out\.tfevents"),
+     "training log"),
+    (re.compile(r"^eval$"), "evaluation output"),
+    (re.compile(r"^__pycache__$|\.(tmp|lock|partial|swp)$"), "temporary"),
+    (re.compile(r"^pytorch_model.*\.bin(\.index\.json)?$"), f"pickled weights; {WEIGHTS} holds the model"),
+    (re.compile(r"^model-\d+-of-\d+\.safetensors$"), f"a weights shard that {WEIGHTS_INDEX} does not name"),
+    (re.compile(r"\.py$"), "code that the auto_map modules do not import"),
+    (re.compile(r"\.(png|jpe?g|gif|svg|webp)$"), "a figure the card does not link"),
+)
 
 
 class HubError(RuntimeError):
@@ -50,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repo-id", required=True, help="namespace/name on the Hub")
     p.add_argument("--dry-run", nargs="?", const="", default=None, metavar="DIR",
                    help="write what would be uploaded to DIR (default FOLDER.hub-upload) and stop")
+    p.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                   help="also publish the files PATTERN names (relative to the folder, a glob or a folder; "
+                        "repeatable); never a link to outside the folder nor a file that looks like a secret")
     p.add_argument("--private", action="store_true")
     p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the stored login)")
     p.add_argument("--revision", default=None, help="branch to upload to")
@@ -67,6 +108,9 @@ def _check_folder(folder: Path) -> dict:
         raise HubError(f"{folder} has no model weights (model.safetensors); did the training run finish?")
     if not (folder / "tokenizer_config.json").exists():
         raise HubError(f"{folder} has no tokenizer (tokenizer_config.json); save one with tokenizer.save_pretrained")
+    if not Path(os.path.realpath(folder / "config.json")).is_relative_to(folder.resolve()):
+        raise HubError(f"{folder / 'config.json'} is a link to outside the folder, which is never read nor published; "
+                       f"copy the file itself into the folder")
     try:
         config = json.loads((folder / "config.json").read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -75,13 +119,13 @@ def _check_folder(folder: Path) -> dict:
     if not isinstance(config, dict) or "model_type" not in config:
         raise HubError(f"{folder / 'config.json'} is not a model config (no model_type); save the model again with "
                        f"model.save_pretrained")
-    _check_weights(folder)
     return config
 
 
 def _check_weights(folder: Path) -> None:
     """Every weight file of ``folder`` opens and holds finite values: the safetensors files (the shards of an index
-    too) as from_pretrained checks them, a legacy pytorch_model.bin tensor by tensor."""
+    too) as from_pretrained checks them, a legacy pytorch_model.bin (when it is the only weights) tensor by tensor.
+    Call it once the upload is planned: the plan refuses weights that are links to outside the folder."""
     import torch
 
     from hf_resolvent.remote_code import check_saved_weights, unsafe_pickle_problem
@@ -90,8 +134,8 @@ def _check_weights(folder: Path) -> None:
         check_saved_weights(folder)
     except OSError as err:  # it names the file and the fix
         raise HubError(str(err)) from None
-    legacy = folder / "pytorch_model.bin"
-    if legacy.is_file() and not (folder / "model.safetensors").is_file():
+    legacy = folder / LEGACY_WEIGHTS
+    if legacy.is_file() and not (folder / WEIGHTS).is_file() and not (folder / WEIGHTS_INDEX).is_file():
         try:
             tensors = torch.load(legacy, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:  # it names code to run; torch's message would suggest running it
@@ -103,6 +147,238 @@ def _check_weights(folder: Path) -> None:
         if bad is not None:
             raise HubError(f"the weights file {legacy} holds NaN or infinite values in {bad}: the weights are not "
                            f"worth uploading; use an earlier checkpoint of the run")
+
+
+class Plan:
+    """What an upload holds: ``files`` (path in the repository -> the file whose bytes it gets: a link inside the
+    folder is read through), ``texts`` (path -> text written instead of a file: the card), what is ``left_out``
+    (path -> why) and ``notes`` for the user; ``resave``: the folder lacks its model code, which a re-save with the
+    installed hf_resolvent attaches."""
+
+    def __init__(self, left_out: dict[str, str]):
+        self.files: dict[str, Path] = {}
+        self.texts: dict[str, str] = {}
+        self.left_out = left_out
+        self.notes: list[str] = []
+        self.resave = False
+
+
+def _scan(folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """The files of ``folder`` that can be read without leaving it (relative path -> the file to read; a link whose
+    target is inside the folder reads the target) and those that cannot (relative path -> why). Links are never
+    followed out: a link to a folder is not entered, and a file link is resolved and checked first."""
+    root = folder.resolve()
+    readable, refused = {}, {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath)
+        dirnames.sort()
+        for name in [d for d in dirnames if (here / d).is_symlink()]:  # os.walk lists them, and does not enter them
+            inside = Path(os.path.realpath(here / name)).is_relative_to(root)
+            refused[(here / name).relative_to(folder).as_posix() + "/"] = (
+                "a link to a folder inside the folder (its files are published from where they are)" if inside
+                else OUTSIDE)
+        for name in sorted(filenames):
+            path = here / name
+            rel = path.relative_to(folder).as_posix()
+            source = Path(os.path.realpath(path)) if path.is_symlink() else path
+            if not source.is_relative_to(root) and source is not path:
+                refused[rel] = OUTSIDE
+            elif not source.exists():
+                refused[rel] = "a link to a missing file"
+            elif not source.is_file():
+                refused[rel] = "not a regular file"
+            else:
+                readable[rel] = source
+    return readable, refused
+
+
+def _looks_secret(rel: str) -> bool:
+    return any(SECRET_NAME.search(part.lower()) for part in rel.split("/"))
+
+
+def _why_left_out(rel: str) -> str:
+    for pattern, why in LEFT_OUT:
+        if any(pattern.search(part) for part in rel.split("/")):
+            return why
+    return "not part of a model repository"
+
+
+def _weight_files(readable: dict[str, Path], present: set[str]) -> list[str]:
+    """The weight files of a folder holding the files ``present`` (``readable``: those it can read): model.safetensors
+    and/or its index with the shards it names; a legacy pytorch_model.bin only when there are no safetensors weights
+    (it is then the model)."""
+    from hf_resolvent.remote_code import read_weight_index
+
+    if WEIGHTS not in present and WEIGHTS_INDEX not in present:
+        return [LEGACY_WEIGHTS] if LEGACY_WEIGHTS in present else []
+    names = [n for n in (WEIGHTS, WEIGHTS_INDEX) if n in present]
+    if WEIGHTS_INDEX in readable:
+        try:
+            names += sorted(set(read_weight_index(readable[WEIGHTS_INDEX]).values()))
+        except OSError as err:  # it names the file and the fix
+            raise HubError(str(err)) from None
+    return names
+
+
+def _code_modules(*configs: dict) -> list[str]:
+    """File names of the modules the ``auto_map`` of ``configs`` points at (``modeling_resolvent.py``, ...)."""
+    names = set()
+    for config in configs:
+        for ref in (config.get("auto_map") or {}).values():
+            refs = ref if isinstance(ref, list) else [ref]
+            for r in refs:
+                if isinstance(r, str) and r and "--" not in r:  # "repo--module.Class" refers to another repository
+                    names.add(r.rsplit(".", 1)[0] + ".py")
+    return sorted(names)
+
+
+def _code_files(readable: dict[str, Path], config: dict) -> tuple[list[str], list[str]]:
+    """The model code of a folder, as transformers loads it with trust_remote_code=True: the auto_map modules (of
+    config.json and tokenizer_config.json) and every module their ``from .x import`` lines name, recursively; returns
+    the files the folder has and those it lacks."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    tokenizer_config = {}
+    if "tokenizer_config.json" in readable:
+        try:
+            tokenizer_config = json.loads(readable["tokenizer_config.json"].read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            pass  # the tokenizer's own loading says what is wrong with it; it names no code here
+    todo, have, lack = _code_modules(config, tokenizer_config if isinstance(tokenizer_config, dict) else {}), [], []
+    while todo:
+        module = todo.pop()
+        if module in have or module in lack:
+            continue
+        if module not in readable:
+            lack.append(module)
+            continue
+        have.append(module)
+        todo += [f"{name}.py" for name in get_relative_imports(readable[module])]
+    return sorted(have), sorted(lack)
+
+
+# [text](target), ![alt](target) (also nested: [![alt](img)](link)), [label]: target and <img src="target">
+_FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.S | re.M)
+_CODE_SPAN = re.compile(r"`[^`\n]*`")
+_LINK_TARGETS = (re.compile(r"\]\(\s*<?([^)\s>]+)"), re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)", re.M),
+                 re.compile(r"<(?:img|a|source|video)\b[^>]*?\s(?:src|href)\s*=\s*[\"']([^\"']+)[\"']", re.I))
+
+
+def card_links(card: str) -> list[str]:
+    """The targets of the links and images of a Markdown card that name files beside it (no URL, no #anchor, not in
+    code), as written."""
+    prose = _CODE_SPAN.sub("", _FENCE.sub("", card))
+    found = []
+    for pattern in _LINK_TARGETS:
+        for target in pattern.findall(prose):
+            path = target.split("#", 1)[0].split("?", 1)[0]
+            if path and not re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:|//", path) and target not in found:
+                found.append(target)
+    return found
+
+
+def plan_upload(folder: Path, config: dict, repo_id: str, include: list[str] = ()) -> Plan:
+    """What an upload of ``folder`` publishes and what it leaves out, and why; reads only small files (the weights
+    index, the model code's imports, the card)."""
+    readable, refused = _scan(folder)
+    root = folder.resolve()
+    plan = Plan(left_out=dict(refused))
+    for rel, source in list(readable.items()):
+        if _looks_secret(rel) or _looks_secret(source.relative_to(root).as_posix()):
+            plan.left_out[rel] = SECRET
+            del readable[rel]
+    weights = _weight_files(readable, set(readable) | set(plan.left_out))
+    for rel in ["config.json", "tokenizer_config.json", *weights]:
+        if rel in plan.left_out:  # a link out of the folder, most likely: the upload would not load without it
+            raise HubError(f"{folder / rel} is {plan.left_out[rel].split(':')[0]}, which is never published, and the "
+                           f"model needs it: copy the file itself into the folder (cp --remove-destination TARGET "
+                           f"{folder / rel})")
+    names = [*MODEL_FILES, *TOKENIZER_FILES, *RECORD_FILES, *weights]
+    names += [rel for rel in readable if rel.startswith(CHAT_TEMPLATES + "/") and rel.endswith(".jinja")]
+    code, lack = _code_files(readable, config)
+    is_resolvent = config.get("model_type") == "resolvent"
+    if is_resolvent and (lack or not config.get("auto_map")):
+        plan.resave = True  # a folder saved before the code was attached: stage() re-saves config, weights and code
+    elif lack:
+        raise HubError(f"the auto_map of {folder / 'config.json'} names model code the folder does not hold "
+                       f"({', '.join(lack)}): the upload would not load with trust_remote_code=True; save the model "
+                       f"again with its code (model.save_pretrained)")
+    for rel in names + code:
+        if rel in readable:
+            plan.files[rel] = readable[rel]
+    if weights == [LEGACY_WEIGHTS]:
+        plan.notes.append(f"{LEGACY_WEIGHTS} is published as it is (pickled weights, checked to hold only tensors); "
+                          f"safetensors loads faster and safely: model.save_pretrained(folder) writes {WEIGHTS}")
+
+    plan.texts[CARD] = _card(folder, readable, config, repo_id)
+    for target in card_links(plan.texts[CARD]):
+        rel = posixpath.normpath(unquote(target.split("#", 1)[0].split("?", 1)[0]))
+        if rel.startswith("/") or rel == ".." or rel.startswith("../"):
+            plan.notes.append(f"the card links {target}, outside the folder: not published (a broken link on the Hub)")
+        elif rel in readable:
+            plan.files[rel] = readable[rel]
+        elif rel not in plan.left_out and not (folder / rel).is_dir():
+            plan.notes.append(f"the card links {target}, which the folder does not have (a broken link on the Hub)")
+
+    for pattern in include:
+        wanted = posixpath.normpath(pattern)
+        if wanted.startswith("/") or wanted == ".." or wanted.startswith("../"):
+            raise HubError(f"--include {pattern} is not inside the folder; name files relative to it (e.g. 'eval/*')")
+        hits = [rel for rel in [*readable, *plan.left_out] if _included(rel, wanted)]
+        if not hits:
+            raise HubError(f"--include {pattern} names no file in {folder}; patterns are relative to the folder, "
+                           f"e.g. --include metrics.jsonl or --include 'eval/*.json'")
+        for rel in hits:
+            if rel in readable:
+                plan.files[rel] = readable[rel]
+    for rel in plan.texts:
+        plan.files.pop(rel, None)
+    for rel in readable:
+        if rel not in plan.files and rel not in plan.texts:
+            plan.left_out[rel] = _why_left_out(rel)
+    plan.left_out = dict(sorted(plan.left_out.items()))
+    return plan
+
+
+def _included(rel: str, pattern: str) -> bool:
+    """Whether --include ``pattern`` names the file ``rel``: the file itself, or a folder above it."""
+    parts = rel.rstrip("/").split("/")
+    return any(fnmatch.fnmatchcase("/".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+
+
+def _card(folder: Path, readable: dict[str, Path], config: dict, repo_id: str) -> str:
+    """The card as published: the folder's README.md with the repository id filled in, or one rendered from the
+    template for a folder that has none."""
+    if CARD in readable:
+        try:
+            text = readable[CARD].read_text(encoding="utf-8").replace("REPO_ID", repo_id)
+        except UnicodeDecodeError as err:
+            raise HubError(f"{folder / CARD} is not UTF-8 text ({err}); a model card is Markdown: fix or remove "
+                           f"it (a card is rendered from the template for a folder without one)") from None
+    else:
+        mixer = "gpt2" if config.get("model_type") == "gpt2" else str(config.get("mixer"))
+        text = render_model_card({"model_name": repo_id.split("/")[-1], "mixer": mixer, "repo_id": repo_id,
+                                    "model_type": (config.get("architectures") or ["?"])[0],
+                                    "tags": ["hf-resolvent", "resolvent", f"mixer-{mixer_slug(mixer)}"]})
+        if "loss.png" not in readable:  # the template's figure of the run's loss: no run, no figure
+            text = re.sub(r"(?m)^.*\]\(loss\.png\).*\n", "", text)
+    if config.get("model_type") != "resolvent":
+        text = text.replace(", trust_remote_code=True", "")
+    return text
+
+
+def left_out_lines(left_out: dict[str, str]) -> list[str]:
+    """What was left out and why, for the user: one line per link out of the folder or secret, one per file at the
+    top of the folder, and one per folder (with its count of files) for the rest."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for rel, why in left_out.items():
+        name = rel if why in NEVER or "/" not in rel.rstrip("/") else rel.split("/", 1)[0] + "/"
+        groups.setdefault((name, why), []).append(rel)
+    lines = []
+    for (name, why), rels in groups.items():
+        count = f"{len(rels)} file{'s' if len(rels) > 1 else ''}: " if name.endswith("/") and name not in rels else ""
+        lines.append(f"left out: {name} ({count}{why})")
+    return lines
 
 
 def prepare_staging(dest: Path, folder: Path) -> None:
@@ -127,55 +403,42 @@ def prepare_staging(dest: Path, folder: Path) -> None:
     (dest / STAGING_MARK).write_text(f"staged by scripts/push_to_hub.py from {folder}; replaced by its next run\n")
 
 
-def _code_modules(config: dict) -> list[str]:
-    """File names of the modules ``auto_map`` points at (``modeling_resolvent.py``, ...)."""
-    names = set()
-    for ref in (config.get("auto_map") or {}).values():
-        refs = ref if isinstance(ref, list) else [ref]
-        for r in refs:
-            if r and "--" not in r:  # "repo--module.Class" refers to another repository
-                names.add(r.rsplit(".", 1)[0] + ".py")
-    return sorted(names)
+def _resave(folder: Path, work: Path, log=print) -> dict[str, Path]:
+    """Re-save a resolvent model folder saved without its code into ``work`` with the installed hf_resolvent; returns
+    the config, weights and code of the re-save (path in the repository -> file)."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_resolvent
+
+    log(f"[push] {folder} lacks its model code; re-saving config, weights and code with hf_resolvent "
+        f"{hf_resolvent.__version__}")
+    AutoModelForCausalLM.from_pretrained(folder).save_pretrained(work)
+    readable, _ = _scan(work)
+    config = json.loads((work / "config.json").read_text())
+    code, lack = _code_files(readable, config)
+    if lack or not config.get("auto_map"):
+        raise HubError(f"could not attach the model code to {folder} (missing {lack or 'auto_map'}); the installed "
+                       f"hf_resolvent does not register its classes for remote code")
+    weights = _weight_files(readable, set(readable))
+    return {rel: readable[rel] for rel in [*MODEL_FILES, *weights, *code] if rel in readable}
 
 
-def stage(folder: Path, repo_id: str, dest: Path, config: dict, log=print) -> list[dict]:
-    """Build the upload of a checked ``folder`` in ``dest``, an empty folder (its staging mark aside); returns the
+def stage(plan: Plan, folder: Path, dest: Path, log=print) -> list[dict]:
+    """Write the upload ``plan`` of ``folder`` into ``dest``, an empty folder (its staging mark aside); returns the
     manifest (path, bytes, sha256 per file)."""
     dest.mkdir(parents=True, exist_ok=True)
-    for src in sorted(folder.rglob("*")):
-        rel = src.relative_to(folder)
-        if any(part in EXCLUDE_DIRS for part in rel.parts) or not src.is_file() or EXCLUDE_FILES.search(src.name):
-            continue
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, target)
-    is_resolvent = config.get("model_type") == "resolvent"
-    missing = [m for m in _code_modules(config) if not (dest / m).exists()]
-    if is_resolvent and (missing or not config.get("auto_map")):
-        # folders saved before the code was attached: re-save config and code with the installed library
-        from transformers import AutoModelForCausalLM
-
-        import hf_resolvent  # noqa: F401
-
-        log(f"[push] {folder} lacks its model code ({missing or 'auto_map'}); re-saving it with hf_resolvent "
-            f"{hf_resolvent.__version__}")
-        AutoModelForCausalLM.from_pretrained(folder).save_pretrained(dest)
-        config = json.loads((dest / "config.json").read_text())
-        missing = [m for m in _code_modules(config) if not (dest / m).exists()]
-        if missing or not config.get("auto_map"):
-            raise HubError(f"could not attach the model code to {folder} (missing {missing}); the installed "
-                           f"hf_resolvent does not register its classes for remote code")
-    card = dest / "README.md"
-    if card.exists():
-        text = card.read_text().replace("REPO_ID", repo_id)
-    else:
-        mixer = "gpt2" if config.get("model_type") == "gpt2" else str(config.get("mixer"))
-        text = render_model_card({"model_name": repo_id.split("/")[-1], "mixer": mixer, "repo_id": repo_id,
-                                    "model_type": (config.get("architectures") or ["?"])[0],
-                                    "tags": ["hf-resolvent", "resolvent", f"mixer-{mixer_slug(mixer)}"]})
-    if not is_resolvent:
-        text = text.replace(", trust_remote_code=True", "")
-    card.write_text(text)
+    with tempfile.TemporaryDirectory() as work:
+        files = dict(plan.files)
+        if plan.resave:
+            for rel in [*MODEL_FILES, *_weight_files(plan.files, set(plan.files))]:
+                files.pop(rel, None)
+            files.update(_resave(folder, Path(work), log))
+        for rel, source in files.items():
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    for rel, text in plan.texts.items():
+        (dest / rel).write_text(text, encoding="utf-8")
     manifest = []
     for f in sorted(p for p in dest.rglob("*") if p.is_file() and p.name != STAGING_MARK):
         data = f.read_bytes()
@@ -189,7 +452,7 @@ def _is_manifest(path: Path) -> bool:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return isinstance(data, dict) and set(data) == {"repo_id", "files"}
+    return isinstance(data, dict) and {"repo_id", "files"} <= set(data) <= {"repo_id", "files", "left_out"}
 
 
 def upload(dest: Path, repo_id: str, token: str | None, private: bool, revision: str | None, message: str) -> str:
@@ -220,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = _check_folder(folder)
+        plan = plan_upload(folder, config, args.repo_id, args.include)
+        _check_weights(folder)
+        for line in [*left_out_lines(plan.left_out), *(f"note: {n}" for n in plan.notes)]:
+            print(f"[push] {line}")
+        if any(why not in NEVER for why in plan.left_out.values()):
+            print("[push] --include PATTERN publishes a file left out (never a link to outside the folder, nor a "
+                  "secret)")
         if args.dry_run is not None:
             dest = Path(args.dry_run) if args.dry_run else folder.with_name(folder.name + ".hub-upload")
             listing = dest.parent / (dest.name + ".manifest.json")
@@ -227,8 +497,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise HubError(f"{listing} exists and is not a manifest this tool wrote; move it, or name another "
                                f"--dry-run folder")
             prepare_staging(dest, folder)
-            manifest = stage(folder, args.repo_id, dest, config)
-            listing.write_text(json.dumps({"repo_id": args.repo_id, "files": manifest}, indent=2) + "\n")
+            manifest = stage(plan, folder, dest)
+            left_out = [{"path": rel, "reason": why} for rel, why in plan.left_out.items()]
+            listing.write_text(json.dumps({"repo_id": args.repo_id, "files": manifest, "left_out": left_out},
+                                          indent=2) + "\n")
             total = sum(m["bytes"] for m in manifest)
             for m in manifest:
                 print(f"  {m['bytes']:>12,}  {m['path']}")
@@ -237,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         with tempfile.TemporaryDirectory() as tmp:
             dest = Path(tmp) / "upload"
-            manifest = stage(folder, args.repo_id, dest, config)
+            manifest = stage(plan, folder, dest)
             url = upload(dest, args.repo_id, args.token, args.private, args.revision, args.commit_message)
         print(f"[push] uploaded {len(manifest)} files to https://huggingface.co/{args.repo_id} ({url})")
     except HubError as err:

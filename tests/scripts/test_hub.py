@@ -30,6 +30,7 @@ def model_folder(tmp_path_factory):
     card = render_model_card({"model_name": "run", "mixer": "exp2:ce", "repo_id": "REPO_ID", "val_ppl": 12.5,
                                 "val_loss": 2.53, "datasets": [], "tags": ["hf-resolvent"]})
     (folder / "README.md").write_text(card)
+    (folder / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)  # the card links it
     (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     (folder / "checkpoints" / "step_0000001").mkdir(parents=True)
     (folder / "checkpoints" / "step_0000001" / "optimizer.bin").write_bytes(b"x" * 100)
@@ -47,9 +48,9 @@ def test_dry_run_writes_exactly_the_upload(model_folder, tmp_path, capsys):
     files.remove(push.STAGING_MARK)
     manifest = json.loads((tmp_path / "upload.manifest.json").read_text())
     assert [m["path"] for m in manifest["files"]] == files and manifest["repo_id"] == "someone/resolvent-test"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
-            "metrics.jsonl", "modeling_resolvent.py", "configuration_resolvent.py"} <= set(files)
-    assert not any(f.startswith(("checkpoints", "logs")) for f in files)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md", "loss.png",
+            "modeling_resolvent.py", "configuration_resolvent.py"} <= set(files)
+    assert not any(f.startswith(("checkpoints", "logs")) for f in files) and "metrics.jsonl" not in files
     assert f"{len(files)} files" in printed
     card = (dest / "README.md").read_text()
     assert "someone/resolvent-test" in card and "REPO_ID" not in card
@@ -191,3 +192,81 @@ def test_a_pickled_weights_file_that_would_run_code_is_refused_without_running_i
         assert "Traceback" not in err and "UnpicklingError" not in err, err
     assert not marker.exists()
     assert not (tmp_path / "upload").exists()
+
+
+def _plant(model: Path, outside: Path) -> dict[str, str]:
+    """Put into ``model`` what a working folder collects besides the model (``outside`` is a folder beside it);
+    returns the secrets' texts by name, which must reach no staged file."""
+    secrets = {"key": "-----BEGIN OPENSSH PRIVATE KEY----- fake", "secret": "the secret beside the folder",
+               "credentials": '{"aws_secret_access_key": "fake"}', "token": "hf_faketoken"}
+    (outside / "home" / ".ssh").mkdir(parents=True)
+    (outside / "home" / ".ssh" / "id_rsa").write_text(secrets["key"])
+    (outside / "secret.txt").write_text(secrets["secret"])
+    (model / "tokenizer_extra.json").symlink_to(outside / "home" / ".ssh" / "id_rsa")
+    (model / "notes.txt").symlink_to(Path("..") / "secret.txt")  # relative, out of the folder
+    (model / "credentials.json").write_text(secrets["credentials"])
+    (model / ".cache" / "huggingface").mkdir(parents=True)
+    (model / ".cache" / "huggingface" / "token").write_text(secrets["token"])
+    (model / "wandb" / "run-1").mkdir(parents=True)
+    (model / "wandb" / "run-1" / "output.log").write_text("log")
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):
+        (model / name).write_bytes(b"state")
+    # a figure the card links (through a link inside the folder) and one it does not
+    (model / "plots").mkdir()
+    (model / "plots" / "attention.png").write_bytes(b"\x89PNG figure")
+    (model / "plots" / "unused.png").write_bytes(b"\x89PNG unused")
+    (model / "figures").mkdir()
+    (model / "figures" / "attention.png").symlink_to(Path("..") / "plots" / "attention.png")
+    card = model / "README.md"
+    card.write_text(card.read_text() + "\n![Attention maps](figures/attention.png)\n")
+    return secrets
+
+
+def test_dry_run_stages_the_model_and_says_what_it_left_out(model_folder, tmp_path, capsys):
+    model = _copy(model_folder, tmp_path)
+    secrets = _plant(model, tmp_path)
+    dest = tmp_path / "upload"
+    assert push.main([str(model), "--repo-id", "someone/x", "--dry-run", str(dest)]) == 0
+    out = capsys.readouterr().out
+    code = {p.name for p in model_folder.glob("*.py")}
+    assert _files(dest) == sorted({push.STAGING_MARK, "config.json", "generation_config.json", "model.safetensors",
+                                   "tokenizer.json", "tokenizer_config.json", "README.md", "loss.png",
+                                   "figures/attention.png"} | code)
+    assert not any(p.is_symlink() for p in dest.rglob("*"))
+    assert (dest / "figures" / "attention.png").read_bytes() == b"\x89PNG figure"
+    for f in dest.rglob("*"):
+        if f.is_file():
+            assert not any(s.encode() in f.read_bytes() for s in secrets.values()), f
+    left_out = {line.split("left out: ", 1)[1] for line in out.splitlines() if "left out: " in line}
+    for name, why in [("tokenizer_extra.json", "a link to outside the folder"),
+                      ("notes.txt", "a link to outside the folder"), ("credentials.json", "secret"),
+                      ("optimizer.pt", "training state"), ("scheduler.pt", "training state"),
+                      ("rng_state.pth", "training state"), ("training_args.bin", "training state"),
+                      ("checkpoints/", "training state"), ("metrics.jsonl", "training log"),
+                      ("wandb/", "training log"), (".cache/huggingface/token", "secret"), ("plots/", "a figure the card does not link")]:
+        assert any(line.startswith(name + " (") and why in line for line in left_out), (name, left_out)
+    manifest = json.loads((tmp_path / "upload.manifest.json").read_text())
+    assert [m["path"] for m in manifest["files"]] == [f for f in _files(dest) if f != push.STAGING_MARK]
+    listed = {m["path"]: m["reason"] for m in manifest["left_out"]}
+    assert {"tokenizer_extra.json", "notes.txt", "credentials.json", ".cache/huggingface/token",
+            "wandb/run-1/output.log", "optimizer.pt", "checkpoints/step_0000001/optimizer.bin",
+            "plots/attention.png", "plots/unused.png"} <= set(listed)
+    assert "outside the folder" in listed["tokenizer_extra.json"]
+
+
+def test_include_publishes_what_it_names_but_never_a_link_out_or_a_secret(model_folder, tmp_path, capsys):
+    model = _copy(model_folder, tmp_path)
+    _plant(model, tmp_path)
+    dest = tmp_path / "upload"
+    args = [str(model), "--repo-id", "someone/x", "--dry-run", str(dest)]
+    assert push.main([*args, "--include", "metrics.jsonl", "--include", "wandb", "--include", "plots/un*",
+                      "--include", "notes.txt", "--include", "credentials.json", "--include", ".cache/*"]) == 0
+    out = capsys.readouterr().out
+    files = _files(dest)
+    assert {"metrics.jsonl", "wandb/run-1/output.log", "plots/unused.png"} <= set(files)
+    assert not {"notes.txt", "credentials.json", ".cache/huggingface/token", "plots/attention.png"} & set(files)
+    assert "left out: notes.txt (a link to outside the folder" in out
+    assert "left out: credentials.json (" in out and "left out: .cache/huggingface/token (" in out
+    assert push.main([*args, "--include", "no-such-file*"]) == 2  # a pattern that names nothing is a mistake
+    err = capsys.readouterr().err
+    assert "--include no-such-file*" in err and "names no file" in err
