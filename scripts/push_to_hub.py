@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import hashlib
 import json
 import os
 import pickle
@@ -33,6 +32,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import unquote
 
+from hf_resolvent.files import file_sha256
 from hf_resolvent.training import data as hdata
 from hf_resolvent.training.card import render_model_card
 from hf_resolvent.training.models import mixer_slug
@@ -423,28 +423,28 @@ def _resave(folder: Path, work: Path, log=print) -> dict[str, Path]:
     return {rel: readable[rel] for rel in [*MODEL_FILES, *weights, *code] if rel in readable}
 
 
+def sources(plan: Plan, folder: Path, work: Path, log=print) -> dict[str, Path]:
+    """The file each path of the upload copies (the card and other texts aside): the planned files, with config,
+    weights and code of a re-save in ``work`` for a folder saved without its code."""
+    files = dict(plan.files)
+    if plan.resave:
+        for rel in [*MODEL_FILES, *_weight_files(plan.files, set(plan.files))]:
+            files.pop(rel, None)
+        files.update(_resave(folder, work, log))
+    return files
+
+
 def stage(plan: Plan, folder: Path, dest: Path, log=print) -> list[dict]:
     """Write the upload ``plan`` of ``folder`` into ``dest``, an empty folder (its staging mark aside); returns the
-    manifest (path, bytes, sha256 per file)."""
-    dest.mkdir(parents=True, exist_ok=True)
+    manifest (path, bytes, sha256 per file; hashed in blocks, so a file of any size takes little memory)."""
     with tempfile.TemporaryDirectory() as work:
-        files = dict(plan.files)
-        if plan.resave:
-            for rel in [*MODEL_FILES, *_weight_files(plan.files, set(plan.files))]:
-                files.pop(rel, None)
-            files.update(_resave(folder, Path(work), log))
-        for rel, source in files.items():
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
+        for rel, source in sources(plan, folder, Path(work), log).items():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, dest / rel)  # the bytes, never a link
     for rel, text in plan.texts.items():
         (dest / rel).write_text(text, encoding="utf-8")
-    manifest = []
-    for f in sorted(p for p in dest.rglob("*") if p.is_file() and p.name != STAGING_MARK):
-        data = f.read_bytes()
-        manifest.append({"path": f.relative_to(dest).as_posix(), "bytes": len(data),
-                         "sha256": hashlib.sha256(data).hexdigest()})
-    return manifest
+    return [{"path": f.relative_to(dest).as_posix(), "bytes": f.stat().st_size, "sha256": file_sha256(f)}
+            for f in sorted(p for p in dest.rglob("*") if p.is_file() and p.name != STAGING_MARK)]
 
 
 def _is_manifest(path: Path) -> bool:
@@ -455,8 +455,10 @@ def _is_manifest(path: Path) -> bool:
     return isinstance(data, dict) and {"repo_id", "files"} <= set(data) <= {"repo_id", "files", "left_out"}
 
 
-def upload(dest: Path, repo_id: str, token: str | None, private: bool, revision: str | None, message: str) -> str:
-    from huggingface_hub import HfApi, get_token
+def hub_token(token: str | None) -> str:
+    """The token to upload with, once the Hub is reachable: checked before anything is staged, so that a missing
+    login or network costs nothing."""
+    from huggingface_hub import get_token
 
     token = token or get_token()
     if not token:
@@ -465,14 +467,31 @@ def upload(dest: Path, repo_id: str, token: str | None, private: bool, revision:
     if not hdata.hub_reachable():
         raise HubError("the Hugging Face Hub is not reachable (no network, or HF_HUB_OFFLINE=1); connect and "
                        "retry, or use --dry-run to write the upload locally")
-    api = HfApi(token=token)
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        info = api.upload_folder(folder_path=str(dest), repo_id=repo_id, repo_type="model", revision=revision,
-                                 commit_message=message)
-    except Exception as err:  # noqa: BLE001 - huggingface_hub raises HTTP and OS errors
-        raise HubError(f"upload to {repo_id} failed: {type(err).__name__}: {err}") from err
-    return str(getattr(info, "commit_url", info))
+    return token
+
+
+def upload(plan: Plan, folder: Path, repo_id: str, token: str, private: bool, revision: str | None,
+           message: str) -> tuple[int, str]:
+    """Upload ``plan`` in one commit; the files are read where they are (huggingface_hub hashes and sends them in
+    blocks), only the card is written, and a re-save for a folder without its code goes to a temporary folder.
+    Returns the number of files and the commit's address."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    with tempfile.TemporaryDirectory() as work:
+        files = sources(plan, folder, Path(work))
+        operations = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(source))
+                      for rel, source in files.items()]
+        operations += [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=text.encode("utf-8"))
+                       for rel, text in plan.texts.items()]
+        operations.sort(key=lambda op: op.path_in_repo)
+        api = HfApi(token=token)
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+            info = api.create_commit(repo_id, operations, commit_message=message, repo_type="model",
+                                     revision=revision)
+        except Exception as err:  # noqa: BLE001 - huggingface_hub raises HTTP and OS errors
+            raise HubError(f"upload to {repo_id} failed: {type(err).__name__}: {err}") from err
+    return len(operations), str(getattr(info, "commit_url", info))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,11 +526,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[push] dry run: {len(manifest)} files, {total:,} bytes would be uploaded to {args.repo_id}; "
                   f"they are in {dest} (manifest {dest.name}.manifest.json)")
             return 0
-        with tempfile.TemporaryDirectory() as tmp:
-            dest = Path(tmp) / "upload"
-            manifest = stage(plan, folder, dest)
-            url = upload(dest, args.repo_id, args.token, args.private, args.revision, args.commit_message)
-        print(f"[push] uploaded {len(manifest)} files to https://huggingface.co/{args.repo_id} ({url})")
+        token = hub_token(args.token)
+        count, url = upload(plan, folder, args.repo_id, token, args.private, args.revision, args.commit_message)
+        print(f"[push] uploaded {count} files to https://huggingface.co/{args.repo_id} ({url})")
     except HubError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

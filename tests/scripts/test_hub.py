@@ -270,3 +270,71 @@ def test_include_publishes_what_it_names_but_never_a_link_out_or_a_secret(model_
     assert push.main([*args, "--include", "no-such-file*"]) == 2  # a pattern that names nothing is a mistake
     err = capsys.readouterr().err
     assert "--include no-such-file*" in err and "names no file" in err
+
+
+def test_the_token_and_the_hub_are_checked_before_anything_is_staged(model_folder, monkeypatch, tmp_path, capsys):
+    import shutil
+    import tempfile
+
+    import huggingface_hub
+
+    staged = []  # every copy or temporary folder, before the error or not
+    for module, name in [(shutil, "copy2"), (shutil, "copyfile"), (shutil, "copytree"),
+                         (tempfile, "TemporaryDirectory"), (tempfile, "mkdtemp")]:
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: staged.append(_name))
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert push.main([str(model_folder), "--repo-id", "someone/x"]) == 2
+    assert "no Hugging Face token" in capsys.readouterr().err and staged == []
+    monkeypatch.setattr(push.hdata, "hub_reachable", lambda: False)
+    assert push.main([str(model_folder), "--repo-id", "someone/x", "--token", "hf_dummy"]) == 2
+    assert "not reachable" in capsys.readouterr().err and staged == []
+
+
+def test_files_are_hashed_in_blocks_not_read_whole(model_folder, tmp_path, monkeypatch):
+    from hf_resolvent.files import file_sha256
+
+    weights = model_folder / "model.safetensors"
+    expected = file_sha256(weights)
+    read_bytes = Path.read_bytes
+
+    def no_whole_weights(path):  # a multi-GB weights file read at once would need its size in memory
+        assert path.suffix != ".safetensors", f"{path} read whole"
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", no_whole_weights)
+    assert push.main([str(model_folder), "--repo-id", "someone/x", "--dry-run", str(tmp_path / "upload")]) == 0
+    manifest = json.loads((tmp_path / "upload.manifest.json").read_text())
+    (entry,) = [m for m in manifest["files"] if m["path"] == "model.safetensors"]
+    assert entry == {"path": "model.safetensors", "bytes": weights.stat().st_size, "sha256": expected}
+
+
+def test_the_upload_sends_what_the_dry_run_stages_without_copying_the_weights(model_folder, monkeypatch, tmp_path,
+                                                                              capsys):
+    import huggingface_hub
+
+    model = _copy(model_folder, tmp_path)
+    _plant(model, tmp_path)
+    assert push.main([str(model), "--repo-id", "someone/x", "--dry-run", str(tmp_path / "upload")]) == 0
+    staged = json.loads((tmp_path / "upload.manifest.json").read_text())["files"]
+    capsys.readouterr()
+    sent = {}
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        for op in operations:
+            data = op.path_or_fileobj
+            sent[op.path_in_repo] = data if isinstance(data, bytes) else Path(data)
+        return "https://huggingface.co/someone/x/commit/1"
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_dummy")
+    monkeypatch.setattr(push.hdata, "hub_reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: None)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **k: sent.setdefault("folder", k))
+    assert push.main([str(model), "--repo-id", "someone/x"]) == 0
+    assert sorted(sent) == [m["path"] for m in staged]
+    assert sent["model.safetensors"] == model / "model.safetensors"  # read where it is, not copied first
+    for m in staged:
+        data = sent[m["path"]]
+        assert (data if isinstance(data, bytes) else data.read_bytes()) == (tmp_path / "upload" / m["path"]).read_bytes()
+    assert f"uploaded {len(staged)} files" in capsys.readouterr().out
