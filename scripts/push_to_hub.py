@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import getpass
 import json
 import os
 import pickle
@@ -46,7 +47,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "added_tokens.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
                    "chat_template.jinja", "chat_template.json")
 CHAT_TEMPLATES = "additional_chat_templates"  # tokenizer.save_pretrained's folder of named templates (*.jinja)
-RECORD_FILES = ("train_results.json", "eval_results.json", "all_results.json", "run_config.json")
+RECORD_FILES = ("train_results.json", "eval_results.json", "all_results.json", "run_config.json")  # paths rewritten
 WEIGHTS, WEIGHTS_INDEX, LEGACY_WEIGHTS = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
 CARD = "README.md"
 
@@ -147,6 +148,59 @@ def _check_weights(folder: Path) -> None:
         if bad is not None:
             raise HubError(f"the weights file {legacy} holds NaN or infinite values in {bad}: the weights are not "
                            f"worth uploading; use an earlier checkpoint of the run")
+
+
+# An absolute path in text (also ~/...): not inside a word, a URL (//host/x) or a tag (</a>); it ends at a space,
+# quote, bracket or glob character
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~/\\:<-])~?/[^\s\"'`<>|;,()\[\]{}*?]+")
+LOCAL_PATH = "LOCAL_PATH"  # stands for a local path whose name would say whose machine it is
+
+
+class LocalPaths:
+    """Takes the local paths out of what is published: an absolute path inside the run folder becomes relative to
+    it, the run folder and any other absolute path become their last name (``--data /home/me/data/owt`` ->
+    ``--data owt``), and a path whose name is the home directory or holds the user's name becomes LOCAL_PATH."""
+
+    def __init__(self, folder: Path):
+        self.runs = sorted({os.path.normpath(folder.absolute()), str(folder.resolve())}, key=len, reverse=True)
+        home = os.path.expanduser("~")
+        self.homes = sorted({os.path.normpath(home), os.path.realpath(home)} - {"/", "~"}, key=len, reverse=True)
+        users = {os.path.basename(h) for h in self.homes}
+        try:
+            users.add(getpass.getuser())
+        except (KeyError, OSError):  # no user name in the environment nor the password database
+            pass
+        self.user = re.compile("|".join(rf"(?<![a-z0-9]){re.escape(u)}(?![a-z0-9])" for u in sorted(users) if u)
+                               or r"(?!)", re.I)
+
+    def path(self, path: str) -> str:
+        end = re.search(r"[.:!]*$", path).start()  # sentence punctuation after a path is not part of it
+        path, trail = path[:end], path[end:]
+        norm = os.path.normpath(os.path.expanduser(path))
+        slash = "/" if path.endswith("/") and norm != "/" else ""
+        for run in self.runs:
+            if norm.startswith(run + "/"):
+                return norm[len(run) + 1:] + slash + trail
+        name = os.path.basename(norm)
+        if not name or norm in self.homes or self.user.search(name):
+            name = LOCAL_PATH
+        return name + slash + trail
+
+    def text(self, text: str) -> str:
+        text = _ABSOLUTE_PATH.sub(lambda m: self.path(m.group()), text)
+        for home in self.homes:  # what the pattern cannot see as a path (file:///home/me/x) still hides the home
+            text = text.replace(home, "~")
+        return text
+
+    def json(self, value):
+        """``value`` (parsed JSON) with the local paths in its strings taken out."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list):
+            return [self.json(v) for v in value]
+        if isinstance(value, dict):
+            return {k: self.json(v) for k, v in value.items()}
+        return value
 
 
 class Plan:
@@ -293,7 +347,7 @@ def plan_upload(folder: Path, config: dict, repo_id: str, include: list[str] = (
             raise HubError(f"{folder / rel} is {plan.left_out[rel].split(':')[0]}, which is never published, and the "
                            f"model needs it: copy the file itself into the folder (cp --remove-destination TARGET "
                            f"{folder / rel})")
-    names = [*MODEL_FILES, *TOKENIZER_FILES, *RECORD_FILES, *weights]
+    names = [*MODEL_FILES, *TOKENIZER_FILES, *weights]
     names += [rel for rel in readable if rel.startswith(CHAT_TEMPLATES + "/") and rel.endswith(".jinja")]
     code, lack = _code_files(readable, config)
     is_resolvent = config.get("model_type") == "resolvent"
@@ -310,7 +364,15 @@ def plan_upload(folder: Path, config: dict, repo_id: str, include: list[str] = (
         plan.notes.append(f"{LEGACY_WEIGHTS} is published as it is (pickled weights, checked to hold only tensors); "
                           f"safetensors loads faster and safely: model.save_pretrained(folder) writes {WEIGHTS}")
 
-    plan.texts[CARD] = _card(folder, readable, config, repo_id)
+    paths = LocalPaths(folder)
+    for rel in RECORD_FILES:  # the run's results and configuration, as the Trainer publishes its *_results.json
+        if rel in readable:
+            plan.texts[rel] = _record(folder / rel, readable[rel], paths)
+    configs = [*([] if plan.resave else MODEL_FILES), "tokenizer_config.json"]  # a re-save writes the model's anew
+    for rel in configs:
+        if rel in plan.files and (text := _named_path_taken_out(readable[rel], paths)) is not None:
+            plan.texts[rel] = text
+    plan.texts[CARD] = paths.text(_card(folder, readable, config, repo_id))
     for target in card_links(plan.texts[CARD]):
         rel = posixpath.normpath(unquote(target.split("#", 1)[0].split("?", 1)[0]))
         if rel.startswith("/") or rel == ".." or rel.startswith("../"):
@@ -338,6 +400,35 @@ def plan_upload(folder: Path, config: dict, repo_id: str, include: list[str] = (
             plan.left_out[rel] = _why_left_out(rel)
     plan.left_out = dict(sorted(plan.left_out.items()))
     return plan
+
+
+def _record(path: Path, source: Path, paths: LocalPaths) -> str:
+    """A run record (JSON) as published: the local paths in its strings taken out."""
+    try:
+        text = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise HubError(f"{path} is not UTF-8 text ({err}); a run record is JSON: fix or remove it") from None
+    try:
+        return json.dumps(paths.json(json.loads(text)), indent=2) + "\n"
+    except json.JSONDecodeError:
+        return paths.text(text)  # not JSON after all: its text, with the same paths taken out
+
+
+def _named_path_taken_out(source: Path, paths: LocalPaths) -> str | None:
+    """A config as published when it names the folder it was loaded from (``_name_or_path``, ``name_or_path``, as
+    some transformers versions write): that path taken out, nothing else touched (its other strings are tokens and
+    settings). None when it names none."""
+    try:
+        config = json.loads(source.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None  # the checks of the folder (config.json) and the tokenizer's loading say what is wrong
+    if not isinstance(config, dict):
+        return None
+    named = {k: v for k, v in config.items() if k in ("_name_or_path", "name_or_path") and isinstance(v, str)
+             and v.startswith(("/", "~"))}
+    if not named:
+        return None
+    return json.dumps({**config, **{k: paths.path(v) for k, v in named.items()}}, indent=2) + "\n"
 
 
 def _included(rel: str, pattern: str) -> bool:
@@ -400,7 +491,7 @@ def prepare_staging(dest: Path, folder: Path) -> None:
                            f"(it is replaced on later runs), or empty this one yourself")
         shutil.rmtree(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / STAGING_MARK).write_text(f"staged by scripts/push_to_hub.py from {folder}; replaced by its next run\n")
+    (dest / STAGING_MARK).write_text("staged by scripts/push_to_hub.py (not uploaded); replaced by its next run\n")
 
 
 def _resave(folder: Path, work: Path, log=print) -> dict[str, Path]:
@@ -431,7 +522,7 @@ def sources(plan: Plan, folder: Path, work: Path, log=print) -> dict[str, Path]:
         for rel in [*MODEL_FILES, *_weight_files(plan.files, set(plan.files))]:
             files.pop(rel, None)
         files.update(_resave(folder, work, log))
-    return files
+    return {rel: source for rel, source in files.items() if rel not in plan.texts}
 
 
 def stage(plan: Plan, folder: Path, dest: Path, log=print) -> list[dict]:

@@ -338,3 +338,39 @@ def test_the_upload_sends_what_the_dry_run_stages_without_copying_the_weights(mo
         data = sent[m["path"]]
         assert (data if isinstance(data, bytes) else data.read_bytes()) == (tmp_path / "upload" / m["path"]).read_bytes()
     assert f"uploaded {len(staged)} files" in capsys.readouterr().out
+
+
+def test_local_paths_are_not_published(model_folder, tmp_path, monkeypatch):
+    user = "adalovelace7"
+    home = tmp_path / "home" / user
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("USER", user)
+    monkeypatch.setenv("LOGNAME", user)
+    run = _copy(model_folder, home / "runs", "44m-dense")
+    data, shared = home / "data" / "openwebtext", tmp_path / "scratch" / "corpora" / "owt-extra"
+    argv = f"--config 44m-dense --data {data} --output-dir {run} --set data.extra={shared}/"
+    card = render_model_card({"model_name": run.name, "mixer": "exp2:ce", "repo_id": "REPO_ID", "val_ppl": 30.1,
+                              "val_loss": 3.4, "data": f"files: {data}/*.txt", "datasets": [],
+                              "train_command": f"python scripts/pretrain.py {argv}", "tags": ["hf-resolvent"]})
+    card += f"\nCurves: ![loss]({run}/loss.png), the run in [{run}]({run}); data in `~/data/openwebtext`.\n"
+    (run / "README.md").write_text(card)
+    (run / "run_config.json").write_text(json.dumps({"data": {"dir": str(data), "seq_len": 1024},
+                                                     "name": "44m-dense", "home": str(home)}, indent=2))
+    (run / "train_results.json").write_text(json.dumps({"output_dir": str(run), "val_ppl": 30.1,
+                                                        "plot": str(run / "loss.png")}, indent=2))
+    tokenizer_config = json.loads((run / "tokenizer_config.json").read_text())
+    (run / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "name_or_path": str(run)}))
+    dest = tmp_path / "upload"
+    assert push.main([str(run), "--repo-id", "someone/x", "--dry-run", str(dest)]) == 0
+    assert {"README.md", "run_config.json", "train_results.json", "loss.png"} <= set(_files(dest))
+    assert json.loads((dest / "tokenizer_config.json").read_text()) == {**tokenizer_config, "name_or_path": run.name}
+    for f in dest.rglob("*"):
+        if f.is_file():
+            text = f.read_bytes()
+            assert str(tmp_path).encode() not in text and user.encode() not in text, f
+    published = (dest / "README.md").read_text()
+    assert "--data openwebtext --output-dir 44m-dense --set data.extra=owt-extra/" in published
+    assert "![loss](loss.png)" in published and "files: openwebtext/*.txt" in published
+    assert json.loads((dest / "run_config.json").read_text())["data"] == {"dir": "openwebtext", "seq_len": 1024}
+    results = json.loads((dest / "train_results.json").read_text())
+    assert results == {"output_dir": "44m-dense", "val_ppl": 30.1, "plot": "loss.png"}
