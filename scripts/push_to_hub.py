@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_folder(folder: Path) -> dict:
-    """The folder's config, once the folder is a model folder whose config parses and whose weights are whole."""
+    """The folder's config, once the folder is a model folder (config, weights and tokenizer) whose config parses;
+    the weights are checked by _check_weights once the upload is planned."""
     if not (folder / "config.json").exists():
         raise HubError(f"{folder} is not a model folder (no config.json); pass the --output-dir of a finished "
                        f"scripts/pretrain.py run")
@@ -234,8 +235,8 @@ def _scan(folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
         for name in sorted(filenames):
             path = here / name
             rel = path.relative_to(folder).as_posix()
-            source = Path(os.path.realpath(path)) if path.is_symlink() else path
-            if not source.is_relative_to(root) and source is not path:
+            source = Path(os.path.realpath(path)) if path.is_symlink() else root / rel  # absolute, inside root
+            if not source.is_relative_to(root):
                 refused[rel] = OUTSIDE
             elif not source.exists():
                 refused[rel] = "a link to a missing file"
@@ -331,7 +332,7 @@ def card_links(card: str) -> list[str]:
     return found
 
 
-def plan_upload(folder: Path, config: dict, repo_id: str, include: list[str] = ()) -> Plan:
+def plan_upload(folder: Path, config: dict, repo_id: str, include=()) -> Plan:
     """What an upload of ``folder`` publishes and what it leaves out, and why; reads only small files (the weights
     index, the model code's imports, the card)."""
     readable, refused = _scan(folder)
@@ -343,6 +344,9 @@ def plan_upload(folder: Path, config: dict, repo_id: str, include: list[str] = (
             del readable[rel]
     weights = _weight_files(readable, set(readable) | set(plan.left_out))
     for rel in ["config.json", "tokenizer_config.json", *weights]:
+        if posixpath.isabs(rel) or posixpath.normpath(rel).startswith("../"):
+            raise HubError(f"{folder / WEIGHTS_INDEX} names a shard outside the folder ({rel}); it is damaged or "
+                           f"not this model's: save the model again (model.save_pretrained)")
         if rel in plan.left_out:  # a link out of the folder, most likely: the upload would not load without it
             raise HubError(f"{folder / rel} is {plan.left_out[rel].split(':')[0]}, which is never published, and the "
                            f"model needs it: copy the file itself into the folder (cp --remove-destination TARGET "
@@ -563,9 +567,9 @@ def hub_token(token: str | None) -> str:
 
 def upload(plan: Plan, folder: Path, repo_id: str, token: str, private: bool, revision: str | None,
            message: str) -> tuple[int, str]:
-    """Upload ``plan`` in one commit; the files are read where they are (huggingface_hub hashes and sends them in
-    blocks), only the card is written, and a re-save for a folder without its code goes to a temporary folder.
-    Returns the number of files and the commit's address."""
+    """Upload ``plan`` in one commit: the files are read where they are (huggingface_hub hashes and sends them in
+    blocks, nothing is copied first), the card and run records go as the texts of the plan, and a re-save for a
+    folder without its code goes to a temporary folder. Returns the number of files and the commit's address."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
     with tempfile.TemporaryDirectory() as work:

@@ -254,11 +254,13 @@ def test_dry_run_stages_the_model_and_says_what_it_left_out(model_folder, tmp_pa
     assert "outside the folder" in listed["tokenizer_extra.json"]
 
 
-def test_include_publishes_what_it_names_but_never_a_link_out_or_a_secret(model_folder, tmp_path, capsys):
+def test_include_publishes_what_it_names_but_never_a_link_out_or_a_secret(model_folder, tmp_path, capsys,
+                                                                          monkeypatch):
     model = _copy(model_folder, tmp_path)
     _plant(model, tmp_path)
     dest = tmp_path / "upload"
-    args = [str(model), "--repo-id", "someone/x", "--dry-run", str(dest)]
+    monkeypatch.chdir(tmp_path)  # the folder named as a relative path
+    args = ["model", "--repo-id", "someone/x", "--dry-run", str(dest)]
     assert push.main([*args, "--include", "metrics.jsonl", "--include", "wandb", "--include", "plots/un*",
                       "--include", "notes.txt", "--include", "credentials.json", "--include", ".cache/*"]) == 0
     out = capsys.readouterr().out
@@ -333,7 +335,7 @@ def test_the_upload_sends_what_the_dry_run_stages_without_copying_the_weights(mo
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **k: sent.setdefault("folder", k))
     assert push.main([str(model), "--repo-id", "someone/x"]) == 0
     assert sorted(sent) == [m["path"] for m in staged]
-    assert sent["model.safetensors"] == model / "model.safetensors"  # read where it is, not copied first
+    assert sent["model.safetensors"] == (model / "model.safetensors").resolve()  # read where it is, not copied
     for m in staged:
         data = sent[m["path"]]
         assert (data if isinstance(data, bytes) else data.read_bytes()) == (tmp_path / "upload" / m["path"]).read_bytes()
