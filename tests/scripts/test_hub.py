@@ -376,3 +376,18 @@ def test_local_paths_are_not_published(model_folder, tmp_path, monkeypatch):
     assert json.loads((dest / "run_config.json").read_text())["data"] == {"dir": "openwebtext", "seq_len": 1024}
     results = json.loads((dest / "train_results.json").read_text())
     assert results == {"output_dir": "44m-dense", "val_ppl": 30.1, "plot": "loss.png"}
+
+
+def test_a_folder_saved_without_its_code_gets_it_from_a_re_save(model_folder, tmp_path, capsys):
+    model = _copy(model_folder, tmp_path)
+    for code in model.glob("*.py"):
+        code.unlink()
+    config = json.loads((model / "config.json").read_text())
+    del config["auto_map"]
+    (model / "config.json").write_text(json.dumps(config))
+    dest = tmp_path / "upload"
+    assert push.main([str(model), "--repo-id", "someone/x", "--dry-run", str(dest)]) == 0
+    assert "lacks its model code" in capsys.readouterr().out
+    assert {p.name for p in model_folder.glob("*.py")} <= set(_files(dest))
+    assert json.loads((dest / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"].startswith(
+        "modeling_resolvent.")
