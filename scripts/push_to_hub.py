@@ -4,17 +4,34 @@
     python scripts/push_to_hub.py runs/44m-dense --repo-id me/resolvent-44m-dense --dry-run   # writes the files
     python scripts/push_to_hub.py runs/44m-dense --repo-id me/resolvent-44m-dense             # uploads them
 
-The upload is built in a staging folder first: the model folder's files without training state (checkpoints/,
-logs/), the model code that ``trust_remote_code=True`` loads (the ``auto_map`` modules; re-written with the
-installed hf_resolvent if the folder lacks them) and the model card ``README.md`` with the repository id filled in
-(rendered from hf_resolvent/training/model_card.md when the folder has none). ``--dry-run [DIR]`` stops there and leaves
-exactly what would be uploaded in DIR (default ``FOLDER.hub-upload``) with a manifest; without ``--dry-run`` the
-staged folder is uploaded with ``huggingface_hub`` (needs a token: ``hf auth login`` or ``HF_TOKEN``, and network).
+What is published is what a model repository needs, named from the folder's own records, and nothing else:
+the weights (``model.safetensors``, or ``model.safetensors.index.json`` and the shards it names; a pickled
+``pytorch_model.bin`` only when the folder has no safetensors weights), ``config.json``, ``generation_config.json``,
+the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``, ``vocab.json``,
+``merges.txt``, ``added_tokens.json``, ``tokenizer.model``, ``chat_template.jinja``, ...), the model code that
+``trust_remote_code=True`` loads (the ``auto_map`` modules and every module they import, recursively; re-saved with
+the installed hf_resolvent if the folder lacks it), the card ``README.md`` (with the repository id filled in;
+rendered from hf_resolvent/training/model_card.md when the folder has none) and the files its Markdown links and
+images name, and the run records ``train_results.json``, ``eval_results.json``, ``all_results.json`` and
+``run_config.json``. Everything else is left out, and each file or folder left out is printed with why (training
+state, training log, hidden, not part of a model repository, ...); ``--include PATTERN`` (repeatable; a glob or a
+folder, relative to the model folder) publishes more. Never published, even when named: a link whose target is
+outside the folder (a link inside it is published as its target's content) and a file whose name looks like a
+secret (a token, key or credentials).
 
-Before anything is staged, what would be uploaded is checked: ``config.json`` parses, and every weight file opens
-and holds finite values. DIR is only ever replaced when this tool made it (it holds the file
-``.push_to_hub-staging``): an existing folder with other files in it, the model folder itself, a folder inside it
-or above it is refused.
+No local path is published: in the card and the run records, an absolute path inside the run folder becomes
+relative to it, the run folder and any other absolute path become their last name (``--data /home/me/data/owt``
+-> ``--data owt``), and one whose name is the home directory or holds the user's name becomes ``LOCAL_PATH``.
+Files named with ``--include`` are published as they are.
+
+Before anything is copied, the folder is checked (``config.json`` parses, every published weight file opens and
+holds finite values; a pickled ``pytorch_model.bin`` that holds more than tensors is refused without being run) and,
+for an upload, the token (``hf auth login``, ``HF_TOKEN`` or ``--token``) and that the Hub is reachable.
+``--dry-run [DIR]`` writes exactly what would be uploaded to DIR (default ``FOLDER.hub-upload``) with a manifest
+beside it (size and SHA-256 of each file, and what was left out and why); without it the files are uploaded in one
+commit with ``huggingface_hub``, read where they are. DIR is only ever replaced when this tool made it (it holds
+the file ``.push_to_hub-staging``): an existing folder with other files in it, the model folder itself, a folder
+inside it or above it is refused.
 """
 
 from __future__ import annotations
