@@ -216,12 +216,13 @@ def unsafe_pickle_problem(file: str | os.PathLike, err: BaseException) -> str:
     own message suggests ``weights_only=False``, which would run that code.)"""
     named = re.search(r"GLOBAL (\S+)", str(err))
     what = f"it names {named.group(1)}, " if named else ""
-    folder = Path(file).parent
+    target = Path(file).with_name("model.safetensors")
     return (f"{file} is a pickle that holds more than tensors ({what}which loading would run): it is not safe to "
             f"load, and was not. If you trust where it came from, convert it to safetensors once and remove it: "
-            f"python -c \"import hf_resolvent; from transformers import AutoModelForCausalLM as M; "
-            f"M.from_pretrained('{folder}', weights_only=False).save_pretrained('{folder}')\" && rm '{file}'; "
-            f"otherwise delete it and get the model as safetensors")
+            f"python -c \"import torch; from safetensors.torch import save_file; "
+            f"weights = torch.load('{file}', weights_only=False); "
+            f"save_file({{k: v.clone() for k, v in weights.items() if isinstance(v, torch.Tensor)}}, '{target}', "
+            f"metadata={{'format': 'pt'}})\" && rm '{file}'; otherwise delete it and get the model as safetensors")
 
 
 def _read_checked(files: list) -> tuple[str, dict] | None:

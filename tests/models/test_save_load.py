@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -50,6 +51,39 @@ def test_round_trip_safetensors(tmp_path):
     assert type(base) is hr.ResolventModel
     with torch.no_grad():
         torch.testing.assert_close(model.lm_head(base.eval()(ids).last_hidden_state), ref)
+
+
+class _Payload:
+    """A pickle that runs a shell command when loaded: it would create the file named."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def test_a_pickled_weights_file_that_runs_code_is_refused_with_the_way_to_convert_a_trusted_one(tmp_path):
+    model = tiny_model(MIXER)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    torch.save({**model.state_dict(), "payload": _Payload(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(OSError) as err:
+        AutoModelForCausalLM.from_pretrained(folder)
+    message = str(err.value)
+    assert not marker.exists()
+    assert f"{folder / 'pytorch_model.bin'} is a pickle that holds more than tensors" in message
+    assert "it names posix.system" in message and "not safe to load" in message
+    # the conversion the message gives, for a file one trusts, leaves safetensors that load as the model
+    command = re.search(r'python -c "(.*?)" && rm', message).group(1)
+    subprocess.run([sys.executable, "-c", command], check=True, timeout=300, capture_output=True)
+    assert marker.exists()  # the trusted load ran the pickle, as the message warned
+    (folder / "pytorch_model.bin").unlink()
+    ids = torch.randint(1, 61, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits, model(ids).logits)
 
 
 def test_saved_folder_carries_the_code(tmp_path):
