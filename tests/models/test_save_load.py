@@ -207,3 +207,30 @@ def test_trust_remote_code_in_a_fresh_process_without_hf_resolvent(tmp_path, tor
     assert torch.equal(out["greedy"], ref_greedy)
     assert set(out["refused"]) == {"cpu", "triton"}
     assert all("has only the PyTorch path; install hf-resolvent" in why for why in out["refused"].values())
+
+
+_TOKENIZER_LOADS = {
+    "AutoTokenizer, trusted as the model": "from transformers import AutoTokenizer as T; kw = {'trust_remote_code': True}",
+    "PreTrainedTokenizerFast": "from transformers import PreTrainedTokenizerFast as T; kw = {}",
+    "AutoTokenizer after import hf_resolvent": "import hf_resolvent; from transformers import AutoTokenizer as T; kw = {}",
+}
+
+
+@pytest.mark.parametrize("how", list(_TOKENIZER_LOADS))
+def test_the_documented_ways_to_load_a_saved_folders_tokenizer_ask_and_warn_nothing(tmp_path, how):
+    """AutoTokenizer reads config.json before the tokenizer, so without hf_resolvent (and without
+    trust_remote_code) it asks about the model's code: docs/training.md gives these ways instead."""
+    from hf_resolvent.training import data as D
+
+    folder = tmp_path / "model"
+    tiny_model("exp2:ce").save_pretrained(folder)
+    tokenizer = D.train_bpe_tokenizer([d["text"] for d in D.stdlib_corpus(max_docs=3)], vocab_size=280)
+    tokenizer.save_pretrained(folder)
+    blocked = "" if "hf_resolvent" in how else "import sys; sys.modules['hf_resolvent'] = None; "
+    code = f"{blocked}{_TOKENIZER_LOADS[how]}; print(T.from_pretrained({str(folder)!r}, **kw)('def f(x):').input_ids)"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True, timeout=300,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "custom code" not in result.stdout + result.stderr and "model of type" not in result.stderr
+    assert result.stdout.split("\n")[-2] == str(tokenizer("def f(x):").input_ids)
