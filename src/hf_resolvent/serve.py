@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import pickle
 import sys
 import threading
 import time
@@ -48,9 +49,14 @@ from transformers import (
     set_seed,
 )
 
+from hf_resolvent.remote_code import unsafe_pickle_problem
+
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_QUEUE = 16
+# Files one of which a folder needs for AutoTokenizer to find its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 
 try:
     import uvicorn
@@ -350,12 +356,20 @@ def load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServedMod
     if folder.exists() and not (folder / "config.json").is_file():
         parser.error(f"{args.model} is not a saved model folder (no config.json): pass a save_pretrained folder, "
                      f"such as the --output-dir of a finished scripts/pretrain.py run")
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(
+            folder.glob("*.tiktoken")):
+        parser.error(f"{args.model} has no tokenizer (no tokenizer.json, tokenizer_config.json or vocabulary file): "
+                     f"save the model's tokenizer into the folder, tokenizer.save_pretrained('{args.model}'), with "
+                     f"the tokenizer the model was trained with")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
                                                      trust_remote_code=args.trust_remote_code)
+    except pickle.UnpicklingError as e:  # torch.load(weights_only=True) refused a pickle that names code to run
+        pickled = next(iter(sorted(folder.glob("*.bin"))), folder / "pytorch_model.bin")
+        parser.error(unsafe_pickle_problem(pickled, e))
     except (OSError, ValueError) as e:  # transformers' own messages name the missing file or setting
         parser.error(f"cannot load {args.model}: {e}")
     return ServedModel(model.to(device).eval(), tokenizer, args.served_model_name or args.model,

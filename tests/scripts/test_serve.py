@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -267,3 +268,62 @@ def test_ctrl_c_stops_the_server_during_a_generation(model_folder, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------------------------------
+# Folders that cannot be served: hostile pickled weights, no tokenizer
+
+
+class _RunsACommand:
+    """A pickled object whose unpickling would run a shell command (what a hostile pytorch_model.bin holds)."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def _folder_with(model_folder, tmp_path, kind: str):
+    """A folder of ``kind`` ("resolvent" or "gpt2") with the test tokenizer and no weights yet."""
+    folder = tmp_path / kind
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_folder / name, folder / name)
+    if kind == "resolvent":
+        shutil.copy(model_folder / "config.json", folder / "config.json")
+    else:
+        from transformers import GPT2Config
+
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=64, bos_token_id=0,
+                   eos_token_id=0).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["resolvent", "gpt2"])
+def test_a_pickled_weights_file_that_names_code_stops_with_one_message(model_folder, tmp_path, capsys, kind):
+    folder = _folder_with(model_folder, tmp_path, kind)
+    marker = tmp_path / "the-payload-ran"
+    torch.save({"lm_head.weight": torch.zeros(2, 2), "x": _RunsACommand(f"touch {marker}")},
+               folder / "pytorch_model.bin")
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main([str(folder), "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "pytorch_model.bin is a pickle that holds more than tensors" in err and "not safe to load" in err, err
+    assert "Traceback" not in err and "UnpicklingError" not in err and "weights_only=False" not in err.split(
+        "python -c")[0], err
+    assert not marker.exists()
+
+
+def test_a_folder_without_a_tokenizer_says_how_to_add_one(model_folder, tmp_path, capsys):
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model_folder / name, folder / name)
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main([str(folder), "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and "tokenizer.save_pretrained(" in err, err
+    assert "sentencepiece" not in err and "Traceback" not in err, err
