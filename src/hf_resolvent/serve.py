@@ -11,28 +11,50 @@ model code is used) and answers OpenAI's text-completion API, so any OpenAI clie
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
-    client.completions.create(model="runs/tiny", prompt="The", max_tokens=20, temperature=0)
+    client.completions.create(model="tiny", prompt="The", max_tokens=20, temperature=0)
 
 Endpoints: ``POST /v1/completions`` (``stream=true`` for server-sent events), ``GET /v1/models``, ``GET /health``.
-There is no chat endpoint: the models trained here are base language models, without a chat template.
-``temperature=0`` decodes greedily, as ``model.generate(do_sample=False)``; a request field the server does not
-implement (``stop``, ``n``, ``logprobs``, ...) is refused with a 422 naming it rather than ignored. Every error is
-OpenAI's JSON error body.
+There is no chat endpoint: the models trained here are base language models, without a chat template. A local
+folder is served under its own name (``tiny`` for ``runs/tiny``), or ``--served-model-name``.
 
-Requests generate one at a time (one model on one device, whose ``generate()`` keeps per-call state) and wait
-in a bounded queue: past ``--max-queue`` waiting requests the server answers 503 with ``Retry-After``, as a
-production server sheds load it cannot take, rather than letting waits grow without bound. Each request is bounded
-too: ``max_tokens`` by ``--max-tokens`` and the prompt by ``--max-prompt-tokens`` (a 400 names the limit). A
-generation stops at its next token when its client goes away (streaming or not) and when the server is stopped
-(Ctrl-C), so no request holds the model for a client that no longer listens.
+Decoding: ``temperature`` 0, or below 1e-5, decodes greedily, as ``model.generate(do_sample=False)``; above it, tokens
+are drawn from the request's own random generator: seeded by ``seed`` (any integer from -2**63 to 2**64 - 1, what
+torch's generators take), the same request gives the same text; without one, from fresh entropy. One request's seed
+never sets another's sampling. A request field the server does not implement (``stop``, ``n``, ``logprobs``, ...) is
+refused with a 422 naming it rather than ignored. Every error is OpenAI's JSON error body, and a value it echoes is
+cut to a few dozen characters.
+
+Requests generate one at a time (one model on one device, whose ``generate()`` keeps per-call state) and wait in a
+bounded queue, holding no thread while they wait: past ``--max-queue`` waiting requests the server answers 503 with
+``Retry-After``. Each request is bounded: ``max_tokens`` by ``--max-tokens``, the prompt by ``--max-prompt-tokens``
+(a 400 names the limit), the body by ``--max-body-bytes`` (413, before it is read whole) and by the time to send
+it, ``--request-timeout`` (408), ``model`` and ``user`` by 256 characters. A request is checked before its response
+starts, and a stream starts with its first token, so a refused or failed request is a status code, streaming or
+not. A generation stops at its next token when its client goes away, waiting or generating, streaming or not.
+
+Access: ``--api-key`` (or the environment variable ``HF_RESOLVENT_API_KEY``) makes every endpoint but ``/health``
+require ``Authorization: Bearer KEY``; bound to an address other than loopback without a key, the server warns that
+anyone who can reach it may use it. Bound to loopback, it answers only requests whose ``Host`` is ``localhost``,
+``127.0.0.1`` or ``[::1]`` (a web page that rebinds its own name to 127.0.0.1 gets a 421). There are no ``/docs``.
+
+Stopping: Ctrl-C (or SIGTERM) ends every generation at its next token: a cut stream ends with an error event saying
+the server is shutting down (and no ``[DONE]``), a cut or waiting request gets a 503, and the process exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import hmac
+import ipaddress
 import json
+import logging
+import math
+import os
 import pickle
+import re
+import signal
 import sys
 import threading
 import time
@@ -43,10 +65,11 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    LogitsProcessor,
+    LogitsProcessorList,
     StoppingCriteria,
     StoppingCriteriaList,
-    TextIteratorStreamer,
-    set_seed,
+    TextStreamer,
 )
 
 from hf_resolvent.remote_code import unsafe_pickle_problem
@@ -54,15 +77,30 @@ from hf_resolvent.remote_code import unsafe_pickle_problem
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_QUEUE = 16
+DEFAULT_REQUEST_TIMEOUT = 30.0  # seconds to send a request's body
+# The default body limit: a prompt of --max-prompt-tokens tokens at 64 bytes of JSON each (a token of text is a few
+# bytes; escapes such as \n or \u00e9 take 2 to 6 bytes a character), and 64 KiB for the other fields.
+BODY_BYTES_PER_PROMPT_TOKEN = 64
+BODY_BYTES_BESIDE_PROMPT = 64 * 1024
+# A temperature below this decodes greedily: sampling at it all but always picks the greedy token, and dividing the
+# logits by a tiny one overflows to inf and nan.
+GREEDY_BELOW = 1e-5
+MAX_NAME_CHARS = 256  # `model` and `user`
+ECHO_CHARS = 40  # of a client's value quoted back in an error message
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+API_KEY_ENV = "HF_RESOLVENT_API_KEY"
+SHUTTING_DOWN = "the server is shutting down, and this request was cut short: retry it once the server is back"
 # Files one of which a folder needs for AutoTokenizer to find its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
+logger = logging.getLogger("uvicorn.error")  # uvicorn's configured logger: --log-level governs it
 
 try:
     import uvicorn
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from openai.types import Completion, CompletionChoice, CompletionUsage, Model
     from pydantic import BaseModel, ConfigDict, Field
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -76,25 +114,182 @@ else:
 
         model_config = ConfigDict(extra="forbid")
 
-        model: str
+        model: str = Field(max_length=MAX_NAME_CHARS)
         prompt: str
         max_tokens: int = Field(16, ge=1)  # OpenAI's default
         temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
         top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
         stream: bool = False
-        seed: int | None = None
-        user: str | None = None  # an end-user tag for the caller's logs: accepted and not used
+        seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+        user: str | None = Field(None, max_length=MAX_NAME_CHARS)  # an end-user tag for the caller's logs: not used
+
+
+def _clip(value, limit: int = ECHO_CHARS) -> str:
+    """``str(value)``, cut to ``limit`` characters: what a client sent is quoted back, never whole."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters)"
 
 
 class _Cancelled(StoppingCriteria):
-    """Ends a generation at its next token once its request is cancelled or the server stops."""
+    """Ends a generation at its next token once its client went away or the server stops; says which in ``fired``."""
 
-    def __init__(self, *events: threading.Event):
-        self.events = events
+    def __init__(self, cancel: threading.Event, stopping: threading.Event):
+        self.cancel, self.stopping, self.fired = cancel, stopping, None
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
-        stop = any(event.is_set() for event in self.events)
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+        if self.fired is None:
+            self.fired = "gone" if self.cancel.is_set() else "stopping" if self.stopping.is_set() else None
+        return torch.full((input_ids.shape[0],), self.fired is not None, dtype=torch.bool, device=input_ids.device)
+
+
+class _Sampler(LogitsProcessor):
+    """Draws the next token from the request's own generator (after temperature and top-p) and leaves only that token
+    possible, so that generate()'s greedy step takes it. generate() itself samples with torch's process-wide
+    generator, which one request's seed would set for every request after it, and takes no generator of its own."""
+
+    def __init__(self, temperature: float, top_p: float, generator: torch.Generator):
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+
+    def __call__(self, input_ids, scores):
+        logits = scores.float() / self.temperature
+        if self.top_p < 1.0:
+            ordered, order = logits.sort(dim=-1, descending=True)
+            probs = ordered.softmax(dim=-1)
+            # a token is left out once the likelier ones before it hold top_p of the probability (the first never is)
+            outside = probs.cumsum(dim=-1) - probs >= self.top_p
+            logits = logits.scatter(-1, order, ordered.masked_fill(outside, -math.inf))
+        token = torch.multinomial(logits.softmax(dim=-1), 1, generator=self.generator)
+        return torch.full_like(scores, -math.inf).scatter_(-1, token, 0.0)
+
+
+class _Streamer(TextStreamer):
+    """Hands a generation's decoded text to the event loop as it comes (``post`` is thread-safe), after a mark when
+    the first token is there: nothing waits on the other side in a thread of its own."""
+
+    def __init__(self, tokenizer, post):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.post, self.started = post, False
+
+    def put(self, value):
+        if not self.next_tokens_are_prompt and not self.started:  # the first generated token
+            self.started = True
+            self.post(_STARTED)
+        super().put(value)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        if text:
+            self.post(text)
+
+
+_STARTED, _END, _GONE = object(), object(), object()  # marks: first token, end of a job's events; a client gone
+
+
+class _Job:
+    """One admitted request. It waits for its turn on the event loop (holding no thread), then generates in a thread of
+    its own, which hands text and its end back with ``loop.call_soon_threadsafe``. ``begun`` is done at the first
+    token or at the end, ``ended`` once the model is free again; ``events`` holds pieces of text, then ``_END``."""
+
+    def __init__(self, served: ServedModel, inputs: dict, request: CompletionRequest, stream: bool):
+        self.served, self.inputs, self.request = served, inputs, request
+        self.id = _completion_id()
+        self.loop = asyncio.get_running_loop()
+        self.cancel = threading.Event()  # its client went away: the generation ends at its next token
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.begun, self.ended = self.loop.create_future(), self.loop.create_future()
+        self.outcome = None  # "length", "stop" (a natural end), "gone", "stopping", "cancelled", "error"
+        self.new, self.text, self.error = None, "", None
+        self.generating = False
+        self.streamer = _Streamer(served.tokenizer, self._post_event) if stream else None
+        # a task, so that its client's leaving cancels the wait (asyncio.Lock gives the turn on to the next one then)
+        self._waiting = self.loop.create_task(served._turn.acquire())
+        self._waiting.add_done_callback(self._turn_taken)
+
+    def abandon(self) -> None:
+        """Its client went away: leave the queue, or end the generation at its next token."""
+        self.cancel.set()
+        if not self.generating:
+            self._waiting.cancel()
+
+    def _turn_taken(self, waiting: asyncio.Task) -> None:
+        if waiting.cancelled():
+            self._end("gone" if self.cancel.is_set() else "cancelled")
+            return
+        if self.cancel.is_set() or self.served.stopping.is_set():
+            self.served._turn.release()
+            self._end("gone" if self.cancel.is_set() else "stopping")
+            return
+        self.generating = True
+        threading.Thread(target=self._generate, name=f"generate {self.id}", daemon=True).start()
+
+    def _post(self, callback, *args) -> None:  # from the generation thread
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: the process is exiting and nobody waits for this any more
+            pass
+
+    def _post_event(self, item) -> None:
+        self._post(self._deliver, item)
+
+    def _deliver(self, item) -> None:
+        if item is _STARTED:
+            if not self.begun.done():
+                self.begun.set_result(True)
+        else:
+            self.events.put_nowait(item)
+
+    def _generate(self) -> None:  # the generation thread
+        new = text = error = stopped = None
+        try:
+            new, stopped = self.served.generate(self.inputs, self.request, self.cancel, self.streamer)
+            if self.streamer is None:
+                text = self.served.tokenizer.decode(new, skip_special_tokens=True)
+        except Exception as e:  # answered to the client (a status, or an error event once a stream has started)
+            error = e
+        finally:
+            self._post(self._generated, new, text, stopped, error)
+
+    def _generated(self, new, text, stopped, error) -> None:  # on the loop, once generate() has returned
+        self.served._turn.release()
+        self.new, self.text, self.error = new, text or "", error
+        if error is not None:
+            self._end("error")
+        else:
+            self._end(stopped or _finish_reason(len(new), self.request))
+
+    def _end(self, outcome: str) -> None:
+        self.outcome = outcome
+        self.served._release()
+        tokens = 0 if self.new is None else len(self.new)
+        if outcome == "error":
+            # the first failure of a kind with its traceback (a fault to look into), the others a line each
+            first = type(self.error) not in self.served.failures_logged and not isinstance(self.error, ValueError)
+            self.served.failures_logged.add(type(self.error))
+            logger.warning("%s failed: %s: %s", self.id, type(self.error).__name__, _clip(self.error, 300),
+                           exc_info=self.error if first else None)
+        elif outcome in ("length", "stop"):
+            logger.info("%s finished (%s): %d new tokens", self.id, outcome, tokens)
+        else:
+            why = {"gone": "the client went away", "stopping": "the server is shutting down",
+                   "cancelled": "the request was cancelled"}[outcome]
+            logger.info("%s: %s %s", self.id, why, f"after {tokens} new tokens" if self.generating else
+                        "while it waited; nothing generated")
+        self.events.put_nowait(_END)
+        for future in (self.begun, self.ended):
+            if not future.done():
+                future.set_result(outcome)
+
+    def failure(self) -> HTTPException | None:
+        """What a request whose job ended before its first token (or without a completion) is answered."""
+        if self.outcome == "error":
+            if isinstance(self.error, ValueError):  # generate() refuses what the model cannot take
+                return HTTPException(400, _clip(self.error, 1000))
+            return HTTPException(500, f"the server failed on this request: {type(self.error).__name__}: "
+                                      f"{_clip(self.error, 1000)}")
+        if self.outcome == "stopping":
+            return HTTPException(503, SHUTTING_DOWN)
+        if self.outcome == "cancelled":
+            return HTTPException(503, "the request was cancelled before it finished: retry it")
+        return None
 
 
 class ServedModel:
@@ -106,10 +301,12 @@ class ServedModel:
         self.tokenizer = tokenizer
         self.name = name
         self.max_tokens, self.max_prompt_tokens, self.max_queue = max_tokens, max_prompt_tokens, max_queue
-        # generate() keeps per-call state in the model's modules (the cache, the kernels' scratch): one call at a time
-        self._lock = threading.Lock()
-        self._admitted = threading.BoundedSemaphore(max_queue + 1)  # the one generating and those waiting
+        # generate() keeps per-call state in the model's modules (the cache, the kernels' scratch): one call at a time.
+        # Requests wait for their turn on the event loop (FIFO, cancellable), not in threads.
+        self._turn = asyncio.Lock()
+        self._admitted = 0  # the one generating and those waiting (counted on the event loop)
         self.stopping = threading.Event()  # the server is shutting down: every generation ends at its next token
+        self.failures_logged: set[type] = set()
         # No token covers more characters than its vocabulary entry has (one per byte for byte-level BPE): a prompt
         # longer than this many characters per allowed token is over the limit before it is tokenized.
         self._chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
@@ -118,9 +315,10 @@ class ServedModel:
         """The prompt's tokens on the model's device; a request naming another model, or with a prompt that is
         empty, not Unicode text or over the limits, is a 4xx."""
         if request.model != self.name:
-            raise HTTPException(404, f"model {request.model!r} is not served here; this server serves {self.name!r}")
+            raise HTTPException(404, f"model {_clip(request.model)!r} is not served here; this server serves "
+                                     f"{self.name!r}")
         if request.max_tokens > self.max_tokens:
-            raise HTTPException(400, f"max_tokens is {request.max_tokens}, over this server's limit of "
+            raise HTTPException(400, f"max_tokens is {_clip(request.max_tokens)}, over this server's limit of "
                                      f"{self.max_tokens} (--max-tokens): ask for fewer, or restart the server with a "
                                      f"higher --max-tokens")
         try:
@@ -142,116 +340,95 @@ class ServedModel:
         return inputs.to(self.model.device)
 
     def admit(self) -> None:
-        """A place in the queue for one request (released by :meth:`release`), or a 503 when the queue is full."""
-        if not self._admitted.acquire(blocking=False):
+        """A place in the queue for one request (given back when its job ends), or a 503 when the queue is full or
+        the server is shutting down."""
+        if self.stopping.is_set():
+            raise HTTPException(503, SHUTTING_DOWN)
+        if self._admitted > self.max_queue:
             raise HTTPException(503, f"the server is busy: {self.max_queue} requests are already waiting "
                                      f"(--max-queue); retry shortly", headers={"Retry-After": "1"})
+        self._admitted += 1
 
-    def release(self) -> None:
-        self._admitted.release()
+    def _release(self) -> None:
+        self._admitted -= 1
+
+    def start(self, inputs: dict, request: CompletionRequest, stream: bool) -> _Job:
+        """The job of an admitted request, waiting for its turn (on the running event loop)."""
+        return _Job(self, inputs, request, stream)
 
     def generate(self, inputs: dict, request: CompletionRequest, cancel: threading.Event,
-                 streamer=None) -> torch.Tensor:
-        """The new tokens of one greedy (temperature 0) or sampled continuation, from an admitted request; ends early
-        when ``cancel`` or :attr:`stopping` is set (while waiting for the model too)."""
-        sampling = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
+                 streamer=None) -> tuple[torch.Tensor, str | None]:
+        """The new tokens of one greedy or sampled continuation, and "gone" or "stopping" where ``cancel`` or
+        :attr:`stopping` ended it early (else None). Called by one thread at a time, with the model to itself."""
+        criterion = _Cancelled(cancel, self.stopping)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        while not self._lock.acquire(timeout=0.1):
-            if cancel.is_set() or self.stopping.is_set():
-                return inputs["input_ids"][0, :0]
-        try:
-            if request.seed is not None:
-                set_seed(request.seed)
-            out = self.model.generate(**inputs, max_new_tokens=request.max_tokens, pad_token_id=pad,
-                                      streamer=streamer, stopping_criteria=StoppingCriteriaList(
-                                          [_Cancelled(cancel, self.stopping)]),
-                                      **(sampling if request.temperature > 0 else {"do_sample": False}))
-        finally:
-            self._lock.release()
-        return out[0, inputs["input_ids"].shape[1]:]
+        sampling = {}
+        if request.temperature >= GREEDY_BELOW:
+            generator = torch.Generator(device=self.model.device)
+            if request.seed is None:
+                generator.seed()  # fresh entropy: an unseeded request is unpredictable, whatever came before it
+            else:
+                generator.manual_seed(request.seed)
+            sampling["logits_processor"] = LogitsProcessorList([_Sampler(request.temperature, request.top_p,
+                                                                         generator)])
+        out = self.model.generate(**inputs, max_new_tokens=request.max_tokens, pad_token_id=pad, do_sample=False,
+                                  streamer=streamer, stopping_criteria=StoppingCriteriaList([criterion]), **sampling)
+        return out[0, inputs["input_ids"].shape[1]:], criterion.fired
 
-    def completion(self, request: CompletionRequest, cancel: threading.Event) -> dict:
-        """The completion of an admitted request (released here)."""
-        try:
-            inputs = self.inputs(request)
-            new = self.generate(inputs, request, cancel)
-        except ValueError as e:  # generate() refuses what the model cannot take (a prompt past a learned position table, ...)
-            raise HTTPException(400, str(e)) from None
-        finally:
-            self.release()
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        prompt_tokens, completion_tokens = inputs["input_ids"].shape[1], len(new)
-        return _completion(text, _finish_reason(completion_tokens, request), self.name, CompletionUsage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens)).model_dump(exclude_none=True)
 
-    def stream(self, request: CompletionRequest, gone):
-        """Server-sent events of an admitted request (released when its generation ends): a chunk per piece of
-        decoded text, a last one with the finish reason, ``[DONE]``. The generation is cancelled when ``gone()``
-        (awaited while waiting for text) says the client went away, or when the events are closed."""
-        try:
-            inputs = self.inputs(request)  # before the response starts, so that its errors are still a status code
-        except BaseException:
-            self.release()
-            raise
-        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        cancel, result = threading.Event(), {}
+async def _until_done_or_gone(job: _Job, work, receive):
+    """The result of ``work``, or ``_GONE`` once the client went away (the job is then abandoned at once, so that a
+    request that left the queue never gets the model). Once a request's body is read, its next message is the
+    client's disconnect: a send to a closed connection fails nowhere, so this is where a hang-up shows."""
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        job.abandon()
+        return _GONE
+    finally:
+        work.cancel()  # no-ops once done
+        gone.cancel()
 
-        def run():
+
+async def _disconnect(receive) -> None:
+    """Returns when the client of a request whose body has been read disconnects."""
+    while (await receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.25)  # a server that hands out more (empty) body messages: ask again, not in a spin
+
+
+if _MISSING is None:
+    class _JobStream(StreamingResponse):
+        """A job's server-sent events; however the response ends (its client gone, its task cancelled, even before
+        it began), a job still running is abandoned, so no generation outlives the response."""
+
+        def __init__(self, job: _Job):
+            super().__init__(_events(job), media_type="text/event-stream")
+            self.job = job
+
+        async def __call__(self, scope, receive, send):
             try:
-                result["new"] = self.generate(inputs, request, cancel, streamer)
-            except Exception as e:  # reported to the client as an error event: the response has started
-                result["error"] = e
+                await super().__call__(scope, receive, send)
             finally:
-                self.release()
-                streamer.end()  # the end mark, also where generate() stopped early or failed before its own
-
-        # started here, not in events(): a response whose body is never read still ends its generation and frees
-        # its place in the queue (bounded by max_tokens, when nothing cancels it)
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-
-        async def events():
-            completion_id = _completion_id()
-            chunks, watch = iter(streamer), _ClientWatch(gone, cancel)
-            try:
-                while (text := await watch.wait(asyncio.to_thread(next, chunks, None))) is not None:
-                    if text:
-                        yield _event(_completion(text, None, self.name, completion_id=completion_id))
-                await asyncio.to_thread(worker.join)
-                if "error" in result:
-                    yield _event({"error": {"message": str(result["error"]), "type": type(result["error"]).__name__}})
-                    return
-                reason = _finish_reason(len(result["new"]), request)
-                yield _event(_completion("", reason, self.name, completion_id=completion_id))
-                yield "data: [DONE]\n\n"
-            finally:  # the client went away (the response task is cancelled), or all was sent
-                cancel.set()
-
-        return events()
+                if self.job.outcome is None:
+                    self.job.abandon()
 
 
-class _ClientWatch:
-    """Sets ``cancel`` once ``gone()`` says the client went away, asking at most every quarter of a second: uvicorn
-    does not fail a send to a closed connection, so a response would otherwise generate for nobody until it ends."""
-
-    def __init__(self, gone, cancel: threading.Event):
-        self.gone, self.cancel, self.last = gone, cancel, 0.0
-
-    async def check(self) -> None:
-        now = time.monotonic()
-        if now - self.last >= 0.25 and not self.cancel.is_set():
-            self.last = now
-            if await self.gone():
-                self.cancel.set()
-
-    async def wait(self, work):
-        """The result of ``work``, checking on the client while it runs."""
-        work = asyncio.ensure_future(work)
-        while not (await asyncio.wait({work}, timeout=0.25))[0]:
-            await self.check()
-        await self.check()
-        return await work
+async def _events(job: _Job):
+    """A chunk per piece of decoded text, a last one with the finish reason and ``[DONE]``; a stream that did not end
+    naturally (the server shutting down, a failure) ends with an error event instead, and no ``[DONE]``."""
+    name = job.served.name
+    while (item := await job.events.get()) is not _END:
+        if isinstance(item, str):
+            yield _event(_completion(item, None, name, completion_id=job.id))
+    if job.outcome in ("length", "stop"):
+        yield _event(_completion("", job.outcome, name, completion_id=job.id))
+        yield "data: [DONE]\n\n"
+        return
+    failure = job.failure() or HTTPException(499, "the client went away")
+    yield _event(_error_body(failure.detail, "server_error" if failure.status_code >= 500 else "invalid_request_error"))
 
 
 def _completion_id() -> str:
@@ -276,23 +453,122 @@ def _event(payload) -> str:
     return f"data: {text}\n\n"
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
+def _error_body(message: str, kind: str) -> dict:
     # OpenAI's error body: its client shows error.message in the exception it raises (FastAPI's own "detail" it
     # would leave out)
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                        status_code=status, headers=headers)
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
+    return JSONResponse(_error_body(message, kind), status_code=status, headers=headers)
 
 
 def _field_problem(error: dict) -> str:
-    field = ".".join(str(part) for part in error["loc"][1:]) or "body"  # loc starts with "body"
+    field = ".".join(_clip(part) for part in error["loc"][1:]) or "body"  # loc starts with "body"
     if error["type"] == "extra_forbidden":
         return f"{field}: not implemented by this server; leave it out"
-    return f"{field}: {error['msg']}"
+    return f"{field}: {_clip(error['msg'], 200)}"
 
 
-def build_app(served: ServedModel) -> FastAPI:
-    """The FastAPI application answering for ``served``."""
-    app = FastAPI(title="hf-resolvent completions")
+_LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IGNORECASE)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` reaches this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: it may resolve to any address
+        return False
+
+
+class _Gate:
+    """What a request passes before the application sees it: on a loopback bind, a ``Host`` naming this machine (a
+    web page whose own name was rebound to 127.0.0.1 sends that name); the API key, where one is set (``/health``
+    stays open); a body within ``max_body_bytes`` (refused on its Content-Length before any of it is read, or as
+    soon as a chunked one grows past it), sent within ``body_timeout`` seconds. The body is read here whole, and then
+    handed to the application."""
+
+    def __init__(self, app, *, api_key: str | None, check_host: bool, max_body_bytes: int, body_timeout: float):
+        self.app, self.check_host = app, check_host
+        self.api_key = None if api_key is None else api_key.encode()
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":  # the lifespan
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        refusal = self._refusal(scope, headers)
+        if refusal is None:
+            try:
+                body = await asyncio.wait_for(self._body(receive), self.body_timeout)
+            except asyncio.TimeoutError:
+                refusal = _error(408, f"the request body did not arrive within {self.body_timeout:g} s "
+                                      f"(--request-timeout): send it faster, or restart the server with a higher "
+                                      f"--request-timeout", headers={"Connection": "close"})
+            else:
+                if body is _GONE:  # the client went away while sending: nobody to answer
+                    return
+                if body is None:
+                    refusal = self._too_large()
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then what comes after the body: the client's disconnect
+
+        await self.app(scope, replay, send)
+
+    def _refusal(self, scope, headers: dict) -> JSONResponse | None:
+        close = {"Connection": "close"}  # the body is not read: the connection cannot carry another request
+        if self.check_host and not _LOOPBACK_HOST.fullmatch(headers.get(b"host", b"").decode("latin-1")):
+            host = _clip(headers.get(b"host", b"").decode("latin-1"))
+            return _error(421, f"Host {host!r} is not this server: listening on loopback, it answers Host localhost, "
+                               f"127.0.0.1 or [::1] only (a web page's own name rebound to 127.0.0.1 is refused); to "
+                               f"be reached under another name, listen on its address (--host) with an --api-key",
+                          headers=close)
+        if self.api_key is not None and scope["path"] != "/health":
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return _error(401, "missing or wrong API key: send the server's key (--api-key or "
+                                   f"{API_KEY_ENV}) as Authorization: Bearer KEY, the OpenAI client's api_key",
+                              headers={**close, "WWW-Authenticate": "Bearer"})
+        length = headers.get(b"content-length", b"").strip()
+        if length.isdigit() and (len(length) > 18 or int(length) > self.max_body_bytes):  # int() of 5,000 digits fails
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> JSONResponse:
+        return _error(413, f"the request body is over this server's limit of {self.max_body_bytes:,} bytes "
+                           f"(--max-body-bytes): send a shorter prompt, or restart the server with a higher "
+                           f"--max-body-bytes", headers={"Connection": "close"})
+
+    async def _body(self, receive):
+        """The body, None once it is over the limit, or ``_GONE`` when the client went away."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return _GONE
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def build_app(served: ServedModel, *, api_key: str | None = None, check_host: bool = False,
+              max_body_bytes: int | None = None, body_timeout: float = DEFAULT_REQUEST_TIMEOUT):
+    """The ASGI application answering for ``served``: FastAPI's routes behind :class:`_Gate`."""
+    app = FastAPI(title="hf-resolvent completions", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(StarletteHTTPException)  # ours and the router's (an unknown path)
     def http_error(request, exc: StarletteHTTPException) -> JSONResponse:
@@ -301,30 +577,62 @@ def build_app(served: ServedModel) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     def invalid_request(request, exc: RequestValidationError) -> JSONResponse:
-        return _error(422, "; ".join(_field_problem(error) for error in exc.errors()))
+        return _error(422, "; ".join(_field_problem(error) for error in exc.errors()[:5]))
 
     @app.exception_handler(Exception)  # anything else: still OpenAI's error body, never a plain-text 500
     def internal_error(request, exc: Exception) -> JSONResponse:
-        return _error(500, f"the server failed on this request: {type(exc).__name__}: {exc}", "server_error")
+        return _error(500, f"the server failed on this request: {type(exc).__name__}: {_clip(exc, 1000)}",
+                      "server_error")
 
     @app.get("/health")
-    def health() -> dict:
+    async def health() -> dict:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    def models() -> dict:
+    async def models() -> dict:
         model = Model(id=served.name, created=0, object="model", owned_by="hf-resolvent")
         return {"object": "list", "data": [model.model_dump()]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        # tokenizing a long prompt is work, not waiting: a pool thread for that while, off the event loop
+        inputs = await asyncio.to_thread(served.inputs, body)
         served.admit()
-        if body.stream:
-            return StreamingResponse(served.stream(body, request.is_disconnected), media_type="text/event-stream")
-        cancel = threading.Event()
-        return await _ClientWatch(request.is_disconnected, cancel).wait(asyncio.to_thread(served.completion, body, cancel))
+        job = served.start(inputs, body, stream=body.stream)
+        try:
+            # a stream starts with its first token, so that what fails before it is still a status code
+            waited = await _until_done_or_gone(job, asyncio.shield(job.begun if body.stream else job.ended),
+                                               request.receive)
+        except BaseException:  # this request's task was cancelled
+            job.abandon()
+            raise
+        if waited is _GONE or job.outcome == "gone":
+            return Response(status_code=499)  # nginx's "client closed request": there is nobody left to read it
+        if body.stream and job.outcome in (None, "length", "stop"):
+            return _JobStream(job)
+        failure = job.failure()
+        if failure is not None:
+            raise failure
+        prompt_tokens, completion_tokens = inputs["input_ids"].shape[1], len(job.new)
+        return _completion(job.text, job.outcome, served.name, CompletionUsage(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens)).model_dump(exclude_none=True)
 
-    return app
+    if max_body_bytes is None:
+        max_body_bytes = default_max_body_bytes(served.max_prompt_tokens)
+    return _Gate(app, api_key=api_key, check_host=check_host, max_body_bytes=max_body_bytes,
+                 body_timeout=body_timeout)
+
+
+def default_max_body_bytes(max_prompt_tokens: int) -> int:
+    return BODY_BYTES_PER_PROMPT_TOKEN * max_prompt_tokens + BODY_BYTES_BESIDE_PROMPT
+
+
+def _exposure_warning(host: str, api_key: str | None) -> str | None:
+    if api_key is not None or _is_loopback(host):
+        return None
+    return (f"listening on {host} without an API key: anyone who can reach this machine can use the model. Set "
+            f"--api-key (or {API_KEY_ENV}), or listen on 127.0.0.1 only (--host 127.0.0.1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,7 +642,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
-                   help="the name clients pass as `model` (default: MODEL as given)")
+                   help="the name clients pass as `model` (default: a local folder's own name, or the Hub id)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer KEY` on every endpoint but /health (default: the "
+                        f"environment variable {API_KEY_ENV}, which keeps the key out of the process list; none)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights' dtype (default: as saved)")
@@ -346,8 +657,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"longest prompt in tokens (default {DEFAULT_MAX_PROMPT_TOKENS})")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait while one generates; more get a 503 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help=f"largest request body; a larger one gets a 413 (default: {BODY_BYTES_PER_PROMPT_TOKEN} "
+                        f"bytes per --max-prompt-tokens token and {BODY_BYTES_BESIDE_PROMPT // 1024} KiB, "
+                        f"{default_max_body_bytes(DEFAULT_MAX_PROMPT_TOKENS):,} bytes at the default)")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                   help=f"seconds a client has to send a request's body; a slower one gets a 408 and is disconnected "
+                        f"(default {DEFAULT_REQUEST_TIMEOUT:g})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+def _served_name(model: str) -> str:
+    """A local folder is served under its own name (its path says where the files are, which is no client's
+    business); a Hub id as given."""
+    path = Path(model)
+    return (Path(os.path.abspath(path)).name or model) if path.exists() else model
 
 
 def load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServedModel:
@@ -372,7 +697,7 @@ def load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServedMod
         parser.error(unsafe_pickle_problem(pickled, e))
     except (OSError, ValueError) as e:  # transformers' own messages name the missing file or setting
         parser.error(f"cannot load {args.model}: {e}")
-    return ServedModel(model.to(device).eval(), tokenizer, args.served_model_name or args.model,
+    return ServedModel(model.to(device).eval(), tokenizer, args.served_model_name or _served_name(args.model),
                        max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue)
 
 
@@ -382,22 +707,33 @@ def main(argv: list[str] | None = None) -> int:
     if _MISSING is not None:
         parser.error(f"the server needs FastAPI, Uvicorn and the OpenAI types ({_MISSING}): "
                      f'pip install "hf-resolvent[serve]"')
-    for name in ("max_tokens", "max_prompt_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("max_tokens", "max_prompt_tokens", "max_body_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if not args.request_timeout > 0:
+        parser.error(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        parser.error(f"the API key (--api-key or {API_KEY_ENV}) is empty: give a key, or leave both unset")
     served = load(args, parser)
-    config = uvicorn.Config(build_app(served), host=args.host, port=args.port, log_level=args.log_level,
+    app = build_app(served, api_key=api_key, check_host=_is_loopback(args.host),
+                    max_body_bytes=args.max_body_bytes or default_max_body_bytes(args.max_prompt_tokens),
+                    body_timeout=args.request_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=10)
+    if (warning := _exposure_warning(args.host, api_key)) is not None:
+        logger.warning(warning)
     _Server(config, served).run()
     return 0
 
 
 if _MISSING is None:
     class _Server(uvicorn.Server):
-        """Uvicorn's server, which on Ctrl-C (or SIGTERM) also ends the generations in flight at their next token:
-        uvicorn alone waits for the responses to finish, and a generation can take minutes."""
+        """Uvicorn's server, which on Ctrl-C (or SIGTERM) also ends the generations in flight at their next token
+        (uvicorn alone waits for the responses to finish, and a generation can take minutes)."""
 
         def __init__(self, config, served: ServedModel):
             super().__init__(config)
@@ -407,6 +743,26 @@ if _MISSING is None:
             self.served.stopping.set()
             super().handle_exit(sig, frame)
 
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own raises the signal again once it has shut down, to end the process with it: a
+            # KeyboardInterrupt traceback after Ctrl-C, death by SIGTERM. A finished graceful shutdown exits with 0.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = getattr(uvicorn.server, "HANDLED_SIGNALS", (signal.SIGINT, signal.SIGTERM))
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Nothing is left to save: skip the interpreter's teardown of the model's modules, which takes seconds
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

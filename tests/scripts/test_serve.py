@@ -1,12 +1,15 @@
 """hf_resolvent.serve: a saved model behind an OpenAI-compatible API (``transformers serve`` cannot load it), used
 with the ``openai`` client: a completion and a streamed completion give ``model.generate``'s greedy text; what the
-server does not implement is refused by name; a folder that is not a model stops the command with one message."""
+server does not implement is refused by name; a folder that is not a model stops the command with one message.
+Then what careless users and hostile clients do: load, hang-ups, slow and idle connections, oversized bodies, values
+at the edges, seeds, keys and Host headers, Ctrl-C, hostile weights files and folders without a tokenizer."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -65,6 +68,7 @@ def _wait_until_ready(proc: subprocess.Popen, url: str, log) -> None:
 def _start(model_folder, log, *flags):
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("HF_RESOLVENT_API_KEY", None)
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "hf_resolvent.serve", str(model_folder), "--host", "127.0.0.1",
                                  "--port", str(port), "--served-model-name", "tiny", "--device", "cpu",
@@ -184,6 +188,13 @@ def _send(url, content: str, timeout=30) -> _Answer:
         connection.close()
 
 
+def _answer(sock) -> _Answer:
+    """The HTTP answer that arrives on ``sock``."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return _Answer(response)
+
+
 def _post(url, timeout=30, **body) -> _Answer:
     return _send(url, json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, **body}),
                  timeout)
@@ -219,7 +230,7 @@ def test_requests_past_the_limits_are_refused_by_name(limited):
     answer = _post(limited, max_tokens=ENDLESS + 1)
     assert answer.status_code == 400 and "--max-tokens" in answer.json()["error"]["message"]
     t0 = time.monotonic()
-    answer = _post(limited, prompt="x" * 10_000_000)  # 10 MB: refused before it is tokenized
+    answer = _post(limited, prompt="x" * 60_000)  # within the body limit, over the characters 64 tokens can cover
     assert answer.status_code == 400 and "--max-prompt-tokens" in answer.json()["error"]["message"]
     assert time.monotonic() - t0 < 10
     answer = _post(limited, prompt=PROMPT * 8)  # within the characters, over the 64 tokens
@@ -253,21 +264,320 @@ def test_text_that_is_not_text_gets_openais_error_body(limited):
     assert answer.status_code == 422 and "finite number" in answer.json()["error"]["message"]
 
 
-def test_ctrl_c_stops_the_server_during_a_generation(model_folder, tmp_path):
+def _read_events(stream_connection_response, timeout=30) -> list[str]:
+    """The ``data:`` lines of a streamed answer, read to its end."""
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream_connection_response.fp.readline()
+        if not line:
+            return lines
+        if line.startswith(b"data: "):
+            lines.append(line[6:].decode().strip())
+    raise AssertionError(f"the stream did not end within {timeout} s: {lines[-3:]}")
+
+
+def test_ctrl_c_cuts_a_stream_with_an_error_event_and_a_waiting_request_with_503(model_folder, tmp_path):
+    import concurrent.futures
     import signal
 
     proc, url = _start(model_folder, tmp_path / "server.log", "--max-tokens", str(ENDLESS))
     try:
-        stream = _start_endless_stream(url)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        connection, path = _connect(url, 30)
+        connection.request("POST", path, body=json.dumps({"model": "tiny", "prompt": ENDLESS_PROMPT, "stream": True,
+                                                          "max_tokens": ENDLESS, "temperature": 0}),
+                           headers={"Content-Type": "application/json"})
+        stream = connection.getresponse()
+        assert stream.status == 200
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(_post, url, 60, max_tokens=ENDLESS)  # waits for the model, which the stream holds
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            events = _read_events(stream)
+            # cut by the shutdown, not finished: an error event saying so, and no [DONE]
+            assert "[DONE]" not in events, events[-3:]
+            last = json.loads(events[-1])
+            assert "shutting down" in last["error"]["message"], events[-3:]
+            answer = waiting.result(timeout=30)
+            assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"], answer.text
         proc.wait(timeout=30)
         assert time.monotonic() - t0 < 30
-        stream.close()
+        log = (tmp_path / "server.log").read_text()
+        assert proc.returncode == 0 and "Traceback" not in log, log[-3000:]
+        connection.close()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_an_idle_server_exits_at_once_on_ctrl_c(model_folder, tmp_path):
+    import signal
+
+    proc, _ = _start(model_folder, tmp_path / "server.log")
+    try:
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        waited = time.monotonic() - t0
+        log = (tmp_path / "server.log").read_text()
+        # a clean exit (no KeyboardInterrupt traceback, status 0), without seconds of interpreter teardown
+        assert proc.returncode == 0 and "Traceback" not in log, log[-3000:]
+        assert waited < 10, waited
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------------------------------
+# Load, hang-ups, oversized bodies
+
+
+REQUEST_TIMEOUT = 2  # seconds (--request-timeout)
+
+
+class _Server:
+    def __init__(self, proc, url, log):
+        self.proc, self.url, self.log = proc, url, log
+        self.port = urllib.parse.urlsplit(url).port
+
+    def socket(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=30)
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def hardened(model_folder, tmp_path_factory):
+    """A server allowing long generations, prompts of 64 tokens, 12 waiting requests and 2 s to send a request,
+    logging each request's end."""
+    log = tmp_path_factory.mktemp("hardened") / "server.log"
+    proc, url = _start(model_folder, log, "--max-tokens", str(ENDLESS), "--max-prompt-tokens", "64",
+                       "--max-queue", "12", "--request-timeout", str(REQUEST_TIMEOUT), "--log-level", "info")
+    try:
+        yield _Server(proc, url, log)
+    finally:
+        _stop(proc)
+
+
+def _request_bytes(body: dict) -> bytes:
+    content = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(content)}\r\n\r\n").encode() + content
+
+
+def _went_away(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "the client went away" in line]
+
+
+def _log_lines(server: _Server, after: int, count: int, timeout: float = 30) -> list[str]:
+    """The server's lines of clients gone away after the first ``after``, once there are ``count`` (or after
+    ``timeout`` seconds, however many there are)."""
+    deadline = time.monotonic() + timeout
+    while len(gone := _went_away(server.log_text())[after:]) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return gone
+
+
+def test_waiting_requests_hold_no_thread_and_hang_ups_stop_their_generation(hardened):
+    holder, path = _connect(hardened.url, 30)  # an endless stream, generating
+    holder.request("POST", path, body=json.dumps({"model": "tiny", "prompt": ENDLESS_PROMPT, "max_tokens": ENDLESS,
+                                                  "temperature": 0, "stream": True}),
+                   headers={"Content-Type": "application/json"})
+    response = holder.getresponse()
+    assert response.status == 200
+    before = len(_went_away(hardened.log_text()))
+    waiting = []
+    try:
+        for i in range(10):  # more than asyncio's default thread pool has threads (6 on 2 cores)
+            sock = hardened.socket()
+            sock.sendall(_request_bytes({"model": "tiny", "prompt": ENDLESS_PROMPT, "max_tokens": ENDLESS,
+                                         "temperature": 0, "stream": i % 2 == 0}))
+            waiting.append(sock)
+        time.sleep(1.0)  # they reach the queue
+        # the generating stream still delivers its text while ten requests wait for the model
+        received = 0
+        while received < 20:
+            if response.fp.readline().startswith(b"data: "):
+                received += 1
+        for sock in waiting:  # they hang up while waiting: they leave the queue and generate nothing
+            sock.close()
+        gone = _log_lines(hardened, before, 10)
+        assert len(gone) == 10 and all("while it waited; nothing generated" in line for line in gone), gone
+        assert response.fp.readline()  # the stream goes on
+    finally:
+        for sock in waiting:
+            sock.close()
+        holder.close()  # it hangs up while generating: its generation ends at its next token
+    (stopped,) = _log_lines(hardened, before + 10, 1)
+    assert int(re.search(r"after (\d+) new tokens", stopped).group(1)) < ENDLESS
+    answer = _post(hardened.url, timeout=30)  # the model is free, the queue empty
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_oversized_bodies_are_refused_before_they_are_read(hardened):
+    limit = 64 * 64 + 64 * 1024  # the default for --max-prompt-tokens 64
+    with hardened.socket() as sock:  # a Content-Length over the limit: refused at once, the body not awaited
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 300000000\r\n\r\n")
+        sock.settimeout(20)
+        answer = _answer(sock)
+        assert answer.status_code == 413, answer.text
+        assert f"{limit:,} bytes" in answer.json()["error"]["message"] and "--max-body-bytes" in answer.text
+    with hardened.socket() as sock:  # a chunked body: refused once it grows past the limit
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b'{"prompt": "' + b"x" * 8180
+        for _ in range(limit // len(chunk) + 1):  # just past the limit: the server reads all that is sent
+            sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        sock.settimeout(20)
+        answer = _answer(sock)
+        assert answer.status_code == 413 and "--max-body-bytes" in answer.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------------------------------
+# In this process: values at the edges, seeds, fields and echoes, keys and Host headers
+
+
+@pytest.fixture(scope="module")
+def tiny(model_folder):
+    """The test model and its tokenizer, loaded in this process."""
+    return AutoModelForCausalLM.from_pretrained(model_folder).eval(), AutoTokenizer.from_pretrained(model_folder)
+
+
+def _app(tiny, **options):
+    """A test client of an in-process server of ``tiny`` named "tiny" (its own queue: use it in a with block)."""
+    from starlette.testclient import TestClient
+
+    return TestClient(serve.build_app(serve.ServedModel(*tiny, "tiny"), **options), base_url="http://127.0.0.1")
+
+
+def _complete(app, stream=False, **body):
+    """(status, text or error message) of one completion; a stream's text joined from its events."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, **body}
+    if not stream:
+        answer = app.post("/v1/completions", json=body)
+        payload = answer.json()
+        return answer.status_code, payload["choices"][0]["text"] if answer.status_code == 200 else payload["error"][
+            "message"]
+    with app.stream("POST", "/v1/completions", json={**body, "stream": True}) as answer:
+        if answer.status_code != 200:
+            answer.read()
+            return answer.status_code, answer.json()["error"]["message"]
+        lines = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return 200, "".join(json.loads(line)["choices"][0]["text"] for line in lines[:-1])
+
+
+def test_values_at_the_edges_are_answered_before_the_stream_starts(tiny, greedy_text):
+    with _app(tiny) as app:
+        # a temperature below 1e-5 decodes greedily (not a 500 from probabilities of inf and nan)
+        for stream in (False, True):
+            assert _complete(app, stream, temperature=1e-300) == (200, greedy_text[0])
+        # seeds: what torch takes, -2**63 to 2**64 - 1; a seed out of it is the same 422, streaming or not
+        for stream in (False, True):
+            status, message = _complete(app, stream, seed=2**64, temperature=1)
+            assert status == 422 and "seed" in message
+        assert _complete(app, False, seed=-1, temperature=1) == _complete(app, True, seed=-1, temperature=1)
+        assert _complete(app, False, seed=2**64 - 1, temperature=1)[0] == 200
+    served = serve.ServedModel(*tiny, "tiny")
+
+    def refuses(*args, **kwargs):
+        raise ValueError("the model cannot take this prompt")
+
+    served.generate = refuses  # what generate() refuses before the first token: a status code, streaming or not
+    from starlette.testclient import TestClient
+
+    with TestClient(serve.build_app(served), base_url="http://127.0.0.1") as app:
+        for stream in (False, True):
+            assert _complete(app, stream, temperature=0) == (400, "the model cannot take this prompt")
+
+
+def test_one_requests_seed_does_not_set_anothers_sampling(tiny):
+    with _app(tiny) as app:
+        seeded, unseeded = set(), set()
+        for _ in range(3):
+            seeded.add(_complete(app, seed=1234, temperature=1.0))
+            unseeded.add(_complete(app, temperature=1.0))
+        assert len(seeded) == 1  # a seed reproduces its text
+        assert len(unseeded) == 3, unseeded  # and leaves the next request's sampling alone
+        assert _complete(app, True, seed=1234, temperature=1.0) in seeded  # streamed or not
+
+
+def test_string_fields_are_bounded_and_echoes_are_cut(tiny):
+    with _app(tiny) as app:
+        for field, value in (("model", "m" * 100_000), ("user", "u" * 300)):
+            answer = app.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, field: value})
+            assert answer.status_code == 422 and field in answer.json()["error"]["message"]
+            assert len(answer.text) < 500
+        answer = app.post("/v1/completions", json={"model": "m" * 250, "prompt": PROMPT})  # within the bound
+        assert answer.status_code == 404 and "serves 'tiny'" in answer.text and len(answer.text) < 500
+        answer = app.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "x" * 100_000: 1})
+        assert answer.status_code == 422 and "not implemented" in answer.text and len(answer.text) < 500
+
+
+def test_an_api_key_guards_every_endpoint_but_health(tiny):
+    with _app(tiny, api_key="s3cret") as app:
+        assert app.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            answer = app.get("/v1/models", headers=headers)
+            assert answer.status_code == 401 and "Authorization: Bearer" in answer.json()["error"]["message"]
+            assert app.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT},
+                            headers=headers).status_code == 401
+        assert app.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert _complete(app, temperature=0, max_tokens=2)[0] == 401
+        answer = app.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2},
+                          headers={"Authorization": "Bearer s3cret"})
+        assert answer.status_code == 200
+
+
+def test_a_loopback_server_answers_only_its_own_host_names(tiny, client):
+    with _app(tiny, check_host=True) as app:
+        for host in ("localhost", "localhost:8000", "127.0.0.1:1", "[::1]:8000", "LOCALHOST"):
+            assert app.get("/health", headers={"Host": host}).status_code == 200, host
+        for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", "localhost.evil.example:80"):
+            answer = app.get("/v1/models", headers={"Host": host})
+            assert answer.status_code == 421 and "Host" in answer.json()["error"]["message"], host
+    # the server bound to 127.0.0.1 checks it
+    parts = urllib.parse.urlsplit(str(client.base_url))
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    connection.request("GET", "/v1/models", headers={"Host": "rebound.example"})
+    assert connection.getresponse().status == 421
+    connection.close()
+
+
+def test_no_docs_and_a_folder_is_served_under_its_own_name(tiny, model_folder):
+    with _app(tiny) as app:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert app.get(path).status_code == 404, path
+    parser = serve.build_parser()
+    served = serve.load(parser.parse_args([str(model_folder), "--device", "cpu"]), parser)
+    assert served.name == model_folder.name  # not its path
+
+
+def test_a_public_bind_without_a_key_warns_and_the_key_comes_from_the_environment(tiny, monkeypatch, capfd):
+    started = []
+
+    class NotRun:
+        def __init__(self, config, served, *args):
+            started.append(config)
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(serve, "_Server", NotRun)
+    monkeypatch.setattr(serve, "load", lambda args, parser: serve.ServedModel(*tiny, "tiny"))
+    monkeypatch.delenv("HF_RESOLVENT_API_KEY", raising=False)
+    assert serve.main(["unused", "--host", "0.0.0.0"]) == 0
+    assert "without an API key" in capfd.readouterr().err
+    monkeypatch.setenv("HF_RESOLVENT_API_KEY", "from-the-environment")
+    assert serve.main(["unused", "--host", "0.0.0.0"]) == 0
+    assert "without an API key" not in capfd.readouterr().err
+    gate = started[-1].app
+    assert gate.api_key == b"from-the-environment" and not gate.check_host
+    assert serve.main(["unused"]) == 0 and started[-1].app.check_host  # loopback: Host checked
 
 
 # --------------------------------------------------------------------------------------------------
