@@ -27,10 +27,15 @@ cut to a few dozen characters.
 Requests generate one at a time (one model on one device, whose ``generate()`` keeps per-call state) and wait in a
 bounded queue, holding no thread while they wait: past ``--max-queue`` waiting requests the server answers 503 with
 ``Retry-After``. Each request is bounded: ``max_tokens`` by ``--max-tokens``, the prompt by ``--max-prompt-tokens``
-(a 400 names the limit), the body by ``--max-body-bytes`` (413, before it is read whole) and by the time to send
-it, ``--request-timeout`` (408), ``model`` and ``user`` by 256 characters. A request is checked before its response
-starts, and a stream starts with its first token, so a refused or failed request is a status code, streaming or
-not. A generation stops at its next token when its client goes away, waiting or generating, streaming or not.
+(a 400 names the limit), the body by ``--max-body-bytes`` (413, before it is read whole), ``model`` and ``user`` by
+256 characters. A request is checked before its response starts, and a stream starts with its first token, so a
+refused or failed request is a status code, streaming or not. A generation stops at its next token when its client
+goes away, waiting or generating, streaming or not.
+
+Connections: a client has ``--request-timeout`` seconds to send a request's headers and as long again for its body
+(else 408 and the connection is closed); an idle connection is closed after ``--timeout-keep-alive`` seconds; at most
+``--max-connections`` are held (by default well below the process's file-descriptor limit), the oldest idle one
+closed to make room for a new one. Such events are logged once, then counted.
 
 Access: ``--api-key`` (or the environment variable ``HF_RESOLVENT_API_KEY``) makes every endpoint but ``/health``
 require ``Authorization: Bearer KEY``; bound to an address other than loopback without a key, the server warns that
@@ -46,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import hmac
 import ipaddress
 import json
@@ -74,10 +80,17 @@ from transformers import (
 
 from hf_resolvent.remote_code import unsafe_pickle_problem
 
+try:
+    import resource
+except ImportError:  # Windows: no descriptor limit to read; --max-connections keeps its fixed default
+    resource = None
+
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_QUEUE = 16
-DEFAULT_REQUEST_TIMEOUT = 30.0  # seconds to send a request's body
+DEFAULT_REQUEST_TIMEOUT = 30.0  # seconds to send a request's headers, and as long again for its body
+DEFAULT_KEEP_ALIVE = 5  # seconds an idle connection is kept between requests (uvicorn's own default)
+DEFAULT_MAX_CONNECTIONS = 4096  # at most, where the descriptor limit allows more
 # The default body limit: a prompt of --max-prompt-tokens tokens at 64 bytes of JSON each (a token of text is a few
 # bytes; escapes such as \n or \u00e9 take 2 to 6 bytes a character), and 64 KiB for the other fields.
 BODY_BYTES_PER_PROMPT_TOKEN = 64
@@ -628,6 +641,185 @@ def default_max_body_bytes(max_prompt_tokens: int) -> int:
     return BODY_BYTES_PER_PROMPT_TOKEN * max_prompt_tokens + BODY_BYTES_BESIDE_PROMPT
 
 
+# --------------------------------------------------------------------------------------------------
+# Connections: the time to send a request, how many are held, one log line per kind of event
+
+
+class _Tally:
+    """Logs the first event of a kind at once, then at most a line a minute counting the others, and what is left at
+    shutdown: a flood of slow or idle connections must not flood the log too."""
+
+    def __init__(self, every: float = 60.0):
+        self.every, self.kinds = every, {}  # kind -> [events since its last line, time of that line]
+
+    def __call__(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        entry = self.kinds.get(kind)
+        if entry is None:
+            self.kinds[kind] = [0, now]
+            logger.warning("%s (logged once; later ones are counted)", message)
+            return
+        entry[0] += 1
+        if now - entry[1] >= self.every:
+            self.flush(kind)
+
+    def flush(self, *kinds: str) -> None:
+        now = time.monotonic()
+        for kind in kinds or list(self.kinds):
+            count, since = self.kinds[kind]
+            if count:
+                logger.warning("%s: %d more in the last %.0f s", kind, count, now - since)
+            self.kinds[kind] = [0, now]
+
+
+def _raw_response(status: int, reason: str, message: str, headers: tuple[str, ...] = ()) -> bytes:
+    """A whole HTTP response, for a connection that is closed at once and carries no request the server answers."""
+    body = json.dumps(_error_body(message, "server_error" if status >= 500 else "invalid_request_error")).encode()
+    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(body)}",
+            "Connection: close", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+class _ConnectionGuard:
+    """The connections a server holds, oldest first, at most ``max_connections`` (below the process's descriptor
+    limit: past it, accepting fails and the server answers nobody); and the time a client has to send a request's
+    headers (uvicorn times out only the silence between requests, and any byte restarts that)."""
+
+    def __init__(self, max_connections: int, request_timeout: float, tally: _Tally):
+        self.max_connections, self.request_timeout, self.tally = max_connections, request_timeout, tally
+        self.open: dict = {}  # protocol -> None: an ordered set
+
+    def opened(self, conn) -> bool:
+        """Admits ``conn``, closing the oldest idle connection where the limit is reached; False when none is idle
+        (``conn`` is then answered 503 and closed)."""
+        self.open[conn] = None
+        if len(self.open) <= self.max_connections:
+            return True
+        victim = next((c for c in self.open if c is not conn and c._hfr_idle()), None)
+        if victim is not None:
+            self.tally("connections evicted", f"{self.max_connections} connections open (--max-connections): "
+                                              "closed the oldest idle one to make room for a new one")
+            self.open.pop(victim)
+            victim.transport.close()
+            return True
+        self.open.pop(conn)
+        self.tally("connections refused", f"{self.max_connections} connections open (--max-connections), all "
+                                          "of them in requests: refused a new one with a 503")
+        conn.transport.write(_raw_response(503, "Service Unavailable", f"the server holds its limit of "
+                                           f"{self.max_connections} connections (--max-connections): retry shortly",
+                                           ("Retry-After: 1",)))
+        conn.transport.close()
+        return False
+
+    def closed(self, conn) -> None:
+        self.open.pop(conn, None)
+
+
+def _guarded(base: type, guard: _ConnectionGuard) -> type:
+    """Uvicorn's HTTP protocol class ``base``, its connections counted by ``guard`` and given ``guard.request_timeout``
+    seconds from their first byte (or from connecting) to a request's last header."""
+
+    class Guarded(base):
+        _hfr_deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            if guard.opened(self):
+                self._hfr_arm()
+
+        def data_received(self, data):
+            if self._hfr_deadline is None and self._hfr_idle():  # a request begins
+                self._hfr_arm()
+            super().data_received(data)
+            if self._hfr_deadline is not None and not self._hfr_idle():  # its headers are in: the app has it
+                self._hfr_deadline.cancel()
+                self._hfr_deadline = None
+
+        def connection_lost(self, exc):
+            if self._hfr_deadline is not None:
+                self._hfr_deadline.cancel()
+                self._hfr_deadline = None
+            guard.closed(self)
+            super().connection_lost(exc)
+
+        def _hfr_idle(self) -> bool:
+            """No request of this connection is with the application."""
+            cycle = getattr(self, "cycle", None)
+            return cycle is None or cycle.response_complete
+
+        def _hfr_arm(self) -> None:
+            self._hfr_deadline = self.loop.call_later(guard.request_timeout, self._hfr_expire)
+
+        def _hfr_expire(self) -> None:
+            self._hfr_deadline = None
+            if self.transport.is_closing() or not self._hfr_idle():
+                return
+            guard.tally("slow requests", f"closed a connection that sent no complete request headers within "
+                                         f"{guard.request_timeout:g} s (--request-timeout)")
+            self.transport.write(_raw_response(408, "Request Timeout", f"no complete request within "
+                                               f"{guard.request_timeout:g} s (--request-timeout)"))
+            self.transport.close()
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
+    return Guarded
+
+
+class _Quiet(logging.Filter):
+    """Counts uvicorn's complaint about each malformed request in the tally instead of a line each."""
+
+    NOISY = {"Invalid HTTP request received.": "invalid HTTP requests"}
+
+    def __init__(self, tally: _Tally):
+        super().__init__()
+        self.tally = tally
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = self.NOISY.get(record.msg) if isinstance(record.msg, str) else None
+        if kind is None:
+            return True
+        self.tally(kind, f"{record.msg} (answered 400)")
+        return False
+
+
+def _descriptor_limit() -> int | None:
+    """The process's soft limit on open files, or None where there is none to read."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _backlog(limit: int | None) -> int:
+    """Connections the kernel queues, and asyncio accepts in one go (each a descriptor before the guard sees it)."""
+    return 2048 if limit is None else min(2048, max(16, limit // 8))
+
+
+def _descriptors_needed(max_connections: int, limit: int | None) -> int:
+    return max_connections + _backlog(limit) + 64  # 64: the model's files, the log, the event loop's own
+
+
+def default_max_connections(limit: int | None) -> int:
+    """As many connections as the descriptor limit ``limit`` leaves room for, at most DEFAULT_MAX_CONNECTIONS."""
+    if limit is None:
+        return DEFAULT_MAX_CONNECTIONS
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, limit - _descriptors_needed(0, limit)))
+
+
+def _accept_failures(tally: _Tally):
+    """An event-loop exception handler logging a failed accept (out of descriptors) once, then counting: asyncio logs
+    a traceback for each."""
+
+    def handle(loop, context):
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            tally("accept failures", f"could not accept a connection ({exc.strerror}): lower --max-connections, or "
+                                     f"raise the process's limit on open files (ulimit -n)")
+            return
+        loop.default_exception_handler(context)
+
+    return handle
+
+
 def _exposure_warning(host: str, api_key: str | None) -> str | None:
     if api_key is not None or _is_loopback(host):
         return None
@@ -662,8 +854,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"bytes per --max-prompt-tokens token and {BODY_BYTES_BESIDE_PROMPT // 1024} KiB, "
                         f"{default_max_body_bytes(DEFAULT_MAX_PROMPT_TOKENS):,} bytes at the default)")
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
-                   help=f"seconds a client has to send a request's body; a slower one gets a 408 and is disconnected "
-                        f"(default {DEFAULT_REQUEST_TIMEOUT:g})")
+                   help=f"seconds a client has to send a request's headers, and as long again for its body; a slower "
+                        f"one gets a 408 and is disconnected (default {DEFAULT_REQUEST_TIMEOUT:g})")
+    p.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE,
+                   help=f"seconds an idle connection stays open between requests (default {DEFAULT_KEEP_ALIVE})")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help=f"connections held at once; past it the oldest idle one is closed, or a new one refused "
+                        f"(default: the limit on open files less room for the rest, at most "
+                        f"{DEFAULT_MAX_CONNECTIONS}; {default_max_connections(_descriptor_limit())} here)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -701,13 +899,27 @@ def load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServedMod
                        max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue)
 
 
+def _max_connections(args: argparse.Namespace, parser: argparse.ArgumentParser, limit: int | None) -> int:
+    """``--max-connections``, or its default; raises the soft limit on open files where a larger one needs it."""
+    if args.max_connections is None:
+        return default_max_connections(limit)
+    needed = _descriptors_needed(args.max_connections, limit)
+    if limit is not None and needed > limit:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and needed > hard:
+            parser.error(f"--max-connections {args.max_connections} needs about {needed} open files, over this "
+                         f"process's limit of {hard} (ulimit -n): lower --max-connections or raise the limit")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    return args.max_connections
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if _MISSING is not None:
         parser.error(f"the server needs FastAPI, Uvicorn and the OpenAI types ({_MISSING}): "
                      f'pip install "hf-resolvent[serve]"')
-    for name in ("max_tokens", "max_prompt_tokens", "max_body_bytes"):
+    for name in ("max_tokens", "max_prompt_tokens", "max_body_bytes", "timeout_keep_alive", "max_connections"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -718,26 +930,35 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         parser.error(f"the API key (--api-key or {API_KEY_ENV}) is empty: give a key, or leave both unset")
+    limit = _descriptor_limit()
+    max_connections = _max_connections(args, parser, limit)
     served = load(args, parser)
     app = build_app(served, api_key=api_key, check_host=_is_loopback(args.host),
                     max_body_bytes=args.max_body_bytes or default_max_body_bytes(args.max_prompt_tokens),
                     body_timeout=args.request_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=10)
+                            timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=10,
+                            backlog=_backlog(limit))
+    config.load()
+    tally = _Tally()
+    config.http_protocol_class = _guarded(config.http_protocol_class,
+                                          _ConnectionGuard(max_connections, args.request_timeout, tally))
+    logger.addFilter(_Quiet(tally))
     if (warning := _exposure_warning(args.host, api_key)) is not None:
         logger.warning(warning)
-    _Server(config, served).run()
+    _Server(config, served, tally).run()
     return 0
 
 
 if _MISSING is None:
     class _Server(uvicorn.Server):
         """Uvicorn's server, which on Ctrl-C (or SIGTERM) also ends the generations in flight at their next token
-        (uvicorn alone waits for the responses to finish, and a generation can take minutes)."""
+        (uvicorn alone waits for the responses to finish, and a generation can take minutes), and logs a failed
+        accept once."""
 
-        def __init__(self, config, served: ServedModel):
+        def __init__(self, config, served: ServedModel, tally: _Tally):
             super().__init__(config)
-            self.served = served
+            self.served, self.tally = served, tally
 
         def handle_exit(self, sig, frame):
             self.served.stopping.set()
@@ -757,6 +978,14 @@ if _MISSING is None:
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+
+        async def startup(self, sockets=None):
+            asyncio.get_running_loop().set_exception_handler(_accept_failures(self.tally))
+            await super().startup(sockets=sockets)
+
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets=sockets)
+            self.tally.flush()
 
 
 if __name__ == "__main__":

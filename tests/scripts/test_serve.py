@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
@@ -65,14 +66,15 @@ def _wait_until_ready(proc: subprocess.Popen, url: str, log) -> None:
     raise AssertionError(f"the server did not answer {url} within {READY_TIMEOUT} s:\n{log.read_text()[-3000:]}")
 
 
-def _start(model_folder, log, *flags):
+def _start(model_folder, log, *flags, preexec_fn=None):
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("HF_RESOLVENT_API_KEY", None)
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "hf_resolvent.serve", str(model_folder), "--host", "127.0.0.1",
                                  "--port", str(port), "--served-model-name", "tiny", "--device", "cpu",
-                                 "--log-level", "warning", *flags], env=env, stdout=out, stderr=subprocess.STDOUT)
+                                 "--log-level", "warning", *flags], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=preexec_fn)
     _wait_until_ready(proc, f"http://127.0.0.1:{port}/health", log)
     return proc, f"http://127.0.0.1:{port}/v1/completions"
 
@@ -331,9 +333,10 @@ def test_an_idle_server_exits_at_once_on_ctrl_c(model_folder, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Load, hang-ups, oversized bodies
+# Load, hang-ups, slow and idle connections, oversized bodies: a server whose process may open 256 files
 
 
+OPEN_FILES = 256
 REQUEST_TIMEOUT = 2  # seconds (--request-timeout)
 
 
@@ -351,11 +354,17 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def hardened(model_folder, tmp_path_factory):
-    """A server allowing long generations, prompts of 64 tokens, 12 waiting requests and 2 s to send a request,
-    logging each request's end."""
+    """A server allowing long generations, prompts of 64 tokens, 12 waiting requests and 2 s to send a request, in a
+    process limited to 256 open files, logging each request's end."""
+    resource = pytest.importorskip("resource")
+
+    def limit_open_files():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
+
     log = tmp_path_factory.mktemp("hardened") / "server.log"
     proc, url = _start(model_folder, log, "--max-tokens", str(ENDLESS), "--max-prompt-tokens", "64",
-                       "--max-queue", "12", "--request-timeout", str(REQUEST_TIMEOUT), "--log-level", "info")
+                       "--max-queue", "12", "--request-timeout", str(REQUEST_TIMEOUT), "--log-level", "info",
+                       preexec_fn=limit_open_files)
     try:
         yield _Server(proc, url, log)
     finally:
@@ -415,6 +424,55 @@ def test_waiting_requests_hold_no_thread_and_hang_ups_stop_their_generation(hard
     assert int(re.search(r"after (\d+) new tokens", stopped).group(1)) < ENDLESS
     answer = _post(hardened.url, timeout=30)  # the model is free, the queue empty
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] <= 2
+
+
+def _closed_within(sock: socket.socket, timeout: float) -> bytes:
+    """What the server sends before it closes ``sock`` (within ``timeout`` seconds, else socket.timeout)."""
+    sock.settimeout(timeout)
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_slow_and_idle_connections_are_closed_and_their_number_bounded(hardened):
+    silent = hardened.socket()  # connects and says nothing
+    half = hardened.socket()  # headers never finished
+    half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
+    trickle = hardened.socket()  # a body sent a byte at a time
+    request = {"model": "tiny", "prompt": PROMPT * 4, "max_tokens": 2}
+    body = json.dumps(request).encode()
+    trickle.sendall(_request_bytes(request)[:-len(body)])
+    try:
+        deadline = time.monotonic() + 20
+        for byte in body:
+            assert time.monotonic() < deadline, "the server still reads a body trickled for 20 s"
+            if select.select([trickle], [], [], 0.3)[0]:
+                break
+            trickle.sendall(bytes([byte]))
+        answer = _answer(trickle)
+        assert answer.status_code == 408 and "--request-timeout" in answer.json()["error"]["message"]
+        for sock in (silent, half):
+            received = _closed_within(sock, 20)
+            assert received == b"" or received.startswith(b"HTTP/1.1 408 "), received
+    finally:
+        for sock in (silent, half, trickle):
+            sock.close()
+    # more idle connections than the process may open files: the oldest idle ones make room for new ones
+    idle = []
+    try:
+        for _ in range(OPEN_FILES + 44):
+            idle.append(hardened.socket())
+        connection = http.client.HTTPConnection("127.0.0.1", hardened.port, timeout=20)
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200
+        connection.close()
+    finally:
+        for sock in idle:
+            sock.close()
+    log = hardened.log_text()
+    assert "Traceback" not in log and "Too many open files" not in log, log[-3000:]
+    assert sum("logged once" in line for line in log.splitlines()) <= 3, log[-3000:]
 
 
 def test_oversized_bodies_are_refused_before_they_are_read(hardened):
