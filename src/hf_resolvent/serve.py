@@ -777,7 +777,7 @@ class _Quiet(logging.Filter):
         kind = self.NOISY.get(record.msg) if isinstance(record.msg, str) else None
         if kind is None:
             return True
-        self.tally(kind, f"{record.msg} (answered 400)")
+        self.tally(kind, f"a malformed HTTP request, answered 400 ({record.msg})")
         return False
 
 
