@@ -60,10 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_model(name: str, preset: str, vocab: int, seq_len: int, conv_size: int = 0):
+def make_model(name: str, preset: str, vocab: int, seq_len: int, conv_size: int = 0, n_layer: int | None = None):
     shape = {k: v for k, v in PRESETS[preset].items() if k != "n_positions"}  # same shape for every model
     if conv_size:
         shape["conv_size"] = conv_size
+    if n_layer:  # gpu_measure.py counts the ops of one layer as the difference of two depths
+        shape["n_layer"] = n_layer
     cfg = {"type": "gpt2" if name == "gpt2" else "resolvent", "preset": preset, "mixer": name, "overrides": shape,
            "pad_vocab_multiple": 1}
     return build_model(cfg, vocab, seq_len)
