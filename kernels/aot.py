@@ -157,12 +157,15 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
     one = lambda w: torch.zeros(batch, heads, w, dtype=dtype)
     g = torch.zeros(batch, heads, dtype=dtype) if pat.has_recurrence else None
     qb, kb = (one(d), one(d)) if pat.has_recurrence else (None, None)
+    names = ("keys_b", "outputs") if tied else ("keys_a", "values") + (("keys_b", "outputs") if pat.has_recurrence
+                                                                      else ())
+    state = DecodeState.empty(pat, {k: e if k in ("values", "outputs") else d for k in names}, batch, heads,
+                              dtype=dtype)
     with recording_launches() as rec:
         if tied:
-            _decode.triton_decode_step(DecodeState(), None, None, qb, kb, one(e), g, pat,
-                                       d=torch.zeros(batch, heads, dtype=dtype))
+            _decode.triton_decode_step(state, None, None, qb, kb, one(e), g, d=torch.zeros(batch, heads, dtype=dtype))
         else:
-            _decode.triton_decode_step(DecodeState(), one(d), one(d), qb, kb, one(e), g, pat)
+            _decode.triton_decode_step(state, one(d), one(d), qb, kb, one(e), g)
     return passes["forward"] + passes["backward"] + rec.launches
 
 

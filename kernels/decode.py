@@ -13,15 +13,14 @@ from __future__ import annotations
 import torch
 
 from hf_resolvent.ops.common import check_tied
-from hf_resolvent.ops.state import DecodeState
-from hf_resolvent.patterns import get_pattern
+from hf_resolvent.ops.state import SLOTS, DecodeState
 
 from ._loader import check_ready, jit_module
 from .launching import SUPPORTED_DTYPES, get_block_config
 
 
-def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: bool):
-    pattern = get_pattern(pattern)
+def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, scale, tied: bool, conv):
+    pattern = state.pattern
     check_ready(qa, ka, qb, kb, x)
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"the Triton decode kernel takes float32, bfloat16 or float16 inputs, got {x.dtype}")
@@ -31,28 +30,20 @@ def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: boo
         raise ValueError(f"x must be one token (batch, heads, value_dim), got shape {tuple(x.shape)}")
     batch, heads, e = x.shape
     has_a, has_b = not tied, pattern.has_recurrence
-    r = state.next_position(batch, x.device)
-    positions = state.row_positions(batch, x.device)
-    S = positions.shape[1]
+    r = state.next_position()
     ref = qb if tied else qa
     scale = ref.shape[-1] ** -0.5 if scale is None else float(scale)
 
     if not has_b:  # attention kinds read no B channel, whatever was passed
         qb = kb = g = None
 
-    def rows_held(name, token):
-        """The cache's rows of the tensor that stores ``token``'s kind, (B, H, S, w): none for a channel the variant
-        lacks (``token`` None), an empty one while the cache holds no rows."""
-        if token is None:
-            return None
-        t = getattr(state, name)
-        return token.new_empty(batch, heads, 0, token.shape[-1]) if t is None or S == 0 else t.contiguous()
-
-    cache = {"keys_a": rows_held("keys_a", qa), "values": rows_held("values", x if has_a else None),
-             "keys_b": rows_held("keys_b", qb), "outputs": rows_held("outputs", x if has_b else None)}
+    # the state's whole buffers (rows past those taken are empty: position -1, never read)
+    cache = {name: state.rows.get(name) if token is not None else None
+             for name, token in (("keys_a", qa), ("values", x if has_a else None), ("keys_b", qb),
+                                 ("outputs", x if has_b else None))}
     contiguous = lambda t: None if t is None else t.contiguous()
-    y, z = jit_module().decode.step(*(contiguous(t) for t in (qa, ka, x, qb, g, d)), cache, positions, r,
-                                    DecodeState.read_rule(pattern, r), scale, get_block_config())
+    y, z = jit_module().decode.step(*(contiguous(t) for t in (qa, ka, x, qb, g, d)), cache, state.positions, r,
+                                    state.read_rule(), state.layout == SLOTS, scale, get_block_config())
     y = y.to(x.dtype)
     if tied:
         new = {"keys_b": kb, "outputs": z.to(x.dtype)}
@@ -60,11 +51,12 @@ def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, pattern, scale, tied: boo
         new = {"keys_a": ka, "values": x}
         if has_b:
             new.update(keys_b=kb, outputs=z.to(x.dtype))
-    state.advance(pattern, new, r)
+    state.advance(new, r, conv)
     return y
 
 
-def triton_decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None, d=None) -> torch.Tensor:
+def triton_decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, scale=None, d=None, conv=None
+                       ) -> torch.Tensor:
     """Mix one token per sequence on Triton and advance ``state`` (like ``ops.recurrent_step``).
 
     Args:
@@ -72,11 +64,12 @@ def triton_decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=
         qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention kinds; qa, ka None for
             the tied variant).
         x: (B, H, e) its value; g: (B, H) its gate (None for attention kinds).
-        pattern: spec or Pattern; scale: default d ** -0.5.
+        pattern: the state's own (it may be given); scale: default d ** -0.5.
         d: (B, H) for the tied variant: z = g B~ z[P^B] + (1 - g) x, y = z - d x; the state keeps z.
+        conv: (B, C) the token's input row of the layer's short convolution, which the state keeps.
 
     Returns:
         y (B, H, e) in x's dtype (float32 accumulation), 0 for sequences still in their left padding.
     """
     check_tied(qa, ka, d)
-    return _step(state, qa, ka, qb, kb, x, g, d, pattern, scale, tied=d is not None)
+    return _step(state, qa, ka, qb, kb, x, g, d, scale, tied=d is not None, conv=conv)

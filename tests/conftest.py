@@ -74,6 +74,21 @@ def make_mixer_inputs(
     return {k: v.to(dtype).requires_grad_(requires_grad) for k, v in out.items()}
 
 
+def empty_state(pattern, inp: dict, start=None, tied: bool = False, capacity: int | None = None):
+    """An ``ops.DecodeState`` before the first token of the mixer inputs ``inp`` (:func:`make_mixer_inputs`' keys):
+    the rows a layer of ``pattern`` keeps (the tied variant's with ``tied``), buffers that grow or for ``capacity``
+    tokens, in x's dtype."""
+    from hf_resolvent.ops import DecodeState
+    from hf_resolvent.patterns import get_pattern
+
+    pattern = get_pattern(pattern)
+    names = ("keys_b", "outputs") if tied else ("keys_a", "values") + (
+        ("keys_b", "outputs") if pattern.has_recurrence else ())
+    x, key = inp["x"], inp["ka"] if inp.get("ka") is not None else inp["kb"]
+    widths = {name: (x if name in ("values", "outputs") else key).shape[-1] for name in names}
+    return DecodeState.empty(pattern, widths, x.shape[0], x.shape[1], capacity, x.dtype, x.device, start=start)
+
+
 @pytest.fixture(params=["compiled", "torch"])
 def cpu_path(request):
     """Runs a test on both CPU paths of the parallel form: the compiled kernels (hf_resolvent.backends.cpu) and

@@ -3,7 +3,6 @@
 Conventions: :mod:`.common`.
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -34,13 +33,16 @@ def _load_cache_rows(PTR, bh, S, slots, read, cols, width):
 def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, Y, Z,
                        S, H, da, db, e, qk_scale2, W_LO, NSLOT,
                        BS: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BE: tl.constexpr,
-                       MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, TIED: tl.constexpr):
+                       MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, TIED: tl.constexpr,
+                       ONCE: tl.constexpr):
     """One decode step for one (batch, head): the new token against the S rows of the layer's cache.
 
     Grid (BH,). Cache tensors are (B, H, S, w) contiguous, POS (B, S) the pattern position of each row
     (-1: not readable), RPOS (B,) the new token's pattern position r (negative on padding). Which
     rows are read (``ops.DecodeState.read_mask``): MODE 0 every row with POS >= 0; MODE 1 rows with
-    POS >= r - W_LO (local attention, banded); MODE 2 rows with r - POS in OFFS[:NSLOT] (plain f-pattern).
+    POS >= r - W_LO (local attention, banded); MODE 2 rows with r - POS in OFFS[:NSLOT] (plain f-pattern). ONCE
+    (a register's slots, where one position may sit in several): a row whose position an earlier row holds is
+    not read again.
     Channel A reads those rows plus the token itself (its key KA, value X); channel B those rows
     (keys CKB, outputs CO). Online softmax over blocks of BS rows, float32.
     Writes Y (BH, e) float32, 0 where r < 0, and (with B) what the cache keeps: Z = y unmasked, as
@@ -78,6 +80,9 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
             for k in range(0, NSLOT):
                 hit = hit | ((r - pos) == tl.load(OFFS + k))
             read = read & hit
+        if ONCE:
+            for j in range(0, S):
+                read = read & ~((tl.load(POS + b * S + j) == pos) & (j < sl))
         if HAS_A:
             kk = _load_cache_rows(CKA, bh, S, sl, read, ca, da)
             vv = _load_cache_rows(CV, bh, S, sl, read, ce, e)
@@ -122,24 +127,25 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
 # Launcher
 
 
-def step(qa, ka, x, qb, g, dd, cache: dict, positions, r, read_rule, scale: float, cfg):
+def step(qa, ka, x, qb, g, dd, cache: dict, positions, r, read_rule, once: bool, scale: float, cfg):
     """One token (B, H, w) per sequence against the cache rows ``cache`` (keys_a, keys_b, values, outputs: (B, H,
-    S, w), None for a channel the variant lacks) at pattern ``positions`` (B, S), the token at ``r`` (B,), read by
-    ``read_rule`` (``DecodeState.read_rule``: the kernel's MODE, W_LO and OFFS). Returns (y, z) float32 (B, H, e),
-    z the row the cache keeps (None without a B term)."""
+    S, w), None for a channel the variant lacks) at pattern ``positions`` (B, S) int64, the token at ``r`` (B,),
+    read by ``read_rule`` (``DecodeState.read_rule``: the kernel's MODE, W_LO and OFFS), each position once when
+    ``once`` (a register's slots). Returns (y, z) float32 (B, H, e), z the row the cache keeps (None without a B
+    term)."""
     batch, heads, e = x.shape
     has_a, has_b, tied = qa is not None, qb is not None, dd is not None
     da, db = qa.shape[-1] if has_a else 1, qb.shape[-1] if has_b else 1
     mode, w_lo, offsets = read_rule
     y = launching.new_buffer((batch, heads, e), x.device)
     z = launching.new_buffer((batch, heads, e), x.device) if has_b else None
-    offs = torch.tensor(offsets or [1], dtype=torch.int32, device=x.device)
+    offs = positions if offsets is None else offsets  # a pointer the kernel does not read without MODE 2
     decode_step_kernel[(batch * heads,)](
         qa, ka, x, qb, g, dd, cache["keys_a"], cache["keys_b"], cache["values"], cache["outputs"],
-        positions.to(torch.int32).contiguous(), r.to(torch.int32).contiguous(), offs, y, z,
-        positions.shape[1], heads, da, db, e, scale * launching.LOG2E, w_lo, len(offsets),
+        positions, r, offs, y, z,
+        positions.shape[1], heads, da, db, e, scale * launching.LOG2E, w_lo, 0 if offsets is None else offsets.numel(),
         BS=cfg.decode, BDA=launching.tile_width(da), BDB=launching.tile_width(db), BE=launching.tile_width(e),
-        MODE=mode, HAS_A=has_a, HAS_B=has_b, TIED=tied, num_warps=cfg.num_warps)
+        MODE=mode, HAS_A=has_a, HAS_B=has_b, TIED=tied, ONCE=once, num_warps=cfg.num_warps)
     return y, z
 
 

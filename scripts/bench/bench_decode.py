@@ -121,10 +121,10 @@ def filled_cache(name: str, model, context: int, gen: torch.Generator, capacity:
         else:
             names = ("keys_a", "values", "keys_b", "outputs")
         shape = (1, mixer.num_heads, context, mixer.head_dim)
-        layer.store_prefill({n: torch.randn(shape, generator=gen) for n in names}, None)
-        if mixer.conv is not None:  # the convolution's last K - 1 input rows, as a prefill leaves them
-            layer.keep_conv_rows(torch.randn(1, context + layer.conv_width - 1, mixer.conv.in_channels,
-                                             generator=gen))
+        # with a convolution, its input rows over the prefill, as the mixer gives them
+        conv = None if mixer.conv is None else torch.randn(1, context + layer.conv_width - 1, mixer.conv.in_channels,
+                                                           generator=gen)
+        layer.store_prefill({n: torch.randn(shape, generator=gen) for n in names}, None, conv=conv)
     return cache
 
 

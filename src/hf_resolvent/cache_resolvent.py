@@ -1,16 +1,17 @@
 """Decode cache of resolvent models: a ``transformers`` :class:`~transformers.Cache` with one mixer state per layer.
 
 Each layer keeps only what its pattern lets future tokens read (docs/DESIGN.md section 4): every position for
-attention, dense and plain f-patterns, the last w - 1 for local attention, the last w for banded patterns, and the distinct
-positions of the slot register for cache-efficient patterns (12 rows after 2048 tokens for ``exp2:ce``).
-A row holds the keys of both channels (after RoPE), the input x and the output y; the tied variant keeps its
-B keys and z only; attention kinds keep their keys and values. A model with a short convolution (``conv_size`` K)
-also keeps, per layer, the last K - 1 projected rows the convolution reads (all of them since
-:meth:`~ResolventCacheLayer.activate_past_recording`, so that a crop can go back).
+attention, dense and plain f-patterns, the last w - 1 for local attention, the last w for banded patterns, and the
+slots of the register for cache-efficient patterns (12 rows after 2048 tokens for ``exp2:ce``). A row holds the keys
+of both channels (after RoPE), the input x and the output y; the tied variant keeps its B keys and z only;
+attention kinds keep their keys and values. A model with a short convolution (``conv_size`` K) also keeps, per
+layer, the last K - 1 projected rows the convolution reads. All of it is the layer's
+:class:`~hf_resolvent.ops.DecodeState`; a cache layer is the adapter that ``transformers`` talks to, and holds no
+tensor of its own.
 
-With ``max_cache_len`` (``generate(cache_implementation="static")``) the states are preallocated for that many
-tokens and written in place (:class:`~hf_resolvent.ops.StaticDecodeState`): the cache is then compileable, and a
-compiled decode step runs every token without recompiling.
+With ``max_cache_len`` (``generate(cache_implementation="static")``) the states' buffers are allocated for that many
+tokens at fixed addresses and written in place: the cache is then compileable, and a compiled decode step runs
+every token as one graph.
 
 This file is copied into saved model folders (remote code): it may import only flat sibling modules.
 """
@@ -21,22 +22,22 @@ import torch
 from transformers.cache_utils import Cache
 
 from .patterns import Pattern, get_pattern
-from .resolvent_ops import DecodeState, StaticDecodeState
+from .resolvent_ops import DecodeState
 
 __all__ = ["ResolventCache", "ResolventCacheLayer"]
 
 
 class ResolventCacheLayer:
-    """One layer's decode state: a :class:`DecodeState` (or None before the first forward) and its pattern.
+    """One layer's place in the cache: its pattern and its :class:`DecodeState` (None before the first forward).
 
     Implements the per-layer methods that :class:`transformers.Cache` and ``generate()`` call (beam-search
     reordering, batch selection and repetition, reset, offloading, past recording and cropping) by delegating to
-    the state, which owns the rules. Cropping is exact for patterns that keep every position, and for the others
-    over the tokens decoded since :meth:`activate_past_recording` (``generate()`` calls it for assisted and
-    prompt-lookup decoding) or since the last crop.
+    the state, which owns the rows and the rules. Cropping is exact for patterns that keep every position (without a
+    convolution), and for the others over the tokens decoded since :meth:`activate_past_recording` (``generate()``
+    calls it for assisted and prompt-lookup decoding) or since the last crop.
 
-    With ``max_cache_len`` the state is a :class:`StaticDecodeState` for that many tokens (built from the prefill),
-    and the layer is compileable; it then crops only patterns that keep every position.
+    With ``max_cache_len`` the state's buffers hold that many tokens at fixed addresses, and the layer is
+    compileable; it then crops only patterns that keep every position.
     """
 
     is_sliding = False
@@ -47,28 +48,14 @@ class ResolventCacheLayer:
         self.pattern = get_pattern(pattern)
         self.tied = tied
         self.max_cache_len = max_cache_len
-        self._state: DecodeState | None = None
+        self.conv_width = conv_size
+        self.state: DecodeState | None = None
         self.device = None
         self.record_past = False
-        # the short convolution's input rows before the next token (B, R, C), row 0 at position conv_first (rows
-        # before the sequence are zeros); None without a convolution or before the first forward
-        self.conv_rows: torch.Tensor | None = None
-        self.conv_first, self.conv_width = 0, conv_size
 
     def __repr__(self) -> str:
-        rows = 0 if self.state is None else self.state.rows()
+        rows = 0 if self.state is None else self.state.rows_held()
         return f"ResolventCacheLayer(pattern={self.pattern.name!r}, seen={self.get_seq_length()}, rows={rows})"
-
-    @property
-    def state(self) -> DecodeState | None:
-        """The layer's :class:`DecodeState` (None before the first forward); a new one records when the layer does."""
-        return self._state
-
-    @state.setter
-    def state(self, state: DecodeState | None) -> None:
-        if state is not None and self.record_past and state.history is None:
-            state.record_history()
-        self._state = state
 
     @property
     def is_initialized(self) -> bool:
@@ -84,54 +71,36 @@ class ResolventCacheLayer:
         """The per-row tensors this layer's state holds (docs/DESIGN.md section 4)."""
         if not self.pattern.has_recurrence:
             return ("keys_a", "values")
-        return ("keys_b", "outputs") if self.tied else DecodeState.TENSOR_NAMES
+        return ("keys_b", "outputs") if self.tied else DecodeState.NAMES
 
-    def store_prefill(self, rows: dict[str, torch.Tensor], start: torch.Tensor | None) -> None:
+    def store_prefill(self, rows: dict[str, torch.Tensor], start: torch.Tensor | None,
+                      conv: torch.Tensor | None = None) -> None:
         """Take the state of a prefill from its per-position tensors (``DecodeState.from_prefill``'s ``tensors``,
-        each (B, H, n, .)), preallocated for ``max_cache_len`` tokens when the layer is static."""
-        state = DecodeState.from_prefill(self.pattern, rows, start, record=self.record_past and not self.is_compileable)
-        if self.is_compileable:
-            state = StaticDecodeState.preallocate(self.pattern, state, self.max_cache_len)
-        self.state = state
-
-    def keep_conv_rows(self, rows: torch.Tensor) -> None:
-        """Take the convolution's input rows up to the newest token (the held ones, then the new): keep the last
-        K - 1, or all while recording (:meth:`activate_past_recording`). A static layer writes them into its
-        buffer in place."""
-        last = rows.shape[1] - (self.conv_width - 1)
-        if self.is_compileable:  # fixed shape: K - 1 rows, no recording
-            if self.conv_rows is None:
-                self.conv_rows = rows[:, last:].clone()
-            else:
-                self.conv_rows.copy_(rows[:, last:])
-            return
-        if self.conv_rows is None:  # a prefill: its rows start with K - 1 zero rows before position 0
-            self.conv_first = -(self.conv_width - 1)
-        keep = 0 if self.record_past else last
-        self.conv_first += keep
-        self.conv_rows = rows[:, keep:]
+        each (B, H, n, .), and ``conv``, the convolution's input rows), in fixed buffers when the layer is static."""
+        self.state = DecodeState.from_prefill(self.pattern, rows, start, record=self.record_past,
+                                              capacity=self.max_cache_len, conv=conv)
 
     @property
     def keeps_every_position(self) -> bool:
-        """True when the state holds all past rows (attention, dense, plain f-patterns): it crops by slicing."""
-        return DecodeState.keeps_every_position(self.pattern)
+        """True when the state holds all past rows (attention, dense, plain f-patterns) and no convolution rows: it
+        crops by marking rows empty."""
+        return DecodeState.keeps_every_token(self.pattern) and not self.conv_width
 
     @property
     def is_croppable(self) -> bool:
-        """Whether :meth:`crop` can put the layer back as it was: always for patterns that keep every position, and
-        for the others while recording past states."""
+        """Whether :meth:`crop` can put the layer back as it was: always for states that crop by themselves, and for
+        the others while recording past states."""
         return self.keeps_every_position or self.record_past
 
     def activate_past_recording(self) -> None:
         """Record the state before each decoded token until the next :meth:`crop`, so that crop can go back over
         them (``transformers``' name for it; generate() calls it for assisted and prompt-lookup decoding)."""
         if self.is_compileable and not self.keeps_every_position:
-            raise ValueError(
-                f"a static cache cannot record past states for pattern {self.pattern.name!r} (it drops past positions), "
-                "so assisted and prompt-lookup decoding cannot roll it back; leave cache_implementation unset")
-        if self.is_compileable and self.conv_width:
-            raise ValueError("a static cache cannot record the short convolution's past rows (conv_size), so "
-                             "assisted and prompt-lookup decoding cannot roll it back; leave cache_implementation unset")
+            what = (f"pattern {self.pattern.name!r} (it drops past positions)"
+                    if not DecodeState.keeps_every_token(self.pattern)
+                    else "the short convolution's past rows (conv_size)")
+            raise ValueError(f"a static cache cannot record past states for {what}, so assisted and prompt-lookup "
+                             "decoding cannot roll it back; leave cache_implementation unset")
         self.record_past = True
         if self.state is not None:
             self.state.record_history()
@@ -141,12 +110,13 @@ class ResolventCacheLayer:
         return -1 if self.state is None else self.state.batch_size
 
     def get_seq_length(self) -> int:
-        """Tokens seen. A static layer's count is a tensor: read as an int eagerly, left a 0-d tensor inside a
-        compiled graph (reading it would break the graph)."""
+        """Tokens seen, a host int: the state counts them on the host. Inside a compiled graph, a static layer's
+        count is its 0-d device tensor (a host value there would be a constant of the graph)."""
         if self.state is None:
             return 0
-        seen = self.state.seen
-        return seen if isinstance(seen, int) or torch.compiler.is_compiling() else int(seen)
+        if torch.compiler.is_compiling() and self.state.storage.fixed:
+            return self.state.seen
+        return self.state.count()
 
     def get_max_length(self) -> int:
         return -1 if self.max_cache_len is None else self.max_cache_len
@@ -155,18 +125,14 @@ class ResolventCacheLayer:
         return self.get_seq_length() + query_length, 0
 
     def nbytes(self) -> int:
-        rows = 0 if self.conv_rows is None else self.conv_rows.numel() * self.conv_rows.element_size()
-        return rows + (0 if self.state is None else self.state.nbytes())
+        return 0 if self.state is None else self.state.nbytes()
 
     def reset(self) -> None:
-        self._state = None
-        self.conv_rows, self.conv_first = None, 0
+        self.state = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.state is not None:
             self.state.select_batch(indices)
-        if self.conv_rows is not None:
-            self.conv_rows = self.conv_rows.index_select(0, indices.to(self.conv_rows.device))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -174,8 +140,6 @@ class ResolventCacheLayer:
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.state is not None:
             self.state.repeat_batch(repeats)
-        if self.conv_rows is not None:
-            self.conv_rows = self.conv_rows.repeat_interleave(repeats, dim=0)
 
     def target_length(self, length: int) -> int:
         """The tokens left by ``crop(length)``: ``length`` > 0 keeps that many, <= 0 drops ``-length`` newest ones."""
@@ -184,16 +148,7 @@ class ResolventCacheLayer:
 
     def can_crop(self, length: int) -> bool:
         """True when ``crop(length)`` is exact (see :meth:`crop`)."""
-        if self.state is None:
-            return True
-        target = self.target_length(length)
-        return self.state.can_crop_to(self.pattern, target) and self._conv_rows_reach(target)
-
-    def _conv_rows_reach(self, length: int) -> bool:
-        """Whether the convolution's rows held go back to the K - 1 before token ``length`` (no convolution: True)."""
-        if self.conv_rows is None or length >= self.get_seq_length():
-            return True
-        return length - (self.conv_width - 1) >= self.conv_first
+        return self.state is None or self.state.can_crop_to(self.target_length(length))
 
     def crop(self, length: int) -> None:
         """Drop the ``-length`` newest tokens (``length`` <= 0, ``transformers``' convention), or keep the first
@@ -201,32 +156,18 @@ class ResolventCacheLayer:
         where the state cannot go back that far (see :meth:`DecodeState.crop`)."""
         if self.state is None:
             return
-        target, seen = self.target_length(length), self.get_seq_length()
-        if not self._conv_rows_reach(target):
-            raise ValueError(
-                f"the short convolution of this layer holds its input rows from token {self.conv_first} on, and a "
-                f"crop back {seen - target} token(s) needs them from token {target - self.conv_width + 1}: record "
-                "them first (cache.activate_past_recording(), which generate() does for assisted and prompt-lookup "
-                "decoding)")
-        self.state.crop(self.pattern, target)
+        self.state.crop(self.target_length(length))
         self.state.forget_history()
-        if self.conv_rows is not None and target < seen:
-            self.conv_rows = self.conv_rows[:, : target - self.conv_first]
 
     def offload(self) -> None:
         if self.state is None:
             return
-        if self.state.positions is not None:
-            self.device = self.state.positions.device  # where prefetch() brings it back
+        self.device = self.state.positions.device  # where prefetch() brings it back
         self.state.to("cpu", non_blocking=True)
-        if self.conv_rows is not None:
-            self.conv_rows = self.conv_rows.to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
         if self.device is not None and self.state is not None:
             self.state.to(self.device, non_blocking=True)
-            if self.conv_rows is not None:
-                self.conv_rows = self.conv_rows.to(self.device, non_blocking=True)
 
 
 class ResolventCache(Cache):
@@ -252,6 +193,9 @@ class ResolventCache(Cache):
                   for spec in config.layer_mixers]
         super().__init__(layers=layers)
         self.head_shape = (config.n_head, config.head_dim)
+        # the projected parts each layer's convolution reads (qa, ka, x, qb, kb; fewer for attention and tied)
+        self.conv_parts = [3 if not get_pattern(spec["pattern"]).has_recurrence or spec["tied"] else 5
+                           for spec in config.layer_mixers]
 
     def allocate(self, batch_size: int, dtype: torch.dtype = torch.float32, device=None) -> ResolventCache:
         """Give a static cache its empty states now, instead of at the first forward; a prompt then runs through
@@ -260,9 +204,10 @@ class ResolventCache(Cache):
         if self.max_cache_len is None:
             raise ValueError("allocate() is for a static cache: ResolventCache(config, max_cache_len=...)")
         heads, dim = self.head_shape
-        for layer in self.layers:
-            layer.state = StaticDecodeState.empty(layer.pattern, layer.row_names, batch_size, heads, dim,
-                                                  self.max_cache_len, dtype, device)
+        for layer, parts in zip(self.layers, self.conv_parts):
+            conv = None if not layer.conv_width else (layer.conv_width - 1, parts * heads * dim)
+            layer.state = DecodeState.empty(layer.pattern, dict.fromkeys(layer.row_names, dim), batch_size, heads,
+                                            self.max_cache_len, dtype, device, conv_shape=conv)
         return self
 
     def __repr__(self) -> str:
@@ -280,7 +225,7 @@ class ResolventCache(Cache):
         return None if state is None else state.start
 
     def nbytes(self) -> int:
-        """Bytes held by all layers' states (keys, values, outputs, positions and slot registers)."""
+        """Bytes held by all layers' states (keys, values, outputs and positions, convolution rows)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -341,25 +286,21 @@ class ResolventCache(Cache):
 
 
 def _cache_children(cache: ResolventCache) -> tuple[list, tuple]:
-    layers = tuple((layer.pattern.name, layer.tied, layer.max_cache_len, layer.record_past, layer.conv_first,
-                    layer.conv_width) for layer in cache.layers)
-    children = [layer.state for layer in cache.layers] + [layer.conv_rows for layer in cache.layers]
-    return children, (cache.head_shape, layers)
+    layers = tuple((layer.pattern.name, layer.tied, layer.max_cache_len, layer.record_past, layer.conv_width)
+                   for layer in cache.layers)
+    return [layer.state for layer in cache.layers], (cache.head_shape, cache.conv_parts, layers)
 
 
 def _cache_from_children(children, context) -> ResolventCache:
-    head_shape, specs = context
-    states, conv_rows = children[:len(specs)], children[len(specs):]
+    head_shape, conv_parts, specs = context
     layers = []
-    for state, rows, (pattern, tied, max_cache_len, record_past, conv_first, conv_width) in zip(states, conv_rows,
-                                                                                              specs):
+    for state, (pattern, tied, max_cache_len, record_past, conv_width) in zip(children, specs):
         layer = ResolventCacheLayer(pattern, tied, max_cache_len, conv_width)
-        layer.record_past, layer._state = record_past, state  # as flattened: no new recording starts
-        layer.conv_rows, layer.conv_first = rows, conv_first
+        layer.record_past, layer.state = record_past, state  # as flattened: no new recording starts
         layers.append(layer)
     cache = ResolventCache.__new__(ResolventCache)
     Cache.__init__(cache, layers=layers)
-    cache.head_shape = head_shape
+    cache.head_shape, cache.conv_parts = head_shape, conv_parts
     return cache
 
 

@@ -1,8 +1,8 @@
 """A model's prefill and decode step as functions of tensors, for ``torch.export`` and ONNX.
 
 A forward reads and writes every layer's decode state. :class:`ResolventDecodeStep` makes those states plain
-inputs and outputs: it lays them out as a static cache (:class:`~hf_resolvent.ops.StaticDecodeState`, shapes fixed
-by the batch size and ``max_cache_len``) and maps
+inputs and outputs: it lays them out as a static cache (each layer's :class:`~hf_resolvent.ops.DecodeState` in
+buffers whose shapes the batch size and ``max_cache_len`` fix) and maps
 
     (input_ids (B, n), *state) -> (logits (B, n, vocab), *next_state)
 
@@ -46,18 +46,11 @@ class ResolventDecodeStep(nn.Module):
         param = next(model.parameters())
         self._layout = ResolventCache(model.config, max_cache_len=self.max_cache_len).allocate(
             batch_size, dtype=param.dtype, device=param.device).states
-        # with a short convolution (conv_size K), each layer's last K - 1 projected rows, zeros before the first token
-        width = model.config.conv_size
-        self._conv_rows = [None if block.mixer.conv is None else
-                           torch.zeros(batch_size, width - 1, block.mixer.conv.in_channels, dtype=param.dtype,
-                                       device=param.device) for block in model.transformer.h]
-        self.state_names = [f"layer{i}.{name}" for i, state in enumerate(self._layout)
-                            for name in [*state.buffers(), *(["conv_rows"] if width else [])]]
+        self.state_names = [f"layer{i}.{name}" for i, state in enumerate(self._layout) for name in state.buffers()]
 
     def initial_state(self) -> tuple[torch.Tensor, ...]:
         """The states before the first token (fresh tensors), in :attr:`state_names` order."""
-        return tuple(t.clone() for state, rows in zip(self._layout, self._conv_rows)
-                     for t in _layer_tensors(state, rows))
+        return tuple(t.clone() for state in self._layout for t in state.buffers().values())
 
     def example_inputs(self, length: int = 1) -> tuple[torch.Tensor, ...]:
         """(input_ids (B, length), *initial_state()): the arguments of :meth:`forward`, for tracing."""
@@ -72,18 +65,10 @@ class ResolventDecodeStep(nn.Module):
                              f"got {len(state)}")
         cache = ResolventCache(self.model.config, max_cache_len=self.max_cache_len)
         given = iter(state)
-        for layer, layout, rows in zip(cache.layers, self._layout, self._conv_rows):
+        for layer, layout in zip(cache.layers, self._layout):
             layer.state = layout.with_buffers({name: next(given).clone() for name in layout.buffers()})
-            if rows is not None:
-                layer.conv_rows = next(given).clone()
         logits = self.model(input_ids, past_key_values=cache, use_cache=True).logits
-        return (logits, *(t for layer in cache.layers for t in _layer_tensors(layer.state, layer.conv_rows)))
-
-
-def _layer_tensors(state, conv_rows: torch.Tensor | None) -> list[torch.Tensor]:
-    """One layer's state tensors in :attr:`ResolventDecodeStep.state_names` order: the static state's buffers, then
-    the short convolution's rows where the model has one."""
-    return [*state.buffers().values(), *([] if conv_rows is None else [conv_rows])]
+        return (logits, *(t for layer in cache.layers for t in layer.state.buffers().values()))
 
 
 def export_decode_step(model: nn.Module, batch_size: int = 1,

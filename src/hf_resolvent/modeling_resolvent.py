@@ -202,8 +202,10 @@ class ResolventMixer(nn.Module):
         ``layer_cache``: this layer's :class:`~hf_resolvent.cache_resolvent.ResolventCacheLayer` or None."""
         batch, n, width = hidden_states.shape
         proj = self.in_proj(hidden_states)
+        state = None if layer_cache is None else layer_cache.state
+        conv_rows = None
         if self.conv is not None:
-            proj = self._convolve(proj, start, layer_cache)
+            proj, conv_rows = self._convolve(proj, start, state)
         proj = proj.view(batch, n, len(self.parts), self.num_heads, self.head_dim)
         impl = self.config.mixer_impl
         # split and unbind, not proj[:, :, i]: their backwards are one cat and one stack, where each index's backward
@@ -217,35 +219,32 @@ class ResolventMixer(nn.Module):
             t.update(zip(names, parts))
         g = self.gate(hidden_states) if self.recurrent else None
         d = (1 - g) * torch.sigmoid(self.skip_proj(hidden_states)).transpose(1, 2) if self.tied else None
-        state = None if layer_cache is None else layer_cache.state
         if state is None:
             y = resolvent_mix(t.get("qa"), t.get("ka"), t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl,
                               start=start, d=d)
             if layer_cache is not None:
-                layer_cache.store_prefill(self._state_rows(t, y, d, start), start)
-        else:
-            y = self._decode(state, t, g, d, impl)
+                layer_cache.store_prefill(self._state_rows(t, y, d, start), start, conv=conv_rows)
+        else:  # the new tokens after the state (advanced in place), all at once or one step each
+            y = decode_tokens(state, t.get("qa"), t.get("ka"), t.get("qb"), t.get("kb"), t["x"], g, impl=impl, d=d,
+                              conv=None if conv_rows is None else conv_rows[:, -n:]).to(t["x"].dtype)
         out = y.transpose(1, 2).reshape(batch, n, self.num_heads * self.head_dim)
         return self.resid_dropout(self.out_proj(out))
 
-    def _convolve(self, proj: torch.Tensor, start, layer_cache) -> torch.Tensor:
+    def _convolve(self, proj: torch.Tensor, start, state) -> tuple[torch.Tensor, torch.Tensor]:
         """SiLU of the depthwise causal convolution of the projected parts (B, n, C) over each token and the K - 1
-        before it. Rows of left padding are zeros, so that no hidden token reaches a real one (and the first real
-        token sees what it sees unpadded); after a cache, the rows before the new tokens are the cache's, which then
-        keeps the last ones (:meth:`ResolventCacheLayer.keep_conv_rows`)."""
+        before it, and the rows it read (B, K - 1 + n, C), which the decode state keeps. Rows of left padding are
+        zeros, so that no hidden token reaches a real one (and the first real token sees what it sees unpadded);
+        after a decode state, the rows before the new tokens are the state's (new tokens there are never padding)."""
         k = self.conv.kernel_size[0]
-        before = None if layer_cache is None or layer_cache.state is None else layer_cache.conv_rows
-        if start is not None:
-            past = 0 if before is None else layer_cache.get_seq_length()
-            real = torch.arange(proj.shape[1], device=proj.device)[None, :] + past >= start[:, None]
-            proj = proj * real[..., None].to(proj.dtype)
-        if before is None:
+        if state is None:
+            if start is not None:
+                real = torch.arange(proj.shape[1], device=proj.device)[None, :] >= start[:, None]
+                proj = proj * real[..., None].to(proj.dtype)
             before = proj.new_zeros(proj.shape[0], k - 1, proj.shape[2])
-        rows = torch.cat([before.to(proj.dtype), proj], dim=1)
-        if layer_cache is not None:
-            layer_cache.keep_conv_rows(rows)
-        window = rows[:, rows.shape[1] - proj.shape[1] - (k - 1):]  # the new tokens and the k - 1 before them
-        return causal_conv_silu(window.contiguous(), self.conv.weight, self.conv.bias, impl=self.config.mixer_impl)
+        else:
+            before = state.conv.to(proj.dtype)
+        rows = torch.cat([before, proj], dim=1)
+        return causal_conv_silu(rows, self.conv.weight, self.conv.bias, impl=self.config.mixer_impl), rows
 
     def _state_rows(self, t, y, d, start) -> dict[str, torch.Tensor]:
         """The per-position tensors a decode state stores (docs/DESIGN.md section 4), each (B, H, n, .)."""
@@ -258,13 +257,6 @@ class ResolventMixer(nn.Module):
                 z = z * (positions[None, :] >= start[:, None].to(y.device)).to(z.dtype)[:, None, :, None]
             return {"keys_b": t["kb"], "outputs": z}
         return {"keys_a": t["ka"], "values": t["x"], "keys_b": t["kb"], "outputs": y}
-
-    def _decode(self, state, t, g, d, impl: str) -> torch.Tensor:
-        """The new tokens after ``state`` (advanced in place), all at once or one decode step each as
-        ``ops.decode_tokens`` chooses (``config.mixer_impl``): (B, H, n, e)."""
-        y = decode_tokens(state, t.get("qa"), t.get("ka"), t.get("qb"), t.get("kb"), t["x"], g, self.pattern,
-                          impl=impl, d=d)
-        return y.to(t["x"].dtype)
 
 
 class ResolventMLP(nn.Module):
@@ -414,22 +406,18 @@ def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.T
         if not torch.equal(contiguous, mask):  # holes: no later row reads a hidden position
             return n - count, _Regroup.right_aligned(mask)
         return (lead if bool(lead.any()) else None), None
+    # after a cache: a check that reads nothing back (a decode step never waits for the device)
     if length == past + n:
-        if cache_start is None:
-            expected = torch.ones(batch, past, dtype=torch.bool, device=mask.device)
-        else:
-            expected = columns[None, :past] >= cache_start.to(mask.device)[:, None]
-        # the prefill's mask (left padding, or the same count of real tokens for one with holes), then ones
-        same = torch.equal(mask[:, :past], expected) or torch.equal(mask[:, :past].sum(1), expected.sum(1))
-        if not same or not bool(mask[:, past:].all()):
-            raise ValueError(
-                "attention_mask does not match the cache: when continuing from a cache the mask must be the "
-                "prefill's mask followed by ones (right padding cannot be continued; pad on the left with "
-                "tokenizer.padding_side = 'left')"
-            )
+        # the prefill's mask (its real tokens: left padding, or holes), then ones: as many real tokens as the cache
+        # holds, plus the new ones (a zero among the new columns, or a longer mask, counts differently)
+        real = past + n - (0 if cache_start is None else cache_start.to(mask.device))
+        problem = ("attention_mask does not match the cache: when continuing from a cache the mask must be the "
+                   "prefill's mask followed by ones (right padding cannot be continued; pad on the left with "
+                   "tokenizer.padding_side = 'left')")
+        require((mask.sum(1) == real).all(), problem, lambda: problem, read_back=False)
     elif length == n:
-        if not bool(mask.all()):
-            raise ValueError("attention_mask of new tokens after a cache must be all ones (no padding after tokens)")
+        problem = "attention_mask of new tokens after a cache must be all ones (no padding after tokens)"
+        require(mask.all(), problem, lambda: problem, read_back=False)
     else:
         raise ValueError(
             f"attention_mask has {length} columns; expected {past + n} (cached {past} + new {n}) or {n} (new only)"
@@ -518,13 +506,13 @@ def _packed_documents(position_ids: torch.Tensor, start: torch.Tensor | None) ->
 
 
 def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int,
-                  bos_token_id: int | None) -> None:
+                  bos_token_id: int | None, read_back: bool = True) -> None:
     """Refuse what the embedding lookup or the mixers would fail on deep inside torch: a wrong rank, no sequences,
     no positions, token ids outside [0, vocab_size). ``input_ids`` (B, n) or ``inputs_embeds`` (B, n, width);
     ``bos_token_id`` (or None) is suggested as the prompt of an empty one.
 
-    Every forward and every generate() step passes here; the id range costs one min/max reduction (and one
-    host sync, like the position check).
+    Every forward and every generate() step passes here; the id range costs one min/max reduction, and one host
+    sync unless ``read_back`` is False (tokens after a cache: an assert queued on the device, see ``require``).
     """
     name, tokens, rank = ("input_ids", input_ids, 2) if inputs_embeds is None else ("inputs_embeds", inputs_embeds, 3)
     shape = tuple(tokens.shape)
@@ -541,7 +529,7 @@ def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | 
         require((low >= 0) & (high < vocab_size), f"input_ids outside the vocabulary (vocab_size = {vocab_size})", lambda: (
             f"input_ids holds the token id {int(low) if low < 0 else int(high)}, outside the vocabulary (vocab_size = "
             f"{vocab_size}: ids 0 to {vocab_size - 1}); use the model's own tokenizer, or call "
-            "model.resize_token_embeddings(len(tokenizer)) after adding tokens"))
+            "model.resize_token_embeddings(len(tokenizer)) after adding tokens"), read_back=read_back)
 
 
 class ResolventModel(ResolventPreTrainedModel):
@@ -603,8 +591,12 @@ class ResolventModel(ResolventPreTrainedModel):
             use_cache = self.config.use_cache and not self.training
         vocab_size = getattr(self.wte, "num_embeddings", self.config.vocab_size)  # the table actually looked up
         bos = self.config.bos_token_id
+        # tokens after a cache (a decode step) are checked without reading the device back
+        continuing = (isinstance(past_key_values, ResolventCache) and not torch.compiler.is_compiling()
+                      and past_key_values.get_seq_length() > 0)
         # a prompt of the BOS token alone reads as all padding when the pad token is the same id
-        _check_inputs(input_ids, inputs_embeds, vocab_size, None if bos == self.config.pad_token_id else bos)
+        _check_inputs(input_ids, inputs_embeds, vocab_size, None if bos == self.config.pad_token_id else bos,
+                      read_back=not continuing)
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
         batch, n = inputs_embeds.shape[:2]
@@ -662,7 +654,7 @@ class ResolventModel(ResolventPreTrainedModel):
             require(top < limit, f"a position past n_positions = {limit}", lambda: (
                 f"sequence too long: position {int(top)} reached, but the model's learned position table has "
                 f"n_positions = {limit} rows; shorten the input (a model with position_embedding='rope' or 'none' "
-                "has no such limit)"))
+                "has no such limit)"), read_back=not continuing)
 
         hidden_states = inputs_embeds
         if self.wpe is not None:

@@ -82,14 +82,12 @@ AUTO_MAP = {
 # The ops modules the mixer functions need: mixer (resolvent_mix, decode_tokens), the dispatch, the forms, the
 # PyTorch code of the parallel form, rope, gelu and the short convolution; patterns.py comes with the model files.
 SHIPPED_OPS = ("attention", "common", "conv", "dense_solve", "dispatch", "extend", "gelu", "graph", "mixer",
-               "parallel", "recurrent", "register", "rope", "slots", "sparse_solve", "state", "static_state",
-               "threads")
+               "parallel", "recurrent", "rope", "slots", "sparse_solve", "state", "threads")
 
 # What a saved folder's resolvent_ops.py imports, by shipped module: the names the model files use.
 BUNDLE_IMPORTS = (
     ("mixer", ("decode_tokens", "resolvent_mix")),
     ("state", ("DecodeState",)),
-    ("static_state", ("StaticDecodeState",)),
     ("common", ("require",)),
     ("rope", ("rotated_heads",)),
     ("gelu", ("gelu_tanh",)),

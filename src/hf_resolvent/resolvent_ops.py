@@ -15,7 +15,6 @@ from hf_resolvent.ops.common import require
 from hf_resolvent.ops.conv import causal_conv_silu
 from hf_resolvent.ops.gelu import gelu_tanh
 from hf_resolvent.ops.rope import rotated_heads
-from hf_resolvent.ops.static_state import StaticDecodeState
 
 IS_BUNDLE = False  # this is the library's module, not a saved folder's entry
 
@@ -28,5 +27,4 @@ __all__ = [
     "require",
     "resolvent_mix",
     "rotated_heads",
-    "StaticDecodeState",
 ]

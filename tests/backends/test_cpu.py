@@ -130,13 +130,17 @@ def test_cpu_decode_step_matches_the_pytorch_step(spec, tied):
     outputs and leaves the same state (rows, positions) after every token, in float32 and float64."""
     from hf_resolvent.ops.recurrent import recurrent_step
     from hf_resolvent.ops.state import DecodeState
+    from hf_resolvent.patterns import get_pattern
 
     for dtype, tol in ((torch.float32, 1e-6), (F64, 1e-13)):
         gen = torch.Generator().manual_seed(5)
         qa, ka, qb, kb, x = (torch.randn(3, 2, 40, 8, generator=gen, dtype=dtype) for _ in range(5))
         g, d = (torch.rand(3, 2, 40, generator=gen, dtype=dtype) for _ in range(2))
         start = torch.tensor([0, 4, 11])
-        states = {path: DecodeState(start=start) for path in ("cpu", "torch")}
+        names = ("keys_b", "outputs") if tied else ("keys_a", "values") + (
+            ("keys_b", "outputs") if get_pattern(spec).has_recurrence else ())
+        states = {path: DecodeState.empty(spec, {k: 8 for k in names}, 3, 2, dtype=dtype, start=start)
+                  for path in ("cpu", "torch")}
         for t in range(40):
             ys = {}
             for path, state in states.items():

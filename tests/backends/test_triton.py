@@ -308,7 +308,7 @@ def test_clear_error_when_triton_cannot_run(monkeypatch):
         resolvent_mix(qa, ka, qb, kb, x, g, "dense", impl="triton")
     assert "CUDA" in str(info.value)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        decode_step(DecodeState(), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0], "dense",
+        decode_step(_empty("dense", qa, x), qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0],
                     impl="triton")
 
 
@@ -329,6 +329,13 @@ def test_nan_fill_catches_unwritten_outputs():
 # Decode step
 
 
+def _empty(pattern, q, x, start=None, tied=False, capacity=None, dtype=None) -> DecodeState:
+    """A state before the first token for queries like q (B, H, n, d) and values like x (B, H, n, e)."""
+    names = ("keys_b", "outputs") if tied else ("keys_a", "values") + (("keys_b", "outputs") if _uses_b(pattern) else ())
+    widths = {name: (x if name in ("values", "outputs") else q).shape[-1] for name in names}
+    return DecodeState.empty(pattern, widths, x.shape[0], x.shape[1], capacity, dtype or x.dtype, start=start)
+
+
 def _state_tensors(state: DecodeState):
     out = {k: v for k, v in state.tensors().items()}
     out["positions"] = state.positions
@@ -344,11 +351,14 @@ def _state_tensors(state: DecodeState):
     ("exp2:ce", True),
     ("square:ce", False),
 ])
-def test_decode_step_matches_recurrent_step(pattern, padded):
+@pytest.mark.parametrize("capacity", [None, 16], ids=["growing", "fixed"])
+def test_decode_step_matches_recurrent_step(pattern, padded, capacity):
+    """Token by token, on buffers that grow and on a static cache's fixed buffers: the kernel's output, and the
+    state it leaves, are the PyTorch step's."""
     batch, heads, n = 2, 2, 13
     qa, ka, qb, kb, x, g, _ = _inputs(batch, heads, n, 16, 24, 8)
     start = torch.tensor([0, 4]) if padded else None
-    ref_state, tri_state = DecodeState(start=start), DecodeState(start=start)
+    ref_state, tri_state = (_empty(pattern, qa, x, start, capacity=capacity) for _ in range(2))
     for t in range(n):
         args = [None if a is None else a[:, :, t] for a in (qa, ka, qb, kb, x, g)]
         if not _uses_b(pattern):
@@ -361,20 +371,20 @@ def test_decode_step_matches_recurrent_step(pattern, padded):
     assert ref_t.keys() == tri_t.keys()
     for name in ref_t:
         torch.testing.assert_close(tri_t[name], ref_t[name], rtol=1e-5, atol=1e-5, msg=lambda m, k=name: f"{k}: {m}")
-    assert tri_state.seen == ref_state.seen == n
+    assert tri_state.count() == ref_state.count() == n
 
 
 def test_decode_step_tied_and_bfloat16():
     batch, heads, n = 2, 1, 11
     qa, ka, qb, kb, x, g, tied_d = _inputs(batch, heads, n, 16, 16, 9)
-    ref_state, tri_state = DecodeState(), DecodeState()
+    ref_state, tri_state = (_empty("exp2:ce", qb, x, tied=True) for _ in range(2))
     for t in range(n):
         args = [None, None, *(a[:, :, t] for a in (qb, kb, x, g))]
         want = recurrent_step(ref_state, *args, "exp2:ce", d=tied_d[:, :, t])
         got = kernels.triton_decode_step(tri_state, *args, "exp2:ce", d=tied_d[:, :, t])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # bfloat16 inputs, float32 accumulation: compare with the float32 recurrent form on the same values.
-    ref_state, tri_state = DecodeState(), DecodeState()
+    ref_state, tri_state = _empty("dense", qa, x), _empty("dense", qa, x, dtype=torch.bfloat16)
     low = [a.bfloat16() for a in (qa, ka, qb, kb, x, g)]
     for t in range(n):
         args = [a[:, :, t] for a in low]

@@ -59,7 +59,7 @@ def test_torch_export_of_the_decode_step_runs_prompt_and_new_tokens(positions, c
     torch.testing.assert_close(eager, want[:, :-1], atol=1e-5, rtol=1e-5)
     assert step.state_names[:6] == ["layer0.keys_a", "layer0.keys_b", "layer0.values", "layer0.outputs",
                                     "layer0.positions", "layer0.seen"]
-    assert ("layer0.conv_rows" in step.state_names) == bool(conv_size)
+    assert ("layer0.conv" in step.state_names) == bool(conv_size)
 
 
 @pytest.mark.parametrize("conv_size", [0, 4])

@@ -97,8 +97,8 @@ def test_saved_folder_carries_the_code(tmp_path):
     }
     names = {p.name for p in tmp_path.iterdir()}
     for needed in ("configuration_resolvent.py", "modeling_resolvent.py", "cache_resolvent.py", "patterns.py",
-                   "remote_code.py", "resolvent_ops.py", "parallel.py", "recurrent.py", "state.py", "static_state.py",
-                   "register.py", "slots.py", "sparse_solve.py", "dense_solve.py", "attention.py", "extend.py"):
+                   "remote_code.py", "resolvent_ops.py", "parallel.py", "recurrent.py", "state.py", "slots.py",
+                   "sparse_solve.py", "dense_solve.py", "attention.py", "extend.py"):
         assert needed in names
     entry = (tmp_path / "resolvent_ops.py").read_text()
     assert "IS_BUNDLE = True" in entry

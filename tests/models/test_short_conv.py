@@ -29,7 +29,7 @@ def test_the_convolution_is_the_windowed_sum_written_out():
     mixer = tiny_model("ce").transformer.h[0].mixer
     proj = torch.randn(2, 9, mixer.conv.in_channels, dtype=torch.float64, requires_grad=True)
     mixer = mixer.double()
-    got = mixer._convolve(proj, None, None)
+    got, _ = mixer._convolve(proj, None, None)
     w, b = mixer.conv.weight[:, 0], mixer.conv.bias  # (C, K): tap K - 1 reads the token itself
     want = torch.stack([F.silu(b + sum(w[:, j] * proj[:, t - (K - 1) + j] for j in range(K) if t - (K - 1) + j >= 0))
                         for t in range(9)], dim=1)
@@ -75,7 +75,7 @@ def test_the_window_carries_across_chunk_borders(family):
         cache = hr.ResolventCache(model.config)
         parts = [model(ids[:, a:b], past_key_values=cache).logits for a, b in ((0, 2), (2, 3), (3, 8), (8, 11))]
     torch.testing.assert_close(torch.cat(parts, 1), whole, atol=1e-5, rtol=1e-5)
-    assert all(layer.conv_rows.shape == (2, K - 1, layer.conv_rows.shape[2]) for layer in cache.layers)
+    assert all(layer.state.conv.shape == (2, K - 1, layer.state.conv.shape[2]) for layer in cache.layers)
 
 
 def _crops(monkeypatch) -> list[int]:
@@ -107,7 +107,8 @@ def test_a_crop_without_recording_is_refused_and_with_it_is_exact():
         cache = hr.ResolventCache(model.config)
         model(ids[:, :6], past_key_values=cache)
         model(ids[:, 6:], past_key_values=cache)
-        with pytest.raises(ValueError, match="short convolution .* from token 6 on, and a crop back 3 .* from token 3: .*activate_past_recording"):
+        with pytest.raises(ValueError, match="cannot be cropped back 3 token.*: the short convolution keeps only its "
+                                             "last rows.*activate_past_recording"):
             cache.crop(6)
         again = hr.ResolventCache(model.config)
         model(ids[:, :6], past_key_values=again)
@@ -150,10 +151,10 @@ def test_the_static_cache_and_its_compiled_step(family):
     with torch.no_grad():
         first = model(ids, past_key_values=cache).logits
         cache.reset()
-        assert cache.layers[0].conv_rows is None and cache.layers[0].conv_width == K
+        assert cache.layers[0].state is None and cache.layers[0].conv_width == K
         torch.testing.assert_close(model(ids, past_key_values=cache).logits, first)
-    why = "the short convolution's past rows" if family == "attention" else "past states for pattern"
-    with pytest.raises(ValueError, match=f"static cache cannot record {why}"):
+    why = "the short convolution's past rows" if family == "attention" else "pattern"
+    with pytest.raises(ValueError, match=f"static cache cannot record past states for {why}"):
         cache.activate_past_recording()
 
 
@@ -179,4 +180,4 @@ def test_gpt2_conversion_starts_the_convolution_as_the_identity_tap():
     assert conv.bias.abs().max() == 0 and torch.equal(conv.weight[:, 0, -1], torch.ones(conv.in_channels))
     assert conv.weight[:, 0, :-1].abs().max() == 0
     proj = torch.randn(1, 5, conv.in_channels)
-    torch.testing.assert_close(model.transformer.h[0].mixer._convolve(proj, None, None), F.silu(proj))
+    torch.testing.assert_close(model.transformer.h[0].mixer._convolve(proj, None, None)[0], F.silu(proj))

@@ -114,7 +114,8 @@ def _causal_attention(t):
 
 def _recurrent_mix(t):
     qa, ka, qb, kb, x = (t(1, 2, 4) for _ in range(5))
-    recurrent_step(DecodeState(), qa, ka, qb, kb, x, t(1, 2, kind="gate"), SPEC)
+    state = DecodeState.empty(SPEC, dict.fromkeys(DecodeState.NAMES, 4), 1, 2, dtype=x.dtype)
+    recurrent_step(state, qa, ka, qb, kb, x, t(1, 2, kind="gate"), SPEC)
 
 
 def _extend_outputs(t):

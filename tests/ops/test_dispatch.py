@@ -12,7 +12,7 @@ import torch
 import hf_resolvent as hr
 from hf_resolvent.backends import cpu
 from hf_resolvent.configuration_resolvent import MIXER_IMPLS
-from hf_resolvent.ops import DecodeState, StaticDecodeState, decode_step, dispatch, reference_mix, resolvent_mix
+from hf_resolvent.ops import DecodeState, decode_step, dispatch, reference_mix, resolvent_mix
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,6 +22,11 @@ def _inputs(n=40, seed=0, requires_grad=False):
     qa, ka, qb, kb, x = (torch.randn(1, 2, n, 8, generator=gen, requires_grad=requires_grad) for _ in range(5))
     g = torch.rand(1, 2, n, generator=gen).requires_grad_(requires_grad)
     return qa, ka, qb, kb, x, g
+
+
+def _empty(spec="exp2") -> DecodeState:
+    """A state before the first token of batch 1, 2 heads, width 8."""
+    return DecodeState.empty(spec, dict.fromkeys(DecodeState.NAMES, 8), 1, 2)
 
 
 def _cpu_ops_run(fn) -> set[str]:
@@ -130,24 +135,14 @@ def test_decoding_runs_the_recurrent_step_except_on_triton(monkeypatch):
     ran = {}
     for impl in ("cpu", "torch"):
         with torch.profiler.profile() as prof:
-            y = decode_step(DecodeState(), *token, "exp2", impl=impl)
+            y = decode_step(_empty(), *token, "exp2", impl=impl)
         assert y.shape == (1, 2, 8)
         ran[impl] = "hf_resolvent::decode_step" in {e.name for e in prof.events()}
     assert ran == {"cpu": True, "torch": False}
     monkeypatch.setattr(cpu, "_state", {"ok": False})  # as after a failed build
     with pytest.raises(RuntimeError, match="compiled CPU kernels are not available here"):
-        decode_step(DecodeState(), *token, "exp2", impl="cpu")
-    assert decode_step(DecodeState(), *token, "exp2").shape == (1, 2, 8)  # "auto" falls back: it named nothing
-
-
-def test_a_static_state_decodes_with_the_pytorch_step_and_refuses_triton():
-    """The Triton decode kernel reads the growing layout; a static cache's state is not silently handed to it."""
-    qa, ka, qb, kb, x, g = _inputs(n=3)
-    grown = DecodeState.from_prefill("exp2:ce", {"keys_a": ka, "values": x, "keys_b": kb, "outputs": x})
-    static = StaticDecodeState.preallocate("exp2:ce", grown, 8)
-    assert dispatch.choose_decode("auto", x, static) == "recurrent"
-    with pytest.raises(RuntimeError, match="impl='triton': the Triton decode kernel reads the growing decode state"):
-        dispatch.choose_decode("triton", x, static)
+        decode_step(_empty(), *token, "exp2", impl="cpu")
+    assert decode_step(_empty(), *token, "exp2").shape == (1, 2, 8)  # "auto" falls back: it named nothing
 
 
 def test_a_graph_takes_the_graph_form(monkeypatch):

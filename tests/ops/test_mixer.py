@@ -10,12 +10,11 @@ import functools
 
 import pytest
 import torch
-from conftest import cubic_plus_one, make_mixer_inputs
+from conftest import cubic_plus_one, empty_state, make_mixer_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_resolvent.ops import (
-    DecodeState,
     graph_mix,
     mixer_matrices,
     parallel_mix,
@@ -394,13 +393,15 @@ def test_recurrent_state_rows_follow_cache_size(key):
     pattern = get_pattern(SPECS[key])
     n = 70
     inp = make_mixer_inputs(batch=1, heads=2, n=n, d=4, e=3, seed=12)
-    state = DecodeState()
+    state = empty_state(pattern, inp)
     ys = []
     for t in range(n):
         step = {k: v[:, :, t] for k, v in inp.items()}
         ys.append(recurrent_step(state, step["qa"], step["ka"], step["qb"], step["kb"], step["x"], step["g"],
                                  pattern))
-        assert state.rows() == pattern.cache_size(t + 1), f"rows held after {t + 1} tokens"
+        # a register keeps one slot per offset f(k) <= n (a position may sit in two), the others what later read
+        want = len(pattern.offsets(t + 2)) if state.layout == "slots" else pattern.cache_size(t + 1)
+        assert state.rows_held() == want, f"rows held after {t + 1} tokens"
         assert state.seen == t + 1
     assert_close(torch.stack(ys, 2), mix(SPECS[key], inp, "reference"), "step by step vs reference")
 
@@ -412,30 +413,27 @@ def test_cache_efficient_state_holds_exactly_s_next(key):
     n, batch, heads, d, e = 150, 2, 2, 4, 3
     start = torch.tensor([0, 11])
     inp = make_mixer_inputs(batch=batch, heads=heads, n=n, d=d, e=e, seed=13)
-    state = DecodeState(start=start)
+    state = empty_state(pattern, inp, start)
     row_bytes = batch * (heads * (2 * d + 2 * e) * 4 + 8)  # keys a/b, values, outputs (fp32) + position
     sizes = {}
     for t in range(n):
         step = {k: v[:, :, t] for k, v in inp.items()}
         recurrent_step(state, step["qa"], step["ka"], step["qb"], step["kb"], step["x"], step["g"], pattern)
-        held = []
         for b in range(batch):
             m = t + 1 - int(start[b])  # real tokens of sequence b so far
-            got = sorted(int(p) + 1 for p in state.positions[b] if p >= 0)
+            got = sorted({int(p) + 1 for p in state.positions[b] if p >= 0})
             want = pattern.attended(m + 1) if m >= 1 else []
             assert got == want, f"sequence {b} after {m} real tokens holds {got}, S_{m + 1} = {want}"
-            held.append(len(want))
-        assert state.rows() == max(held)
-        k_slots = pattern.num_slots(t + 2)
-        assert state.nbytes() <= row_bytes * state.rows() + batch * 8 * k_slots
+        assert state.rows_held() == pattern.num_slots(t + 2)  # one row per slot of the register
+        assert state.nbytes() == row_bytes * state.rows_held()
         sizes[t + 1] = state.nbytes()
-    # grows like the number of slots (logarithmic / square root), not like n
-    assert sizes[150] < 2 * sizes[40]
-    plain = DecodeState()
+    # grows like the number of slots (logarithmic / square root), well below n's growth (x 3.75)
+    assert sizes[150] / sizes[40] < 0.6 * 150 / 40
     p_plain = get_pattern(SPECS[key.replace(":ce", "")]) if key != "callable:ce" else get_pattern(cubic_plus_one)
-    recurrent_mix(inp["qa"][:1], inp["ka"][:1], inp["qb"][:1], inp["kb"][:1], inp["x"][:1], inp["g"][:1], p_plain,
-                  state=plain)
-    assert plain.rows() == n and state.rows() < n / 5
+    first = {k: v[:1] for k, v in inp.items()}
+    plain = empty_state(p_plain, first)
+    recurrent_mix(*(first[k] for k in ("qa", "ka", "qb", "kb", "x", "g")), p_plain, state=plain)
+    assert plain.rows_held() == n and state.rows_held() < n / 5
 
 
 @st.composite
@@ -458,14 +456,14 @@ def test_cache_efficient_state_random_f(f, pad):
     n = 45
     inp = make_mixer_inputs(batch=2, heads=1, n=n, d=2, e=2, dtype=torch.float64, seed=pad)
     start = torch.tensor([pad, 0])
-    state = DecodeState(start=start)
+    state = empty_state(pattern, inp, start)
     ys = []
     for t in range(n):
         step = {k: v[:, :, t] for k, v in inp.items()}
         ys.append(recurrent_step(state, step["qa"], step["ka"], step["qb"], step["kb"], step["x"], step["g"], pattern))
         for b in range(2):
             m = t + 1 - int(start[b])
-            got = sorted(int(p) + 1 for p in state.positions[b] if p >= 0)
+            got = sorted({int(p) + 1 for p in state.positions[b] if p >= 0})
             assert got == (pattern.attended(m + 1) if m >= 1 else [])
     ref = reference_mix(inp["qa"], inp["ka"], inp["qb"], inp["kb"], inp["x"], inp["g"], pattern, start=start)
     assert_close(torch.stack(ys, 2), ref, "recurrent steps vs reference", tol=1e-12)
@@ -479,7 +477,7 @@ def test_state_select_batch_and_continue():
         inp = make_mixer_inputs(batch=3, heads=2, n=n, d=4, e=3, seed=14)
         start = torch.tensor([0, 4, 9])
         order = torch.tensor([2, 0, 1])
-        state = DecodeState(start=start)
+        state = empty_state(pattern, inp, start)
         first = recurrent_mix(*(inp[k][:, :, :split] for k in ("qa", "ka", "qb", "kb", "x", "g")), pattern,
                               start=start, state=state)
         state.select_batch(order)

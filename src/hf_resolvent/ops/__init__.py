@@ -7,8 +7,8 @@ Four forms compute the same function and are tested against each other:
   ``sparse_solve``, ``attention``) or on a backend's kernels;
 - ``graph``: the same block forward substitution in tensor operations alone (``graph``), which ``torch.compile``
   and ``torch.export`` trace;
-- ``recurrent``: one token at a time from a :class:`DecodeState` (decode), or from a :class:`StaticDecodeState`,
-  the same state in preallocated buffers (static cache, decoding in a ``torch.compile`` graph);
+- ``recurrent``: one token at a time from a :class:`DecodeState` (decode; its buffers grow, or are allocated once
+  for a static cache, decoding in a ``torch.compile`` graph);
 - ``extend``: several tokens at once after a :class:`DecodeState` (a chunked prefill, assisted decoding's drafts):
   the graph form's gathers and substitution over the held rows and the new ones.
 
@@ -30,12 +30,10 @@ from .parallel import parallel_mix
 from .recurrent import recurrent_mix, recurrent_step
 from .reference import mixer_matrices, reference_mix
 from .state import DecodeState
-from .static_state import StaticDecodeState
 
 __all__ = [
     "IMPLS",
     "DecodeState",
-    "StaticDecodeState",
     "decode_step",
     "decode_tokens",
     "extend_mix",

@@ -69,14 +69,24 @@ def records_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def require(ok: torch.Tensor, problem: str, message) -> None:
+def require(ok: torch.Tensor, problem: str, message, read_back: bool = True) -> None:
     """Raise ``ValueError(message())`` where the 0-d bool tensor ``ok`` is False. Eager: one host sync. Inside a
     ``torch.compile`` graph, where reading the value would break the graph: a runtime assert in the graph, whose
-    error says ``problem`` (the values are not known there)."""
+    error says ``problem`` (the values are not known there). ``read_back=False`` (a decode step, which reads nothing
+    back from the device): an assert queued on the device, which on a CPU fails at once (and becomes the
+    ValueError) and on a GPU stops the process with ``problem`` at its next synchronisation."""
     if torch.compiler.is_compiling():
         torch._assert_async(ok, problem)
-    elif not bool(ok):
-        raise ValueError(message())
+    elif read_back:
+        if not bool(ok):
+            raise ValueError(message())
+    else:
+        try:
+            torch._assert_async(ok, problem)
+            return
+        except RuntimeError:
+            pass
+        raise ValueError(message())  # outside the handler: the error alone, without the assert's as its context
 
 
 def row_valid_mask(start: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,10 @@ not choices of ``impl``: each is a public function that tests and oracles call d
 <!-- impl table -->
 | `impl` | forward (`resolvent_mix`) | decode step (`decode_step`) | several tokens after a state (`decode_tokens`) |
 |---|---|---|---|
-| `"auto"` | parallel on triton for CUDA tensors where Triton runs, else parallel on cpu where the kernels build, else parallel on torch; in a graph: graph | triton for CUDA tensors where Triton runs (not in a graph, not a static state), else recurrent on cpu | extend on cpu; in a graph: decode steps |
+| `"auto"` | parallel on triton for CUDA tensors where Triton runs, else parallel on cpu where the kernels build, else parallel on torch; in a graph: graph | triton for CUDA tensors where Triton runs (not in a graph), else recurrent on cpu | extend on cpu; in a graph: decode steps |
 | `"torch"` | parallel on torch; in a graph: graph | recurrent on torch | extend on torch; in a graph: decode steps |
 | `"cpu"` | parallel on cpu, an error where the kernels cannot run (another device, no compiler, `HF_RESOLVENT_CPU_KERNELS=0`) and in a graph | recurrent on cpu, the same errors | decode steps |
-| `"triton"` | triton, an error where it cannot run | triton, an error for a static state | decode steps |
+| `"triton"` | triton, an error where it cannot run | triton | decode steps |
 <!-- end of impl table -->
 
 "recurrent on cpu" and "extend on cpu" run their arithmetic on the CPU kernels only where their twin takes the call
@@ -55,8 +55,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-
-from .static_state import StaticDecodeState
 
 IMPLS = ("auto", "torch", "cpu", "triton")
 # values impl took when it also named forms: each is now a function to call (the error names it)
@@ -144,17 +142,12 @@ def choose(impl: str | None, x: torch.Tensor) -> str:
     return "cpu" if cpu is not None and x.device.type == "cpu" and cpu.available() else "torch"
 
 
-def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
-    """The decode step's code for tensors like ``x`` and a layer's ``state``: "triton", or the recurrent step as
-    "recurrent" (its arithmetic on the CPU kernels where its twin takes the call) or "torch" (its PyTorch code alone).
-    A preallocated state (static cache) and a graph take the recurrent step."""
+def choose_decode(impl: str | None, x: torch.Tensor) -> str:
+    """The decode step's code for tensors like ``x``: "triton", or the recurrent step as "recurrent" (its arithmetic
+    on the CPU kernels where its twin takes the call) or "torch" (its PyTorch code alone). A graph takes the
+    recurrent step."""
     impl = resolve(impl)
-    static = isinstance(state, StaticDecodeState)
-    if impl == "triton" and static:
-        raise RuntimeError("impl='triton': the Triton decode kernel reads the growing decode state; a static cache "
-                           "decodes with the PyTorch step (impl='auto' or 'torch', or leave cache_implementation unset)")
-    if impl == "triton" or (impl == "auto" and x.is_cuda and not static and not torch.compiler.is_compiling()
-                            and triton_ready()):
+    if impl == "triton" or (impl == "auto" and x.is_cuda and not torch.compiler.is_compiling() and triton_ready()):
         return "triton"
     if impl == "torch" and not torch.compiler.is_compiling():  # a graph runs no CPU kernel anyway
         return "torch"
@@ -163,14 +156,14 @@ def choose_decode(impl: str | None, x: torch.Tensor, state=None) -> str:
     return "recurrent"
 
 
-def choose_extend(impl: str | None, state, pattern) -> str:
+def choose_extend(impl: str | None, state) -> str:
     """How L > 1 tokens continue a decode ``state``: all at once (:func:`.extend.extend_mix`) as "extend" (its arithmetic
     on the CPU kernels where its twin takes the call) or "torch" (its PyTorch code alone), or "steps" (one decode step
     each, :func:`choose_decode` choosing their code)."""
     impl = resolve(impl)
     if impl not in ("auto", "torch") or torch.compiler.is_compiling():
         return "steps"
-    if not state.can_extend(pattern):
+    if not state.can_extend():
         return "steps"
     return "torch" if impl == "torch" else "extend"
 

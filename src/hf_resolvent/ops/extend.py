@@ -15,8 +15,6 @@ On the CPU, without gradients, sparse patterns run the same rows on the slot ope
 (``slot_probs``, ``slot_combine``, ``slot_solve``, which take any source table; :data:`OUTPUTS_TWIN`): per sequence, over [the held rows the
 new ones read; new rows], with the held rows' slots empty and their outputs as the right-hand side, so a solve
 reproduces them and goes on from there. The PyTorch code below is their reference and the path with autograd.
-Every layer of a cache takes the same new tokens with the same held positions, so a register state's tables are worked
-out by the first layer and reused by the others (:func:`_plan_key`).
 
 The result equals L decode steps (and a prefill of the whole sequence) to rounding; the state then takes the L
 tokens in one :meth:`~.state.DecodeState.extend`. Memory and work are those of the L rows plus the rows they read,
@@ -33,20 +31,18 @@ import torch.nn.functional as F
 from .common import check_tied, records_grad, to_compute_dtype
 from .dispatch import cpu_ops, cpu_twin
 from .graph import GRAPH_CHUNK, gathered_slot_probs, gathered_slot_sum, solve_after, source_table
-from .patterns import get_pattern
-from .register import EXTEND_PLANS, value_key
 from .state import DecodeState
 
 DIRECT_ROWS = 512  # new rows per block of a dense pattern's attention over all rows
 
 
-def _sources(state: DecodeState, pattern, r: torch.Tensor) -> torch.Tensor:
+def _sources(state: DecodeState, held: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """(B, K, L) long: the row of [held rows; new rows] that slot k of new token (b, l) at position r[b, l] reads
-    through B (sparse patterns), -1 where the slot is empty."""
-    held = state.row_positions(r.shape[0], r.device)  # (B, S)
+    through B (sparse patterns), -1 where the slot is empty; ``held`` (B, S) the held rows' positions."""
+    pattern = state.pattern
     size, r0 = held.shape[1], r[:, :1]
     table = source_table(pattern, r, int(r.max().item()) + 1).transpose(0, 1)  # (B, K, L) positions
-    rows = torch.where(table >= r0[:, :, None], size + table - r0[:, :, None], state.held_rows(pattern, table))
+    rows = torch.where(table >= r0[:, :, None], size + table - r0[:, :, None], state.held_rows(table))
     rows = torch.where(table >= 0, rows, -1)
     if size:
         read = held.gather(1, rows.clamp(0, size - 1).flatten(1)).view_as(rows)
@@ -59,24 +55,20 @@ def _sources(state: DecodeState, pattern, r: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _with_self(state: DecodeState, slots: torch.Tensor) -> torch.Tensor:
-    """(B, 1 + K, L): the sources of A, which reads the token itself (slot 0) and the slots of B."""
-    own = state.rows() + torch.arange(slots.shape[2], device=slots.device).expand(slots.shape[0], 1, -1)
+def _with_self(size: int, slots: torch.Tensor) -> torch.Tensor:
+    """(B, 1 + K, L): the sources of A, which reads the token itself (slot 0, after the ``size`` held rows) and the
+    slots of B."""
+    own = size + torch.arange(slots.shape[2], device=slots.device).expand(slots.shape[0], 1, -1)
     return torch.cat([own, slots], dim=1)
 
 
-def _valid_rows(state: DecodeState, r: torch.Tensor) -> torch.Tensor:
-    """(B, m) which rows of [held rows; new rows] hold a token (dense patterns read every valid row before them)."""
-    return torch.cat([state.row_positions(r.shape[0], r.device) >= 0, r >= 0], dim=1)
-
-
-def _direct(state: DecodeState, qa, ka, x, scale, slots=None, valid=None) -> torch.Tensor:
-    """Z = A~ X for the new rows (B, H, L, e); ka and x hold all m rows. Sparse patterns give their ``slots``
-    (:func:`_sources`), dense ones their ``valid`` rows (:func:`_valid_rows`)."""
+def _direct(size: int, qa, ka, x, scale, slots=None, valid=None) -> torch.Tensor:
+    """Z = A~ X for the new rows (B, H, L, e) after ``size`` held rows; ka and x hold all m rows. Sparse patterns
+    give their ``slots`` (:func:`_sources`), dense ones their ``valid`` rows of [held rows; new rows]."""
     if slots is not None:
-        src = _with_self(state, slots)
+        src = _with_self(size, slots)
         return gathered_slot_sum(gathered_slot_probs(qa, ka, src, scale), x, src)
-    size, length = state.rows(), qa.shape[2]
+    length = qa.shape[2]
     out = []
     for c0 in range(0, length, DIRECT_ROWS):
         c1 = min(length, c0 + DIRECT_ROWS)
@@ -87,28 +79,28 @@ def _direct(state: DecodeState, qa, ka, x, scale, slots=None, valid=None) -> tor
     return torch.cat(out, dim=2)
 
 
-def _with_held(state: DecodeState, name: str, new: torch.Tensor) -> torch.Tensor:
+def _with_held(rows: dict[str, torch.Tensor], name: str, new: torch.Tensor) -> torch.Tensor:
     """[held rows; new rows] of one tensor (B, H, m, .), in the new rows' dtype."""
-    held = getattr(state, name)
+    held = rows.get(name)
     return new if held is None else torch.cat([held.to(new.dtype), new], dim=2)
 
 
 def _positions(state: DecodeState, x: torch.Tensor) -> torch.Tensor:
     """(B, L) the pattern positions of the new tokens; refuses tokens inside a left padding."""
-    r = state.next_position(x.shape[0], x.device)[:, None] + torch.arange(x.shape[2], device=x.device)
+    r = state.next_position()[:, None] + torch.arange(x.shape[2], device=x.device)
     if bool((r[:, 0] < 0).any()):
         raise ValueError("tokens after a cache must follow real tokens (no left padding left to run): run the "
                          "padding in the prefill")
     return r
 
 
-def _read_rows(state: DecodeState, slots: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+def _read_rows(held_rows: int, slots: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """For each sequence b, the tables of the CPU kernels' path over [the u held rows its new rows read; new rows]:
     (used, src_a, src_b, src_solve, reads) with ``used`` (u,) those held rows, sorted; src_a (1 + K, L) and src_b
     (K, L) the sources of A (the token itself, then B's) and of B for the new rows; src_solve (K, u + L) B's
     sources for all rows, the held ones' slots empty (slot_solve's layout); reads (L,) the new rows that read
     anything through B."""
-    held_rows, length = state.rows(), slots.shape[2]
+    length = slots.shape[2]
     out = []
     for table in slots:  # (K, L) over [held rows; new rows]
         held = (table >= 0) & (table < held_rows)
@@ -122,7 +114,8 @@ def _read_rows(state: DecodeState, slots: torch.Tensor) -> list[tuple[torch.Tens
     return out
 
 
-def _sparse_on_cpu_kernels(state: DecodeState, pattern, plan, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
+def _sparse_on_cpu_kernels(held: dict[str, torch.Tensor], pattern, plan, scale, qa, ka, qb, kb, x, g,
+                           tied: bool) -> torch.Tensor:
     """:func:`_outputs` of a sparse pattern on the slot operators of the CPU kernels, one sequence at a time (each has its own
     tables, :func:`_read_rows`): (B, H, L, e). The kernels score the new rows against [held rows read; new rows]; the
     solve runs over those rows too, with the held rows' slots empty and their outputs as its right-hand side, so that
@@ -131,8 +124,8 @@ def _sparse_on_cpu_kernels(state: DecodeState, pattern, plan, scale, qa, ka, qb,
     out = []
     for b, (used, src_a, src_b, src_solve, reads) in enumerate(plan):
         def rows(name: str, new: torch.Tensor | None, b=b, used=used) -> torch.Tensor:  # (1, H, u + L, .)
-            held = getattr(state, name)[b:b + 1].index_select(2, used)
-            return held if new is None else torch.cat([held.to(new.dtype), new[b:b + 1]], 2)
+            kept = held[name][b:b + 1].index_select(2, used)
+            return kept if new is None else torch.cat([kept.to(new.dtype), new[b:b + 1]], 2)
 
         if tied:
             direct = x[b:b + 1]
@@ -150,47 +143,35 @@ def _sparse_on_cpu_kernels(state: DecodeState, pattern, plan, scale, qa, ka, qb,
     return torch.cat(out, 0)
 
 
-def _plan_key(state: DecodeState, pattern, r: torch.Tensor) -> tuple | None:
-    """The memo key of the new rows' sources (``register.EXTEND_PLANS``): a register state's held positions and the
-    new positions decide them, and every layer of a cache has the same. None (no memo) off the CPU and for states
-    that hold every position or a window, whose sources cost less than a key of their positions."""
-    if r.device.type != "cpu" or not state.uses_register(pattern):
-        return None
-    return (pattern, r.shape[1], *value_key(state.positions, r[:, 0]))
-
-
-def _planned(key: tuple | None, name: str, compute):
-    """``compute()``, shared by the layers of a cache under ``key`` (:func:`_plan_key`; None: not shared)."""
-    return compute() if key is None else EXTEND_PLANS.get(("extend " + name, *key), compute)
-
-
-def _twin_applies(x: torch.Tensor, *, slots, state: DecodeState, given) -> bool:
+def _twin_applies(x: torch.Tensor, *, slots, size: int, given) -> bool:
     """The slot operators serve sparse patterns (``slots``, the new rows' sources) after a state that holds rows,
     without gradients (they run here without their backwards). ``x`` is in the compute dtype."""
-    return slots is not None and bool(state.rows()) and not records_grad(given)
+    return slots is not None and bool(size) and not records_grad(given)
 
 
 OUTPUTS_TWIN = cpu_twin("extend._outputs", ("slot_probs", "slot_combine", "slot_solve"), applies=_twin_applies)
 
 
-def _outputs(state: DecodeState, pattern, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
-    """The new rows' outputs as the state stores them (B, H, L, e): y, or the tied variant's z."""
-    key = _plan_key(state, pattern, r)
-    slots = None if pattern.is_dense else _planned(key, "sources", lambda: _sources(state, pattern, r))
-    valid = _valid_rows(state, r) if pattern.is_dense else None
-    given = [t for t in (qa, ka, qb, kb, x, g) if t is not None] + list(state.tensors().values())
-    if OUTPUTS_TWIN.takes(x, slots=slots, state=state, given=given):
-        plan = _planned(key, "read rows", lambda: _read_rows(state, slots))
-        return _sparse_on_cpu_kernels(state, pattern, plan, scale, qa, ka, qb, kb, x, g, tied)
-    direct = x if tied else _direct(state, qa, _with_held(state, "keys_a", ka), _with_held(state, "values", x), scale,
+def _outputs(state: DecodeState, r, scale, qa, ka, qb, kb, x, g, tied: bool) -> torch.Tensor:
+    """The new rows' outputs as the state keeps them (B, H, L, e): y, or the tied variant's z."""
+    pattern = state.pattern
+    rows, positions = state.view()
+    size = positions.shape[1]
+    slots = None if pattern.is_dense else _sources(state, positions, r)
+    valid = torch.cat([positions >= 0, r >= 0], dim=1) if pattern.is_dense else None  # (B, m)
+    given = [t for t in (qa, ka, qb, kb, x, g) if t is not None] + list(rows.values())
+    if OUTPUTS_TWIN.takes(x, slots=slots, size=size, given=given):
+        return _sparse_on_cpu_kernels(rows, pattern, _read_rows(size, slots), scale, qa, ka, qb, kb, x, g, tied)
+    direct = x if tied else _direct(size, qa, _with_held(rows, "keys_a", ka), _with_held(rows, "values", x), scale,
                                     slots, valid)
     if not pattern.has_recurrence:
         return direct
-    return solve_after(qb, _with_held(state, "keys_b", kb), g, direct, state.outputs.to(x.dtype), scale, GRAPH_CHUNK,
+    return solve_after(qb, _with_held(rows, "keys_b", kb), g, direct, rows["outputs"].to(x.dtype), scale, GRAPH_CHUNK,
                        src=slots, key_valid=valid)
 
 
-def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None, d=None) -> torch.Tensor:
+def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, scale=None, d=None, conv=None
+               ) -> torch.Tensor:
     """L tokens per sequence against a layer's decode ``state``, in parallel, and advance it (the state takes the
     L tokens as L :func:`~.recurrent.recurrent_step` calls would).
 
@@ -199,26 +180,26 @@ def extend_mix(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None, d=
         qa, ka, qb, kb: (B, H, L, d) the tokens' queries and keys (qb, kb None for attention patterns; qa, ka None
             for the tied variant).
         x: (B, H, L, e) their values; g: (B, H, L) their gate (None for attention patterns).
-        pattern: spec or Pattern; scale: score scale, default d ** -0.5.
+        pattern: the state's own (it may be given, as to the other forms); scale: score scale, default d ** -0.5.
         d: (B, H, L) for the tied variant: z = (I - B)^-1 (1 - g) x over the held and new rows, y = z - d x; the
-            state stores z.
+            state keeps z.
+        conv: (B, L, C) the tokens' input rows of the layer's short convolution, which the state keeps.
 
     Returns:
         y (B, H, L, e) in x's dtype, computed in float32 (float64 for float64 inputs).
     """
-    pattern = get_pattern(pattern)
     r = _positions(state, x)
     out_dtype = x.dtype
     check_tied(qa, ka, d)
     qa, ka, qb, kb, x, g, d = to_compute_dtype(qa, ka, qb, kb, x, g, d)
     scale = (qa if d is None else qb).shape[-1] ** -0.5 if scale is None else scale
     if d is not None:
-        z = _outputs(state, pattern, r, scale, None, None, qb, kb, x, g, tied=True)
-        state.extend(pattern, {"keys_b": kb.to(out_dtype), "outputs": z.to(out_dtype)}, r)
+        z = _outputs(state, r, scale, None, None, qb, kb, x, g, tied=True)
+        state.extend({"keys_b": kb, "outputs": z}, r, conv)
         return (z - d[..., None] * x).to(out_dtype)
-    y = _outputs(state, pattern, r, scale, qa, ka, qb, kb, x, g, tied=False)
+    y = _outputs(state, r, scale, qa, ka, qb, kb, x, g, tied=False)
     rows = {"keys_a": ka, "values": x}
-    if pattern.has_recurrence:
+    if state.pattern.has_recurrence:
         rows.update(keys_b=kb, outputs=y)
-    state.extend(pattern, {k: v.to(out_dtype) for k, v in rows.items()}, r)
+    state.extend(rows, r, conv)
     return y.to(out_dtype)

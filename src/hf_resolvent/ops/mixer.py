@@ -50,7 +50,8 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
         return parallel_mix(qa, ka, qb, kb, x, g, pattern, start, scale, d=d)
 
 
-def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None, d=None):
+def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, impl: str = "auto", scale=None, d=None,
+                conv=None):
     """Mix one token per sequence against a layer's decode ``state`` and advance it (the model's decode path).
 
     Args:
@@ -58,39 +59,40 @@ def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "
         qa, ka, qb, kb: (B, H, d) the token's queries and keys (qb, kb None for attention patterns; qa, ka None for
             the tied variant).
         x: (B, H, e) its value; g: (B, H) its gate (None for attention patterns).
-        pattern: spec or Pattern.
+        pattern: the state's own (it may be given, as to the other forms).
         impl: as for :func:`resolvent_mix`; the Triton decode kernel runs for ``"triton"`` (and ``"auto"`` on CUDA
-            tensors, outside a graph), ``recurrent_step`` for every other choice and for a
-            :class:`~.state.StaticDecodeState` (on its CPU twin where that takes the call, in PyTorch alone for
-            ``"torch"``).
+            tensors, outside a graph), ``recurrent_step`` for every other choice (on its CPU twin where that takes
+            the call, in PyTorch alone for ``"torch"``).
         scale: score scale, default d ** -0.5.
         d: (B, H) for the tied variant.
+        conv: (B, C) the token's input row of the layer's short convolution, which the state keeps.
 
     Returns:
         y (B, H, e), 0 for sequences still in their left padding.
     """
-    path = choose_decode(impl, x, state)
+    path = choose_decode(impl, x)
     if path == "triton":
-        return triton().triton_decode_step(state, qa, ka, qb, kb, x, g, pattern, scale=scale, d=d)
+        return triton().triton_decode_step(state, qa, ka, qb, kb, x, g, scale=scale, d=d, conv=conv)
     with torch_only() if path == "torch" else nullcontext():
-        return recurrent_step(state, qa, ka, qb, kb, x, g, pattern, scale, d=d)
+        return recurrent_step(state, qa, ka, qb, kb, x, g, scale=scale, d=d, conv=conv)
 
 
-def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern, impl: str = "auto", scale=None, d=None):
+def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, impl: str = "auto", scale=None, d=None,
+                  conv=None):
     """Mix L tokens per sequence against a layer's decode ``state`` and advance it (the model's forward after a
     cache): all at once where :func:`~.dispatch.choose_extend` allows it, else one :func:`decode_step` per token.
 
-    Args: as :func:`decode_step`, with a token axis: qa, ka, qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L).
+    Args: as :func:`decode_step`, with a token axis: qa, ka, qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L),
+    conv (B, L, C).
 
     Returns:
         y (B, H, L, e).
     """
-    pattern = get_pattern(pattern)
-    path = choose_extend(impl, state, pattern) if x.shape[2] > 1 else "steps"
+    path = choose_extend(impl, state) if x.shape[2] > 1 else "steps"
     if path != "steps":
         with torch_only() if path == "torch" else nullcontext():
-            return extend_mix(state, qa, ka, qb, kb, x, g, pattern, scale, d=d)
-    ys = [decode_step(state, *(None if t is None else t[:, :, i] for t in (qa, ka, qb, kb, x, g)), pattern, impl,
-                      scale, d=None if d is None else d[:, :, i])
+            return extend_mix(state, qa, ka, qb, kb, x, g, scale=scale, d=d, conv=conv)
+    ys = [decode_step(state, *(None if t is None else t[:, :, i] for t in (qa, ka, qb, kb, x, g)), impl=impl,
+                      scale=scale, d=None if d is None else d[:, :, i], conv=None if conv is None else conv[:, i])
           for i in range(x.shape[2])]
     return torch.stack(ys, dim=2)

@@ -39,30 +39,22 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch
 
 
 def _held(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Held rows t (B, H, S, .), or none (S = 0) before the first token, shaped like the token's ``like``."""
+    """Held rows t (B, H, S, .), or none (S = 0) where the state keeps none, shaped like the token's ``like``."""
     if t is None:
         return like.new_zeros(like.shape[0], like.shape[1], 0, like.shape[-1])
     return t
-
-
-def _step_start(state: DecodeState, pattern, q, x, scale):
-    """What every step begins with: (pattern, the token's position r (B,), the held rows it reads (B, S), scale)."""
-    pattern = get_pattern(pattern)
-    r = state.next_position(x.shape[0], x.device)
-    read = state.read_mask(pattern, r)
-    return pattern, r, read, q.shape[-1] ** -0.5 if scale is None else scale
 
 
 # The C++ step has no backward: it runs only where no gradient is recorded.
 MIX_TWIN = cpu_twin("recurrent._mix", ("decode_step",), applies=lambda *given: not records_grad(given))
 
 
-def _mix(state: DecodeState, read, r, scale, qa, ka, qb, kb, x, g, d):
-    """The token's output y (B, H, e) and the row the state stores as ``outputs`` (y before the padding mask;
-    the tied variant's z, masked), from the held rows that ``read`` (B, S) lets through. Its twin on the CPU kernels
+def _mix(rows: dict[str, torch.Tensor], read, r, scale, qa, ka, qb, kb, x, g, d):
+    """The token's output y (B, H, e) and the row the state keeps as ``outputs`` (y before the padding mask; the tied
+    variant's z, masked), from the held ``rows`` that ``read`` (B, S) lets through. Its twin on the CPU kernels
     (``backends/cpu/csrc/decode_cpu.cpp``, :data:`MIX_TWIN`) does this arithmetic in one call where it takes the
     call; the PyTorch code below is its reference."""
-    held = [getattr(state, name) if q is not None else None  # the rows of the channels this step uses
+    held = [rows.get(name) if q is not None else None  # the rows of the channels this step uses
             for name, q in (("keys_a", qa), ("values", qa), ("keys_b", qb), ("outputs", qb))]
     given = [t for t in (qa, ka, qb, kb, x, g, d, *held) if t is not None]
     if MIX_TWIN.takes(*given):
@@ -82,24 +74,29 @@ def _mix(state: DecodeState, read, r, scale, qa, ka, qb, kb, x, g, d):
     return y * valid, y
 
 
-def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern, scale=None, d=None) -> torch.Tensor:
+def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, scale=None, d=None, conv=None):
     """Mix one token (each input (B, H, d) or (B, H) for g and ``d``) and advance ``state``. Returns y (B, H, e).
 
-    ``d`` asks for the tied variant (``qa = ka = None``): z_t = g softmax(qb . kb[P^B]) z[P^B] + (1 - g) x_t,
-    y_t = z_t - d_t x_t; the state keeps z."""
+    ``pattern`` is the state's own (it may be given, as to the other forms). ``d`` asks for the tied variant
+    (``qa = ka = None``): z_t = g softmax(qb . kb[P^B]) z[P^B] + (1 - g) x_t, y_t = z_t - d_t x_t; the state keeps z.
+    ``conv`` (B, C): the token's input row of the layer's short convolution, which the state keeps."""
     check_tied(qa, ka, d)
-    pattern, r, read, scale = _step_start(state, pattern, qa if d is None else qb, x, scale)
+    q = qa if d is None else qb
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    r = state.next_position()
+    rows, positions = state.view()
+    read = state.read_mask(r, positions)
     if d is not None:
-        y, z = _mix(state, read, r, scale, None, None, qb, kb, x, g, d)
-        state.advance(pattern, {"keys_b": kb, "outputs": z}, r)
+        y, z = _mix(rows, read, r, scale, None, None, qb, kb, x, g, d)
+        state.advance({"keys_b": kb, "outputs": z}, r, conv)
         return y
-    has_b = pattern.has_recurrence
-    y, stored = _mix(state, read, r, scale, qa, ka, qb if has_b else None, kb if has_b else None, x,
+    has_b = state.pattern.has_recurrence
+    y, stored = _mix(rows, read, r, scale, qa, ka, qb if has_b else None, kb if has_b else None, x,
                      g if has_b else None, None)
     new = {"keys_a": ka, "values": x}
     if has_b:
         new.update(keys_b=kb, outputs=stored)
-    state.advance(pattern, new, r)
+    state.advance(new, r, conv)
     return y
 
 
@@ -110,9 +107,15 @@ def recurrent_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, state=N
     check_inputs(qa, ka, qb, kb, x, g, pattern, start, tied_d=d)
     out_dtype = x.dtype
     qa, ka, qb, kb, x, g, d = to_compute_dtype(qa, ka, qb, kb, x, g, d)
-    state = state if state is not None else DecodeState(start=start)
+    if state is None:
+        names = ("keys_b", "outputs") if d is not None else ("keys_a", "values") + (
+            ("keys_b", "outputs") if pattern.has_recurrence else ())
+        widths = {name: (x if name in ("values", "outputs") else (qb if d is not None else qa)).shape[-1]
+                  for name in names}
+        state = DecodeState.empty(pattern, widths, x.shape[0], x.shape[1], dtype=x.dtype, device=x.device,
+                                  start=start)
     ys = []
     for t in range(x.shape[2]):
         qa_t, ka_t, qb_t, kb_t, g_t, d_t = (None if a is None else a[:, :, t] for a in (qa, ka, qb, kb, g, d))
-        ys.append(recurrent_step(state, qa_t, ka_t, qb_t, kb_t, x[:, :, t], g_t, pattern, scale, d=d_t))
+        ys.append(recurrent_step(state, qa_t, ka_t, qb_t, kb_t, x[:, :, t], g_t, scale=scale, d=d_t))
     return torch.stack(ys, dim=2).to(out_dtype)
