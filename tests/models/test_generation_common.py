@@ -137,6 +137,11 @@ def test_assisted_decoding_equals_greedy(family, monkeypatch):
     for assistant in (tiny_model(family, seed=1), tiny_model("ce", seed=2), tiny_model(family)):
         assistant = _drafting(assistant)
         assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=assistant), greedy)
+    # as a tokenizer gives it: an unpadded batch of one with its mask, a draft of the family and an attention one
+    for assistant in (tiny_model(family, seed=1), tiny_model("attention", seed=2)):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             assistant_model=_drafting(assistant))
+        assert torch.equal(out, greedy)
     assert any(n < 0 for n in crops), "no draft was rejected: the rollback was not exercised"
 
 
