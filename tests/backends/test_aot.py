@@ -23,10 +23,11 @@ from hf_resolvent.backends.triton import aot, launching
 
 N, WIDTH, BATCH, HEADS = 1024, 64, 2, 12
 ARCH = 90
-# The kernels the defaults replaced (the split attention backward, the blocked dense solves), still selectable.
-REPLACED = {"attn_bwd": "split", "dense_solver": "blocked", "solved_copy": False}
-CASES = [("attention", False, {}), ("dense", False, {}), ("exp2:ce", False, {}), ("dense", True, {}),
-         ("attention", False, REPLACED), ("dense", False, REPLACED), ("dense", True, REPLACED)]
+# The kernels the defaults replaced (the split attention backward, the blocked dense and sparse solves), still
+# selectable; the chunked solves' kernels are checked in CHUNKED below.
+REPLACED = {"attn_bwd": "split", "dense_solver": "blocked", "solved_copy": False, "sparse_solver": "blocked"}
+CASES = [("attention", False, {}), ("dense", False, {}), ("dense", True, {}), ("attention", False, REPLACED),
+         ("dense", False, REPLACED), ("dense", True, REPLACED), ("exp2:ce", False, REPLACED)]
 
 # Spill stack (bytes per thread) of each kernel at the default tiles: a regression guard, the values the kernels
 # have. A kernel that spills reads and writes its registers through local memory inside its loops.
@@ -144,10 +145,10 @@ def test_products_compile_to_the_tensor_core_path_their_tiles_allow(compiled):
       dP) and every product of the dQ kernel (32 query rows) are below a warpgroup's 64 rows and run on mma.sync.
     - The blocked solves (32-row blocks) run every product on mma.sync.
 
-    The split backward and the blocked dense solves are the kernels the defaults replaced (``REPLACED``); the
-    atomic backward and the chunked solves have tests of their own below.
+    The split backward and the blocked solves are the kernels the defaults replaced (``REPLACED``); the atomic
+    backward and the chunked solves have tests of their own below.
     """
-    launches = record("dense", **REPLACED) + record("exp2:ce")
+    launches = record("dense", **REPLACED) + record("exp2:ce", **REPLACED)
     seen = set()
     for launch in launches:
         c, usage = launch.constexprs, compiled(launch)
@@ -173,7 +174,7 @@ def test_atomics_are_where_the_kernels_use_them(compiled):
                 "dense_chunk_fwd_kernel": {"ticket", "publish"}, "dense_chunk_bwd_kernel": {"ticket", "publish"},
                 "sparse_solve_bwd_kernel": {"ticket", "publish", "f32 sum"}, "sparse_grads_kernel": {"f32 sum"},
                 "attn_bwd_atomic_kernel": {"f32 sum"}}
-    for launch in (record("dense") + record("exp2:ce") + record("attention") + record("dense", **REPLACED)
+    for launch in (record("dense") + record("exp2:ce", **REPLACED) + record("attention") + record("dense", **REPLACED)
                    + record("attention", **REPLACED)):
         ops = compiled(launch)["atomic_ops"]
         unknown = set(ops) - set(ATOMIC_ROLES)

@@ -142,7 +142,8 @@ def test_every_block_of_a_solve_is_claimed_once_and_published(pattern, monkeypat
     real = launching.progress_buffer
     monkeypatch.setattr(launching, "progress_buffer", lambda BH, device: schedules.append(real(BH, device)) or schedules[-1])
     batch, heads, n = 2, 3, 37  # three blocks of 16, the last one partial
-    _check_mix(pattern, batch=batch, heads=heads, n=n, d=16, e=16, dtype=torch.float32, rel=1e-4)
+    with kernels.block_config(sparse_solver="blocked"):  # the sparse patterns' ticket-ordered solves
+        _check_mix(pattern, batch=batch, heads=heads, n=n, d=16, e=16, dtype=torch.float32, rel=1e-4)
     nblk, BH = -(-n // BLOCK), batch * heads
     assert len(schedules) == (2 if pattern == "dense" else 1)  # the sparse forward solve runs one program per head
     for progress in schedules:
@@ -184,9 +185,9 @@ def _check_tied(pattern, dtype, rel, padded):
 
 # --------------------------------------------------------------------------------------------------
 # The kernels the defaults replaced (the split attention backward, the blocked dense solves without the 16-bit
-# copy): still selectable, so still checked on the cases above that reach them.
+# copy, the blocked sparse solves): still selectable, so still checked on the cases above that reach them.
 
-REPLACED = dict(attn_bwd="split", dense_solver="blocked", solved_copy=False)
+REPLACED = dict(attn_bwd="split", dense_solver="blocked", solved_copy=False, sparse_solver="blocked")
 
 
 @pytest.mark.parametrize(("pattern", "dtype", "padded"), [
@@ -194,6 +195,9 @@ REPLACED = dict(attn_bwd="split", dense_solver="blocked", solved_copy=False)
     ("dense", torch.float32, True),
     ("attention", torch.bfloat16, False),
     ("dense", torch.bfloat16, False),
+    ("exp2:ce", torch.float32, True),
+    ("square", torch.bfloat16, False),
+    ("banded:2", torch.float32, True),
 ])
 def test_replaced_kernels(pattern, dtype, padded):
     rel = 1e-4 if dtype == torch.float32 else 3e-2
@@ -400,7 +404,8 @@ def test_decode_step_tied_and_bfloat16():
 
 @pytest.mark.parametrize(("pattern", "dtype", "replaced"), [("dense", torch.bfloat16, True),
                                                             ("dense", torch.float32, False),
-                                                            ("exp2:ce", torch.float32, False)])
+                                                            ("exp2:ce", torch.float32, False),
+                                                            ("exp2:ce", torch.float32, True)])
 def test_kernels_compile_for_a_gpu(pattern, dtype, replaced):
     """Every launch of a forward, backward and decode step compiles to a cubin for sm_90.
 
@@ -415,9 +420,10 @@ def test_kernels_compile_for_a_gpu(pattern, dtype, replaced):
     names = {launch.name for launch in launches}
     dense = ({"dense_solve_fwd_kernel", "dense_solve_bwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
              if replaced else {"dense_chunk_fwd_kernel", "dense_chunk_bwd_kernel", "attn_bwd_atomic_kernel"})
+    sparse = ({"sparse_solve_fwd_kernel", "sparse_solve_bwd_kernel", "sparse_grads_kernel"} if replaced else
+              {"chunk_prepare_kernel", "chunk_carry_kernel", "chunk_rows_bwd_kernel", "chunk_grads_kernel"})
     expected = {"dense": {"attn_fwd_kernel", "decode_step_kernel"} | dense,
-                "exp2:ce": {"sparse_direct_kernel", "sparse_solve_fwd_kernel", "sparse_solve_bwd_kernel",
-                            "sparse_grads_kernel", "decode_step_kernel"}}[pattern]
+                "exp2:ce": {"sparse_direct_kernel", "decode_step_kernel"} | sparse}[pattern]
     assert names == expected
     for launch in launches:
         usage = aot.compile_launch(launch, arch=90)

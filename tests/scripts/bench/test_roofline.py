@@ -104,8 +104,9 @@ def test_roofline_without_measurements_says_not_measured(tmp_path, capsys):
 
 
 CHUNKED = "sparse_solver=chunked,dense_solver=chunked,attn_bwd=atomic,solved_copy=false"
-# The kernels the defaults replaced: the split attention backward and the blocked dense solves without the copy.
-BLOCKED = "attn_bwd=split,dense_solver=blocked,solved_copy=false"
+# The kernels the defaults replaced: the split attention backward, the blocked dense solves without the copy and
+# the blocked sparse solves.
+BLOCKED = "attn_bwd=split,dense_solver=blocked,solved_copy=false,sparse_solver=blocked"
 
 
 def _run_variants(tmp_path, patterns: str, lengths: str, *extra: str, batch: int = 1, heads: int = 2,
@@ -364,43 +365,46 @@ def test_solved_copy_moves_the_products_with_solved_rows_from_tf32_to_16_bit(tmp
 def test_variants_leave_the_default_figures_alone_and_take_their_own_measurements(tmp_path):
     n = 256
     measured = tmp_path / "measured.json"
-    settings = {"sparse_solver": "chunked", "dense_solver": "chunked", "attn_bwd": "atomic"}
-    rows = [{"name": "triton:exp2:ce", "config": {}, "n": n, "forward_ms": 1.0, "forward_backward_ms": 2.0},
-            {"name": f"triton:exp2:ce [{CHUNKED}]", "config": settings, "n": n, "forward_ms": 3.0,
-             "forward_backward_ms": 4.0}]
+    today = load_script("bench/roofline").current_defaults()  # a row measured with today's kernels says so
+    rows = [{"name": "triton:exp2:ce", "config": {}, "kernels": today, "n": n, "forward_ms": 1.0,
+             "forward_backward_ms": 2.0},
+            {"name": f"triton:exp2:ce [{BLOCKED}]", "config": aot.parse_config(BLOCKED), "kernels": today, "n": n,
+             "forward_ms": 3.0, "forward_backward_ms": 4.0}]
     measured.write_text(json.dumps({"batch": 1, "heads": 2, "head_dim": D, "dtype": "bfloat16", "device": "GPU",
                                     "rows": rows}))
     profile = tmp_path / "profile.log"
-    profile.write_text(f"=== n={n} exp2:ce (2 steps) [attn_bwd=atomic,sparse_solver=chunked,dense_solver=chunked]\n"
-                       "                  chunk_carry_kernel         0.00%       0.000us         0.00%       0.000us "
-                       "      0.000us      30.000ms        25.32%      30.000ms      15.000ms             4\n")
+    profile.write_text(f"=== n={n} exp2:ce (2 steps) [{BLOCKED}]\n"
+                       "                  sparse_solve_fwd_kernel         0.00%       0.000us         0.00%       "
+                       "0.000us       0.000us      30.000ms        25.32%      30.000ms      15.000ms             2\n")
     both = _run_variants(tmp_path, "exp2:ce,dense", str(n), "--measured", str(measured), "--profile", str(profile),
-                         "--kernel-step-latency-us", "chunk_carry=5", configs=("default", f"chunked:{CHUNKED}"))
+                         "--kernel-step-latency-us", "chunk_carry=5", configs=("default", f"blocked:{BLOCKED}"))
     out = tmp_path / "alone.json"
     assert load_script("bench/roofline").main(["--out", str(out), "--patterns", "exp2:ce,dense", "--lengths", str(n),
-                                               "--batch", "1", "--heads", "2", "--profile", ""]) == 0
+                                               "--batch", "1", "--heads", "2", "--profile", "",
+                                               "--kernel-step-latency-us", "chunk_carry=5"]) == 0
     alone = json.loads(out.read_text())
     for pattern in ("exp2:ce", "dense"):
         assert _variant(both, pattern, n, "default")["launches"] == _variant(alone, pattern, n, "default")["launches"]
-    assert {c["variant"] for c in both["cases"]} == {"default", "chunked", None}  # None: SDPA, once per length
+    assert {c["variant"] for c in both["cases"]} == {"default", "blocked", None}  # None: SDPA, once per length
 
     # measured times and profiles by the variant's settings, whatever their order
-    assert _variant(both, "exp2:ce", n, "default")["forward_backward"]["measured_ms"] == 2.0
-    chunked = _variant(both, "exp2:ce", n, "chunked")
-    assert chunked["forward"]["measured_ms"] == 3.0 and chunked["forward_backward"]["measured_ms"] == 4.0
-    kernels = {k["kernel"]: k for k in chunked["kernels"]}
-    assert kernels["chunk_carry"]["profiled_ms"] == 15.0 and kernels["chunk_carry"]["launches"] == 2
-    assert kernels["chunk_carry"]["pass"] == "both" and kernels["chunk_prepare"]["pass"] == "forward"
-    assert {k["kernel"]: k["profiled_ms"] for k in _variant(both, "exp2:ce", n, "default")["kernels"]} == {
-        "sparse_direct": None, "sparse_solve_fwd": None, "sparse_solve_bwd": None, "sparse_grads": None}
+    default = _variant(both, "exp2:ce", n, "default")
+    assert default["forward_backward"]["measured_ms"] == 2.0
+    blocked = _variant(both, "exp2:ce", n, "blocked")
+    assert blocked["forward"]["measured_ms"] == 3.0 and blocked["forward_backward"]["measured_ms"] == 4.0
+    kernels = {k["kernel"]: k for k in blocked["kernels"]}
+    assert kernels["sparse_solve_fwd"]["profiled_ms"] == 15.0 and kernels["sparse_solve_fwd"]["launches"] == 1
+    assert kernels["sparse_solve_fwd"]["pass"] == "forward" and kernels["sparse_solve_bwd"]["pass"] == "backward"
+    assert {k["kernel"]: k["profiled_ms"] for k in default["kernels"]} == {
+        "sparse_direct": None, "chunk_prepare": None, "chunk_carry": None, "chunk_rows_bwd": None, "chunk_grads": None}
     # the per-kernel step latency applies to that kernel's chain only
-    for r in _rows(chunked, "chunk_carry"):
+    for r in _rows(default, "chunk_carry"):
         assert math.isclose(r["chain_s"], r["chain_steps"] * 5e-6)
-    (dense_fwd,) = _rows(_variant(both, "dense", n, "chunked"), "dense_chunk_fwd")
+    (dense_fwd,) = _rows(_variant(both, "dense", n, "default"), "dense_chunk_fwd")
     assert math.isclose(dense_fwd["chain_s"], dense_fwd["chain_steps"] * 2e-6)
     # every pass against SDPA at its length, and the latency at which it would equal it
     sdpa = _variant(both, "sdpa", n, None)["forward_backward"]["roofline_s"]
-    fb = chunked["forward_backward"]
+    fb = default["forward_backward"]
     assert fb["roofline_over_sdpa"] == fb["roofline_s"] / sdpa
     assert math.isclose(fb["sdpa_step_us"], (sdpa - fb["work_s"]) / fb["chain_steps"] * 1e6)
 
