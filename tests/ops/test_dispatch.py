@@ -13,6 +13,7 @@ import hf_resolvent as hr
 from hf_resolvent.backends import cpu
 from hf_resolvent.configuration_resolvent import MIXER_IMPLS
 from hf_resolvent.ops import DecodeState, decode_step, dispatch, reference_mix, resolvent_mix
+from hf_resolvent.patterns import get_pattern
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,6 +144,48 @@ def test_decoding_runs_the_recurrent_step_except_on_triton(monkeypatch):
     with pytest.raises(RuntimeError, match="compiled CPU kernels are not available here"):
         decode_step(_empty(), *token, "exp2", impl="cpu")
     assert decode_step(_empty(), *token, "exp2").shape == (1, 2, 8)  # "auto" falls back: it named nothing
+
+
+class _OnCuda:
+    """Stands for a CUDA tensor where the dispatch asks only where a tensor lives."""
+
+    is_cuda = True
+    device = torch.device("cuda")
+
+
+def test_softmax_attention_alone_takes_sdpa_on_a_gpu(monkeypatch):
+    """Under "auto", the attention pattern on CUDA tensors runs scaled_dot_product_attention (the backend a
+    transformers model gets); every other pattern, "torch" and a named "triton" keep their paths."""
+    monkeypatch.setattr(dispatch, "triton_ready", lambda: True)
+    attention, dense, local = (get_pattern(s) for s in ("attention", "dense", "local_attention:8"))
+    assert dispatch.choose("auto", _OnCuda(), attention) == "sdpa"
+    assert dispatch.choose("auto", _OnCuda(), dense) == "triton" == dispatch.choose("auto", _OnCuda(), local)
+    assert dispatch.choose("triton", _OnCuda(), attention) == "triton"
+    assert dispatch.choose("torch", _OnCuda(), attention) == "torch"
+    assert dispatch.choose("auto", torch.empty(1), attention) != "sdpa"  # a CPU tensor
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dispatch.choose("auto", _OnCuda(), attention) == "graph"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_sdpa_path_is_the_attention_pattern(dtype):
+    """sdpa_mix, in the inputs' dtype, equals the reference mixer of the attention pattern, with left padding, and
+    its gradients too."""
+    from hf_resolvent.ops.parallel import sdpa_mix
+
+    gen = torch.Generator().manual_seed(3)
+    qa, ka, x = (torch.randn(3, 2, 19, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3))
+    start = torch.tensor([0, 4, 11])
+    want = reference_mix(qa, ka, None, None, x, None, "attention", start=start)
+    low = [t.detach().to(dtype).requires_grad_() for t in (qa, ka, x)]
+    got = sdpa_mix(*low, start)
+    assert got.dtype == dtype
+    tol = 1e-10 if dtype == torch.float64 else 3e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad((want * g).sum(), (qa, ka, x)),
+                    torch.autograd.grad((got.double() * g).sum(), low)):
+        torch.testing.assert_close(b.double(), a, atol=tol * 4, rtol=tol * 4)
 
 
 def test_a_graph_takes_the_graph_form(monkeypatch):

@@ -25,7 +25,7 @@ not choices of ``impl``: each is a public function that tests and oracles call d
 <!-- impl table -->
 | `impl` | forward (`resolvent_mix`) | decode step (`decode_step`) | several tokens after a state (`decode_tokens`) |
 |---|---|---|---|
-| `"auto"` | parallel on triton for CUDA tensors where Triton runs, else parallel on cpu where the kernels build, else parallel on torch; in a graph: graph | triton for CUDA tensors where Triton runs (not in a graph), else recurrent on cpu | extend on cpu; in a graph: decode steps |
+| `"auto"` | the attention pattern on CUDA tensors, not in a graph: sdpa; else parallel on triton for CUDA tensors where Triton runs, else parallel on cpu where the kernels build, else parallel on torch; in a graph: graph | triton for CUDA tensors where Triton runs (not in a graph), else recurrent on cpu | extend on cpu; in a graph: decode steps |
 | `"torch"` | parallel on torch; in a graph: graph | recurrent on torch | extend on torch; in a graph: decode steps |
 | `"cpu"` | parallel on cpu, an error where the kernels cannot run (another device, no compiler, `HF_RESOLVENT_CPU_KERNELS=0`) and in a graph | recurrent on cpu, the same errors | decode steps |
 | `"triton"` | triton, an error where it cannot run | triton | decode steps |
@@ -115,11 +115,17 @@ def triton():
     return _required("triton")
 
 
-def choose(impl: str | None, x: torch.Tensor) -> str:
-    """The code that runs a mixer call on tensors like ``x``: "triton", "graph" (in a graph), "cpu" or "torch"."""
+def choose(impl: str | None, x: torch.Tensor, pattern=None) -> str:
+    """The code that runs a mixer call of ``pattern`` on tensors like ``x``: "sdpa", "triton", "graph" (in a graph),
+    "cpu" or "torch". Under "auto", softmax attention alone (the ``attention`` pattern: no B channel) on CUDA
+    tensors runs PyTorch's ``scaled_dot_product_attention``, the backends a transformers model of attention gets
+    (cuDNN, flash, memory-efficient); ``impl="triton"`` still names the Triton attention kernels."""
     impl = resolve(impl)
     if impl == "triton":
         return impl
+    if (impl == "auto" and x.is_cuda and pattern is not None and pattern.kind == "attention"
+            and not torch.compiler.is_compiling()):  # a graph traces the graph form's own SDPA call
+        return "sdpa"
     if torch.compiler.is_compiling():  # a graph takes the graph form; the C++ operators have no meta kernels
         if impl == "cpu":
             raise RuntimeError("impl='cpu' cannot run inside torch.compile (the C++ kernels are opaque to it); use "

@@ -14,7 +14,7 @@ import torch
 from .dispatch import choose, choose_decode, choose_extend, torch_only, triton
 from .extend import extend_mix
 from .graph import graph_mix
-from .parallel import parallel_mix
+from .parallel import parallel_mix, sdpa_mix
 from .patterns import get_pattern
 from .recurrent import recurrent_step
 from .state import DecodeState
@@ -41,7 +41,9 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
         (B, H, n, e) outputs in x's dtype.
     """
     pattern = get_pattern(pattern)
-    path = choose(impl, x)
+    path = choose(impl, x, pattern)
+    if path == "sdpa":
+        return sdpa_mix(qa, ka, x, start, scale)
     if path == "graph":
         return graph_mix(qa, ka, qb, kb, x, g, pattern, start, scale, d=d)
     if path == "triton":

@@ -23,6 +23,7 @@ Shapes: B batch, H heads, n positions, d key width, e value width, C chunk, M (=
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .attention import causal_attention
 from .common import check_inputs, row_valid_mask, to_compute_dtype
@@ -67,6 +68,19 @@ class _Roll:
 
     def back(self, t):
         return self._take(t, self.bwd)
+
+
+def sdpa_mix(qa, ka, x, start=None, scale=None) -> torch.Tensor:
+    """The attention pattern (B = 0: causal softmax attention) through ``F.scaled_dot_product_attention`` in the
+    inputs' own dtype, so that it runs on the backend PyTorch picks for any model (cuDNN, flash or memory-efficient
+    attention on a GPU). Left padding: each sequence rotated so that its padding comes last (causal rows never read
+    it), the outputs rotated back and zeroed there. Args and result as :func:`parallel_mix` without the B channel."""
+    n = x.shape[-2]
+    roll = _Roll.make(start, n)
+    if roll is not None:
+        qa, ka, x = (roll.forward(t) for t in (qa, ka, x))
+    y = F.scaled_dot_product_attention(qa, ka, x, is_causal=True, scale=scale)
+    return y if roll is None else roll.back(y) * row_valid_mask(start, n, y)
 
 
 def _direct(qa, ka, x, pattern: Pattern, scale: float) -> torch.Tensor:
