@@ -30,7 +30,8 @@ def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, scale, tied: bool, conv):
         raise ValueError(f"x must be one token (batch, heads, value_dim), got shape {tuple(x.shape)}")
     batch, heads, e = x.shape
     has_a, has_b = not tied, pattern.has_recurrence
-    r = state.next_position()
+    plan = state.step_plan()
+    r = plan.r
     ref = qb if tied else qa
     scale = ref.shape[-1] ** -0.5 if scale is None else float(scale)
 
@@ -51,7 +52,7 @@ def _step(state: DecodeState, qa, ka, qb, kb, x, g, d, scale, tied: bool, conv):
         new = {"keys_a": ka, "values": x}
         if has_b:
             new.update(keys_b=kb, outputs=z.to(x.dtype))
-    state.advance(new, r, conv)
+    state.advance(new, plan, conv)
     return y
 
 

@@ -41,8 +41,8 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
     (-1: not readable), RPOS (B,) the new token's pattern position r (negative on padding). Which
     rows are read (``ops.DecodeState.read_mask``): MODE 0 every row with POS >= 0; MODE 1 rows with
     POS >= r - W_LO (local attention, banded); MODE 2 rows with r - POS in OFFS[:NSLOT] (plain f-pattern). ONCE
-    (a register's slots, where one position may sit in several): a row whose position an earlier row holds is
-    not read again.
+    (a register's slots, where one position may sit in several, next to each other): a row whose position the row
+    before holds is not read again.
     Channel A reads those rows plus the token itself (its key KA, value X); channel B those rows
     (keys CKB, outputs CO). Online softmax over blocks of BS rows, float32.
     Writes Y (BH, e) float32, 0 where r < 0, and (with B) what the cache keeps: Z = y unmasked, as
@@ -80,9 +80,9 @@ def decode_step_kernel(QA, KA, X, QB, G, DD, CKA, CKB, CV, CO, POS, RPOS, OFFS, 
             for k in range(0, NSLOT):
                 hit = hit | ((r - pos) == tl.load(OFFS + k))
             read = read & hit
-        if ONCE:
-            for j in range(0, S):
-                read = read & ~((tl.load(POS + b * S + j) == pos) & (j < sl))
+        if ONCE:  # a register is non-increasing along its slots: the copies of a position are neighbours
+            prev = tl.load(POS + b * S + sl - 1, mask=smask & (sl > 0), other=-2)
+            read = read & (pos != prev)
         if HAS_A:
             kk = _load_cache_rows(CKA, bh, S, sl, read, ca, da)
             vv = _load_cache_rows(CV, bh, S, sl, read, ce, e)

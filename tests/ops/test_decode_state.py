@@ -61,7 +61,7 @@ def _stepped(spec, rows, start=None, state=None) -> DecodeState:
     state = _empty(spec, ref.shape[0], start) if state is None else state
     for t in range(state.count(), ref.shape[2]):
         token = {k: rows[k][:, :, t] for k in state.rows}
-        state.advance(token, state.next_position(), conv=rows["conv"][:, t])
+        state.advance(token, conv=rows["conv"][:, t])
     return state
 
 
@@ -123,7 +123,7 @@ def test_rows_read_are_held_and_follow_the_pattern(spec):
         want = pattern.attended(i) if pattern.has_recurrence else [j for j in pattern.direct(i) if j != i]
         assert [p + 1 for p, _ in _read(state)[0]] == want, f"token {i}"
         label = torch.full((1, 2, 1), float(t))
-        state.advance({k: label.expand(1, 2, WIDTH[k]) for k in state.rows}, state.next_position(),
+        state.advance({k: label.expand(1, 2, WIDTH[k]) for k in state.rows},
                       conv=torch.zeros(1, CONV[1]))
         assert state.count() == i
         rows, positions = state.view()
@@ -188,7 +188,7 @@ def test_crop_of_a_state_that_keeps_every_token(spec):
     # rollback then new tokens (assisted decoding): as if the rejected ones had never come
     other = {k: torch.cat([v[:, :, :7], -v[:, :, 7:]], 2) for k, v in rows.items()}
     for t in range(7, 12):
-        state.advance({k: v[:, :, t] for k, v in other.items()}, state.next_position())
+        state.advance({k: v[:, :, t] for k, v in other.items()})
     assert _read(state) == _read(DecodeState.from_prefill(spec, other, start))
     state.crop(12)  # nothing to drop
     assert state.count() == 12
@@ -366,7 +366,7 @@ def test_a_fixed_state_refuses_a_token_past_its_capacity(spec):
     rows = {k: v for k, v in _rows(1, 6).items() if k != "conv"}
     fixed = DecodeState.from_prefill(spec, rows, capacity=6)
     with pytest.raises(ValueError, match="the static cache is full: it holds max_cache_len = 6 tokens"):
-        fixed.advance({k: v[:, :, 0] for k, v in rows.items()}, fixed.next_position())
+        fixed.advance({k: v[:, :, 0] for k, v in rows.items()})
     with pytest.raises(ValueError, match="max_cache_len = 5 tokens, but the prompt already has 6"):
         DecodeState.from_prefill(spec, rows, capacity=5)
 

@@ -83,12 +83,12 @@ def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, scale
     check_tied(qa, ka, d)
     q = qa if d is None else qb
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    r = state.next_position()
-    rows, positions = state.view()
-    read = state.read_mask(r, positions)
+    plan = state.step_plan()
+    rows, _ = state.view()
+    r, read = plan.r, plan.read
     if d is not None:
         y, z = _mix(rows, read, r, scale, None, None, qb, kb, x, g, d)
-        state.advance({"keys_b": kb, "outputs": z}, r, conv)
+        state.advance({"keys_b": kb, "outputs": z}, plan, conv)
         return y
     has_b = state.pattern.has_recurrence
     y, stored = _mix(rows, read, r, scale, qa, ka, qb if has_b else None, kb if has_b else None, x,
@@ -96,7 +96,7 @@ def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, scale
     new = {"keys_a": ka, "values": x}
     if has_b:
         new.update(keys_b=kb, outputs=stored)
-    state.advance(new, r, conv)
+    state.advance(new, plan, conv)
     return y
 
 

@@ -36,6 +36,7 @@ Shapes: B batch, H heads, S rows, K slots, C convolution channels, n tokens of a
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,7 +45,7 @@ import torch
 from .common import require
 from .patterns import Pattern, get_pattern
 
-__all__ = ["DecodeState", "Fixed", "Growing", "closed_register", "register_step", "register_pytree"]
+__all__ = ["DecodeState", "Fixed", "Growing", "StepPlan", "closed_register", "register_step", "register_pytree"]
 
 ALL, RING, SLOTS = "all", "ring", "slots"  # the layouts
 
@@ -477,14 +478,43 @@ class DecodeState:
         valid = p >= 0
         if self.layout == RING:
             return valid & (p >= r[:, None] - self.ring)
-        if self.layout == SLOTS:  # a position held by several slots is read once, at its first slot
-            earlier = torch.ones(p.shape[1], p.shape[1], dtype=torch.bool, device=p.device).tril(-1)
-            return valid & ~((p[:, :, None] == p[:, None, :]) & earlier).any(-1)
+        if self.layout == SLOTS:  # a position held by several slots is read once, at its first slot; the register
+            # is non-increasing along the slots (the slot rule keeps it so), so the copies of a position are neighbours
+            return valid & torch.cat([valid[:, :1], p[:, 1:] != p[:, :-1]], dim=1)
         if self.pattern.kind == "pattern":
             size = self.read_bound() + 1
             reads = _table(self.pattern, "reads", size, p.device)
             return valid & reads[(r[:, None] - p).clamp(0, size - 1)]
         return valid
+
+    def step_plan(self) -> StepPlan:
+        """The next token's bookkeeping (:class:`StepPlan`), once the buffers have room for it. Every layer of a cache takes the same token at the same
+        positions, and a state's positions follow from the pattern, the tokens taken and the left padding alone, so a
+        growing state shares the plan with the other layers (:data:`STEP_PLANS`, keyed by what the host knows: the
+        pattern, the tokens taken, the rows, and the left padding's tensor); a static one, whose step may run in a
+        graph, works it out itself."""
+        self._make_room(1)
+        key = None
+        if not self.storage.fixed:
+            key = (self.pattern, self.storage.seen, self.positions.shape, id(self.start), str(self.positions.device))
+            entry = STEP_PLANS.get(key)
+            if entry is not None and entry[0] is self.start:
+                STEP_PLANS.move_to_end(key)
+                return entry[1]
+        r = self.next_position()
+        _, positions = self.view()
+        slots = stay = row = None
+        if self.layout == SLOTS:
+            slots, stay = register_step(self.positions, r, _table(self.pattern, "slots", self.positions.shape[1],
+                                                                  r.device))
+        else:
+            row = _row_index(self.storage.seen, 1, self.ring, r.device)
+        plan = StepPlan(r, self.read_mask(r, positions), row, slots, stay)
+        if key is not None:  # the entry holds the padding's tensor: no other tensor takes its id meanwhile
+            STEP_PLANS[key] = (self.start, plan)
+            if len(STEP_PLANS) > 8:
+                STEP_PLANS.popitem(last=False)
+        return plan
 
     def held_rows(self, p: torch.Tensor) -> torch.Tensor:
         """The row that holds position p (B, ...) for each sequence (valid, before the next token): row p + start
@@ -502,27 +532,23 @@ class DecodeState:
     # ----------------------------------------------------------------------------------------------
     # Taking tokens
 
-    def advance(self, new: dict[str, torch.Tensor], r: torch.Tensor, conv: torch.Tensor | None = None) -> None:
-        """Take one token, in place: its rows ``new`` (by name, each (B, H, w)) at positions r (B,) (from
-        :meth:`next_position`; negative, inside the left padding, is stored as -1), and its convolution input row
-        ``conv`` (B, C) where the layer has a convolution."""
+    def advance(self, new: dict[str, torch.Tensor], plan: StepPlan | None = None, conv: torch.Tensor | None = None
+                ) -> None:
+        """Take one token, in place: its rows ``new`` (by name, each (B, H, w)) as :meth:`step_plan` places them
+        (``plan``, if the caller has it already), and its convolution input row ``conv`` (B, C) where the layer has
+        a convolution."""
+        plan = self.step_plan() if plan is None else plan  # it makes room for the token
         if self.history is not None:
             self.history.append(self._snapshot())
-        self._make_room(1)
-        seen = self.storage.seen
-        p = torch.where(r >= 0, r, -1)
         if self.layout == SLOTS:
-            slots, stay = register_step(self.positions, r, _table(self.pattern, "slots", self.positions.shape[1],
-                                                                  r.device))
             for name, held in self.rows.items():  # rows follow their slots
                 moved = torch.cat([new[name][:, :, None].to(held.dtype), held[:, :, :-1]], dim=2)
-                self.rows[name] = _overwritten(held, torch.where(stay[:, None, :, None], held, moved))
-            self.positions.copy_(slots)
+                self.rows[name] = _overwritten(held, torch.where(plan.stay[:, None, :, None], held, moved))
+            self.positions.copy_(plan.slots)
         else:
-            row = _row_index(seen, 1, self.ring, r.device)
             for name, held in self.rows.items():
-                self.rows[name] = _rows_written(held, row, new[name][:, :, None])
-            self.positions.index_copy_(1, row, p[:, None])
+                self.rows[name] = _rows_written(held, plan.row, new[name][:, :, None])
+            self.positions.index_copy_(1, plan.row, torch.where(plan.r >= 0, plan.r, -1)[:, None])
         if conv is not None:
             self.conv = _overwritten(self.conv, torch.cat([self.conv[:, 1:], conv[:, None].to(self.conv.dtype)], 1))
         self.storage.take(1)
@@ -755,6 +781,28 @@ def _rows_written(held: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -
     (see :func:`_overwritten`)."""
     rows = rows.to(held.dtype)
     return held.index_copy(2, index, rows) if _records(held, rows) else held.index_copy_(2, index, rows)
+
+
+@dataclass
+class StepPlan:
+    """Where the next token goes and what it reads (:meth:`DecodeState.step_plan`).
+
+    Attributes:
+        r: (B,) its pattern positions, negative inside the left padding.
+        read: (B, S) the rows of the state's view it reads (:meth:`DecodeState.read_mask`).
+        row: (1,) the row it is written to (every token, or the ring); None for a register.
+        slots, stay: (B, K) the register after it, and the slots that keep their token (a register only).
+    """
+
+    r: torch.Tensor
+    read: torch.Tensor
+    row: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    stay: torch.Tensor | None = None
+
+
+# The plans of the last tokens, shared by the layers of growing states: key -> (the padding's tensor, plan).
+STEP_PLANS: OrderedDict = OrderedDict()
 
 
 def _row_index(seen: int | torch.Tensor, length: int, ring: int | None, device) -> torch.Tensor:
