@@ -50,6 +50,7 @@ class ResolventCacheLayer:
         self.max_cache_len = max_cache_len
         self.conv_width = conv_size
         self.state: DecodeState | None = None
+        self.spare: DecodeState | None = None  # a static layer's state after a reset, whose buffers a prefill reuses
         self.device = None
         self.record_past = False
 
@@ -76,7 +77,12 @@ class ResolventCacheLayer:
     def store_prefill(self, rows: dict[str, torch.Tensor], start: torch.Tensor | None,
                       conv: torch.Tensor | None = None) -> None:
         """Take the state of a prefill from its per-position tensors (``DecodeState.from_prefill``'s ``tensors``,
-        each (B, H, n, .), and ``conv``, the convolution's input rows), in fixed buffers when the layer is static."""
+        each (B, H, n, .), and ``conv``, the convolution's input rows), in fixed buffers when the layer is static:
+        those of its last state where they fit, so that a compiled step keeps its addresses."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.refill(rows, start, conv):
+            self.state = spare
+            return
         self.state = DecodeState.from_prefill(self.pattern, rows, start, record=self.record_past,
                                               capacity=self.max_cache_len, conv=conv)
 
@@ -128,6 +134,8 @@ class ResolventCacheLayer:
         return 0 if self.state is None else self.state.nbytes()
 
     def reset(self) -> None:
+        if self.is_compileable and self.state is not None:
+            self.spare = self.state  # its buffers serve the next prefill
         self.state = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

@@ -798,11 +798,18 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
         # static: sized by generate() for the prompt and every new token, as transformers sizes its StaticCache, and
         # never below the last static generation's size, so that a compiled decode step keeps its shapes (a shorter
         # generation reuses the compiled graph instead of compiling another)
-        max_cache_len = None
         if implementation == "static":
+            # as transformers keeps its StaticCache: one cache per model, reset for each generation, so that a
+            # compiled (and captured) decode step keeps the addresses of its buffers
             max_cache_len = max(max_cache_length, getattr(self, "_previous_max_cache_length", -1))
             self._previous_max_cache_length = max_cache_len
-        model_kwargs[CACHE_NAME] = ResolventCache(self.config, max_cache_len=max_cache_len)
+            cache = getattr(self, "_static_cache", None)
+            if cache is None or cache.max_cache_len != max_cache_len:
+                cache = self._static_cache = ResolventCache(self.config, max_cache_len=max_cache_len)
+            cache.reset()
+            model_kwargs[CACHE_NAME] = cache
+        else:
+            model_kwargs[CACHE_NAME] = ResolventCache(self.config)
         if generation_config.is_assistant:  # an assistant's drafts are rolled back: as transformers does for its caches
             model_kwargs[CACHE_NAME].activate_past_recording()
 

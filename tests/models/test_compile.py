@@ -110,9 +110,16 @@ def test_inductor_compiled_static_decoding_equals_eager(conv_size):
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = model.generate(ids, cache_implementation="static", compile_config=config, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"new token {step}")
+        # the next generation takes the same buffers (fixed addresses, marked static for the compiler) and graph
+        buffers = {k: t.data_ptr() for layer in model._static_cache.layers for k, t in layer.state.buffers().items()}
+        again = model.generate(ids, cache_implementation="static", compile_config=config, **kw)
+    assert buffers == {k: t.data_ptr() for layer in model._static_cache.layers for k, t in layer.state.buffers().items()}
+    assert all(getattr(t, "_dynamo_static_input_type", None) for layer in model._static_cache.layers
+               for t in layer.state.buffers().values())
+    for run in (got, again):
+        assert torch.equal(run.sequences, want.sequences)
+        for step, (a, b) in enumerate(zip(run.logits, want.logits)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"new token {step}")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

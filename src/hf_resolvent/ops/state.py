@@ -353,6 +353,34 @@ class DecodeState:
             storage.mark_static(state)
         return state
 
+    def refill(self, tensors: dict[str, torch.Tensor], start: torch.Tensor | None = None,
+               conv: torch.Tensor | None = None) -> bool:
+        """Take a new prefill (:meth:`from_prefill`'s arguments) into this static state's buffers, in place, so that
+        a compiled and captured decode step keeps reading the same addresses from one generation to the next.
+        False (and nothing changed) where the prefill does not fit them: another batch, rows, dtype or device, a
+        longer prompt than the capacity, or a convolution where there was none."""
+        ref = next(iter(tensors.values()))
+        fits = (self.storage.fixed and tensors.keys() == self.rows.keys() and ref.shape[2] <= self.storage.capacity
+                and all(t.shape[:2] == held.shape[:2] and t.shape[3] == held.shape[3] and t.dtype == held.dtype
+                        and t.device == held.device for t, held in ((tensors[k], self.rows[k]) for k in self.rows))
+                and (conv is None) == (self.conv is None))
+        if not fits:
+            return False
+        n = ref.shape[2]
+        self.positions.fill_(-1)
+        if start is None or self.start is None or self.start.shape != start.shape:
+            self.start = None if start is None else start.to(device=ref.device, dtype=torch.long).clone()
+            if self.start is not None:
+                torch._dynamo.mark_static_address(self.start)
+        else:
+            self.start.copy_(start)
+        self._lay_out(tensors, 0)
+        if conv is not None:
+            self.conv.copy_(conv[:, n:])
+        self.storage.set_count(n)
+        self.history = self.prefill = None
+        return True
+
     def _lay_out(self, tensors: dict[str, torch.Tensor], first: int | torch.Tensor) -> None:
         """Write the rows of tokens ``first`` .. ``first + n - 1`` (each of ``tensors`` (B, H, n, .)) where the layout
         keeps them, as taking them one by one would (the storage counts them after)."""
