@@ -386,43 +386,50 @@ def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.T
             f"attention_mask must be 2-D (batch, length) with 1 for tokens and 0 for padding, got shape "
             f"{tuple(mask.shape)}; resolvent mixers take their structure from the pattern, not from a 4-D mask"
         )
-    mask = mask.to(torch.bool)
     batch, length = mask.shape
+    if not isinstance(past, int) or past > 0:  # after a cache: one pass over the mask as given, no copy of it (a
+        return _check_continued_mask(mask, past, n, cache_start), None  # decode step's mask grows with n)
+    if length != n:
+        raise ValueError(f"attention_mask has {length} columns but the input has {n} positions")
+    mask = mask.to(torch.bool)
     columns = torch.arange(length, device=mask.device)
-    if past == 0:
-        if length != n:
-            raise ValueError(f"attention_mask has {length} columns but the input has {n} positions")
-        count = mask.sum(1)
-        lead = (mask.long().cumsum(1) == 0).sum(1)
-        contiguous = (columns[None] >= lead[:, None]) & (columns[None] < (lead + count)[:, None])
-        if torch.compiler.is_compiling():  # a graph keeps its shapes: left and right padding only, no branch on values
-            problem = "attention_mask has holes or an all-padding sequence, which a compiled forward cannot regroup"
-            require((count > 0).all() & (contiguous == mask).all(), problem, lambda: problem)
-            return lead, None
-        if (count == 0).any():
-            raise ValueError("attention_mask has a sequence without any real token (all padding); remove it (with "
-                             "generate(prefill_chunk_size=...), the first chunk must reach a real token of every "
-                             "sequence: use chunks longer than the longest left padding)")
-        if not torch.equal(contiguous, mask):  # holes: no later row reads a hidden position
-            return n - count, _Regroup.right_aligned(mask)
-        return (lead if bool(lead.any()) else None), None
-    # after a cache: a check that reads nothing back (a decode step never waits for the device)
+    count = mask.sum(1)
+    lead = (mask.long().cumsum(1) == 0).sum(1)
+    contiguous = (columns[None] >= lead[:, None]) & (columns[None] < (lead + count)[:, None])
+    if torch.compiler.is_compiling():  # a graph keeps its shapes: left and right padding only, no branch on values
+        problem = "attention_mask has holes or an all-padding sequence, which a compiled forward cannot regroup"
+        require((count > 0).all() & (contiguous == mask).all(), problem, lambda: problem)
+        return lead, None
+    if (count == 0).any():
+        raise ValueError("attention_mask has a sequence without any real token (all padding); remove it (with "
+                         "generate(prefill_chunk_size=...), the first chunk must reach a real token of every "
+                         "sequence: use chunks longer than the longest left padding)")
+    if not torch.equal(contiguous, mask):  # holes: no later row reads a hidden position
+        return n - count, _Regroup.right_aligned(mask)
+    return (lead if bool(lead.any()) else None), None
+
+
+def _check_continued_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.Tensor | None):
+    """The start of tokens after a cache (the cache's own), once their 2-D mask checks out, by a check that reads
+    nothing back (a decode step never waits for the device): the prefill's mask then ones, as many real tokens as
+    the cache holds plus the new ones (a zero among the new columns, or a longer mask, counts differently), or the
+    new tokens' ones alone."""
+    length = mask.shape[1]
     if length == past + n:
-        # the prefill's mask (its real tokens: left padding, or holes), then ones: as many real tokens as the cache
-        # holds, plus the new ones (a zero among the new columns, or a longer mask, counts differently)
         real = past + n - (0 if cache_start is None else cache_start.to(mask.device))
         problem = ("attention_mask does not match the cache: when continuing from a cache the mask must be the "
                    "prefill's mask followed by ones (right padding cannot be continued; pad on the left with "
                    "tokenizer.padding_side = 'left')")
-        require((mask.sum(1) == real).all(), problem, lambda: problem, read_back=False)
+        counted = mask.sum(1) if mask.dtype != torch.bool else mask.sum(1, dtype=torch.long)
+        require((counted == real).all(), problem, lambda: problem, read_back=False)
     elif length == n:
         problem = "attention_mask of new tokens after a cache must be all ones (no padding after tokens)"
-        require(mask.all(), problem, lambda: problem, read_back=False)
+        require(mask.bool().all(), problem, lambda: problem, read_back=False)
     else:
         raise ValueError(
             f"attention_mask has {length} columns; expected {past + n} (cached {past} + new {n}) or {n} (new only)"
         )
-    return cache_start, None
+    return cache_start
 
 
 class _Regroup:
