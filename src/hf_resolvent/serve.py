@@ -13,9 +13,11 @@ model code is used) and answers OpenAI's text-completion API, so any OpenAI clie
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.completions.create(model="tiny", prompt="The", max_tokens=20, temperature=0)
 
-Endpoints: ``POST /v1/completions`` (``stream=true`` for server-sent events), ``GET /v1/models``, ``GET /health``.
-There is no chat endpoint: the models trained here are base language models, without a chat template. A local
-folder is served under its own name (``tiny`` for ``runs/tiny``), or ``--served-model-name``.
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream=true`` for server-sent events),
+``GET /v1/models``, ``GET /health``. A chat's messages become the prompt through the tokenizer's chat template; the
+base models trained here have none, and their chats read as one ``Role: text`` line per message, then
+``Assistant:``. A local folder is served under its own name (``tiny`` for ``runs/tiny``), or
+``--served-model-name``.
 
 Decoding: ``temperature`` 0, or below 1e-5, decodes greedily, as ``model.generate(do_sample=False)``; above it, tokens
 are drawn from the request's own random generator: seeded by ``seed`` (any integer from -2**63 to 2**64 - 1, what
@@ -66,6 +68,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import (
@@ -102,6 +105,8 @@ MAX_NAME_CHARS = 256  # `model` and `user`
 ECHO_CHARS = 40  # of a client's value quoted back in an error message
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 API_KEY_ENV = "HF_RESOLVENT_API_KEY"
+# A chat for a tokenizer without a chat template (base models): "System: ...\nUser: ...\nAssistant:"
+PLAIN_CHAT = "one 'Role: text' line per message, then 'Assistant:'"
 SHUTTING_DOWN = "the server is shutting down, and this request was cut short: retry it once the server is back"
 # Files one of which a folder needs for AutoTokenizer to find its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -115,6 +120,7 @@ try:
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
     from pydantic import BaseModel, ConfigDict, Field
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as _missing:  # the server's packages are an optional extra; main() says which install brings them
@@ -135,6 +141,42 @@ else:
         stream: bool = False
         seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
         user: str | None = Field(None, max_length=MAX_NAME_CHARS)  # an end-user tag for the caller's logs: not used
+
+    class ChatMessage(BaseModel):
+        """One message of a chat: its role and its text (a string, or OpenAI's list of text parts)."""
+
+        model_config = ConfigDict(extra="forbid")
+
+        role: Literal["system", "developer", "user", "assistant"]
+        content: str | list[TextPart]
+        name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+
+        def text(self) -> str:
+            return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    class TextPart(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        type: Literal["text"]
+        text: str
+
+    ChatMessage.model_rebuild()
+
+    class ChatRequest(BaseModel):
+        """The fields of OpenAI's ``/v1/chat/completions`` request that this server implements (any other is
+        refused): the completion request's, with ``messages`` for ``prompt``."""
+
+        model_config = ConfigDict(extra="forbid")
+
+        model: str = Field(max_length=MAX_NAME_CHARS)
+        messages: list[ChatMessage] = Field(min_length=1)
+        max_tokens: int | None = Field(None, ge=1)
+        max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+        temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+        top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+        stream: bool = False
+        seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+        user: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
 
 def _clip(value, limit: int = ECHO_CHARS) -> str:
@@ -352,6 +394,18 @@ class ServedModel:
             raise HTTPException(400, f"prompt is {n:,} tokens, {over}")
         return inputs.to(self.model.device)
 
+    def chat_prompt(self, messages: list) -> str:
+        """The text a chat's ``messages`` make for the model: the tokenizer's chat template with the assistant's turn
+        opened; for a tokenizer without one (the base models trained here), the plain default of
+        :data:`PLAIN_CHAT`: one ``Role: text`` line per message, then ``Assistant:``."""
+        turns = [{"role": m.role, "content": m.text()} for m in messages]
+        if getattr(self.tokenizer, "chat_template", None):
+            try:
+                return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # a template that refuses these messages (roles out of order, ...) says why
+                raise HTTPException(400, f"the model's chat template refused the messages: {_clip(e, 300)}") from None
+        return "".join(f"{t['role'].capitalize()}: {t['content']}\n" for t in turns) + "Assistant:"
+
     def admit(self) -> None:
         """A place in the queue for one request (given back when its job ends), or a 503 when the queue is full or
         the server is shutting down."""
@@ -417,8 +471,8 @@ if _MISSING is None:
         """A job's server-sent events; however the response ends (its client gone, its task cancelled, even before
         it began), a job still running is abandoned, so no generation outlives the response."""
 
-        def __init__(self, job: _Job):
-            super().__init__(_events(job), media_type="text/event-stream")
+        def __init__(self, job: _Job, chunk):
+            super().__init__(_events(job, chunk), media_type="text/event-stream")
             self.job = job
 
         async def __call__(self, scope, receive, send):
@@ -429,15 +483,16 @@ if _MISSING is None:
                     self.job.abandon()
 
 
-async def _events(job: _Job):
-    """A chunk per piece of decoded text, a last one with the finish reason and ``[DONE]``; a stream that did not end
-    naturally (the server shutting down, a failure) ends with an error event instead, and no ``[DONE]``."""
+async def _events(job: _Job, chunk):
+    """A chunk per piece of decoded text (``chunk(text, finish_reason, name, id)``: a completion's or a chat's), a last
+    one with the finish reason and ``[DONE]``; a stream that did not end naturally (the server shutting down, a
+    failure) ends with an error event instead, and no ``[DONE]``."""
     name = job.served.name
     while (item := await job.events.get()) is not _END:
         if isinstance(item, str):
-            yield _event(_completion(item, None, name, completion_id=job.id))
+            yield _event(chunk(item, None, name, job.id))
     if job.outcome in ("length", "stop"):
-        yield _event(_completion("", job.outcome, name, completion_id=job.id))
+        yield _event(chunk("", job.outcome, name, job.id))
         yield "data: [DONE]\n\n"
         return
     failure = job.failure() or HTTPException(499, "the client went away")
@@ -461,8 +516,26 @@ def _completion(text: str, finish_reason: str | None, model: str, usage: Complet
                                       created=int(time.time()), model=model, choices=[choice], usage=usage)
 
 
+def _completion_chunk(text: str, finish_reason: str | None, model: str, completion_id: str) -> Completion:
+    return _completion(text, finish_reason, model, completion_id=completion_id)
+
+
+def _chat(text: str, finish_reason: str, model: str, usage: CompletionUsage, completion_id: str) -> ChatCompletion:
+    return ChatCompletion.model_construct(
+        id=completion_id.replace("cmpl-", "chatcmpl-"), object="chat.completion", created=int(time.time()),
+        model=model, usage=usage, choices=[{"index": 0, "message": {"role": "assistant", "content": text},
+                                            "finish_reason": finish_reason, "logprobs": None}])
+
+
+def _chat_chunk(text: str, finish_reason: str | None, model: str, completion_id: str) -> ChatCompletionChunk:
+    delta = {"role": "assistant", "content": text} if text or finish_reason is None else {}
+    return ChatCompletionChunk.model_construct(
+        id=completion_id.replace("cmpl-", "chatcmpl-"), object="chat.completion.chunk", created=int(time.time()),
+        model=model, choices=[{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}])
+
+
 def _event(payload) -> str:
-    text = payload.model_dump_json(exclude_none=True) if isinstance(payload, Completion) else json.dumps(payload)
+    text = json.dumps(payload) if isinstance(payload, dict) else payload.model_dump_json(exclude_none=True)
     return f"data: {text}\n\n"
 
 
@@ -606,8 +679,8 @@ def build_app(served: ServedModel, *, api_key: str | None = None, check_host: bo
         model = Model(id=served.name, created=0, object="model", owned_by="hf-resolvent")
         return {"object": "list", "data": [model.model_dump()]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def answer(body: CompletionRequest, request: Request, chunk, whole):
+        """A completion request's answer: its stream of ``chunk``s, or ``whole(text, finish_reason, usage, id)``."""
         # tokenizing a long prompt is work, not waiting: a pool thread for that while, off the event loop
         inputs = await asyncio.to_thread(served.inputs, body)
         served.admit()
@@ -622,14 +695,30 @@ def build_app(served: ServedModel, *, api_key: str | None = None, check_host: bo
         if waited is _GONE or job.outcome == "gone":
             return Response(status_code=499)  # nginx's "client closed request": there is nobody left to read it
         if body.stream and job.outcome in (None, "length", "stop"):
-            return _JobStream(job)
+            return _JobStream(job, chunk)
         failure = job.failure()
         if failure is not None:
             raise failure
         prompt_tokens, completion_tokens = inputs["input_ids"].shape[1], len(job.new)
-        return _completion(job.text, job.outcome, served.name, CompletionUsage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens)).model_dump(exclude_none=True)
+        usage = CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                total_tokens=prompt_tokens + completion_tokens)
+        return whole(job.text, job.outcome, usage, job.id).model_dump(exclude_none=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await answer(body, request, _completion_chunk,
+                            lambda text, reason, usage, cid: _completion(text, reason, served.name, usage, cid))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise HTTPException(400, "give max_tokens or max_completion_tokens (its newer name), not both")
+        prompt = served.chat_prompt(body.messages)
+        as_completion = CompletionRequest.model_construct(
+            model=body.model, prompt=prompt, max_tokens=body.max_completion_tokens or body.max_tokens or 16,
+            temperature=body.temperature, top_p=body.top_p, stream=body.stream, seed=body.seed, user=body.user)
+        return await answer(as_completion, request, _chat_chunk,
+                            lambda text, reason, usage, cid: _chat(text, reason, served.name, usage, cid))
 
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(served.max_prompt_tokens)

@@ -6,6 +6,7 @@ at the edges, seeds, keys and Host headers, Ctrl-C, hostile weights files and fo
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import os
@@ -125,6 +126,46 @@ def test_streamed_completion_equals_greedy_generate(client, greedy_text):
     assert "".join(chunk.choices[0].text for chunk in chunks) == text
     assert [chunk.choices[0].finish_reason for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1].choices[0].finish_reason == ("length" if new_tokens == MAX_TOKENS else "stop")
+
+
+def test_chat_completions_take_the_plain_chat_of_a_base_model(client, tiny):
+    """A tokenizer without a chat template (the base models trained here): the messages as 'Role: text' lines, then
+    'Assistant:', and the answer is greedy generate()'s continuation of that text, whole or streamed."""
+    model, tokenizer = tiny
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    prompt = f"System: Be brief.\nUser: {PROMPT}\nAssistant:"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    want = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    result = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    (choice,) = result.choices
+    assert choice.message.role == "assistant" and choice.message.content == want
+    assert result.object == "chat.completion" and result.usage.prompt_tokens == ids.shape[1]
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop") and chunks[0].object == "chat.completion.chunk"
+    with pytest.raises(openai.UnprocessableEntityError, match="tools"):  # not silently ignored
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, tools=[])
+    with pytest.raises(openai.UnprocessableEntityError, match="messages"):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+
+
+def test_chat_completions_take_the_tokenizers_chat_template(tiny):
+    model, tokenizer = tiny
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    served = serve.ServedModel(model, templated, "tiny")
+    from starlette.testclient import TestClient
+
+    with TestClient(serve.build_app(served), base_url="http://127.0.0.1") as app:
+        answer = app.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "temperature": 0,
+                                                        "messages": [{"role": "user", "content": "def f"}]})
+    assert answer.status_code == 200, answer.text
+    ids = templated("<user>def f<assistant>", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert answer.json()["choices"][0]["message"]["content"] == templated.decode(out[0, ids.shape[1]:],
+                                                                                 skip_special_tokens=True)
 
 
 def test_what_the_server_does_not_implement_is_refused_by_name(client):
