@@ -33,6 +33,10 @@ to the host, and ``Tensor.tolist()``, which does not reach the dispatcher on a C
 counter is active). A sync on a GPU also launches kernels (``nonzero``'s, ``equal``'s): such a call is counted in
 both.
 
+A Triton kernel's launch counts as one (``triton::<kernel>``), and under Triton's interpreter nothing inside it does
+(the interpreter's copies of its tensors are not the kernel's): on a CPU the Triton path then counts what a GPU
+launches.
+
 ``device_type="cuda"`` counts only calls that touch a tensor of that device type (on a GPU, the host's own small
 tensors then do not count); by default every call counts, as on a CPU, where every call stands for a GPU one.
 """
@@ -121,6 +125,7 @@ class OpCounter(TorchDispatchMode):
         self._kinds: dict = {}
         self._muted = 0
         self._saved_tolist = None
+        self._saved_runs: list = []
 
     @property
     def n_launches(self) -> int:
@@ -163,6 +168,7 @@ class OpCounter(TorchDispatchMode):
         counter = self
         self._saved_tolist = torch.Tensor.__dict__.get("tolist")
         original = torch.Tensor.tolist
+        self._patch_triton()
 
         def tolist(tensor):
             if not counter._muted and (counter.device_type is None or tensor.device.type == counter.device_type):
@@ -184,6 +190,34 @@ class OpCounter(TorchDispatchMode):
                 del torch.Tensor.tolist
             else:
                 torch.Tensor.tolist = self._saved_tolist
+            for cls, run in self._saved_runs:
+                cls.run = run
+
+    def _patch_triton(self) -> None:
+        """Count each Triton kernel launch as one (``triton::<kernel>``). Triton's interpreter (``TRITON_INTERPRET=1``)
+        runs a kernel as Python over copies of its tensors: those copies are not the kernel's, so nothing is counted
+        inside a launch, which stands for the one launch it makes on a GPU."""
+        self._saved_runs = []
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            from triton.runtime.jit import JITFunction
+        except ImportError:  # no Triton: nothing of it to count
+            return
+        counter = self
+        for cls in (InterpretedFunction, JITFunction):
+            run = cls.__dict__["run"]
+            self._saved_runs.append((cls, run))
+
+            def counted(kernel, *args, _run=run, **kwargs):
+                if not counter._muted and not kwargs.get("warmup", False):
+                    counter.launches[f"triton::{getattr(kernel, '__name__', None) or kernel.fn.__name__}"] += 1
+                counter._muted += 1
+                try:
+                    return _run(kernel, *args, **kwargs)
+                finally:
+                    counter._muted -= 1
+
+            cls.run = counted
 
 
 _SKIPPED = (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__))

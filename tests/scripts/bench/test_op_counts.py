@@ -111,3 +111,21 @@ def test_snapshots_and_site_depth():
         assert c.snapshot() == (before[0] + 1, before[1] + 1)
     inner, outer = c.sync_sites[0].split(" < ")
     assert inner.endswith(f"test_op_counts.py:{helper.__code__.co_firstlineno + 1}") and "test_op_counts.py:" in outer
+
+
+def test_a_triton_kernel_is_one_launch_whatever_the_interpreter_does_inside(monkeypatch):
+    """Under TRITON_INTERPRET=1 a kernel runs as Python over copies of its tensors: the counter counts the launch once,
+    by the kernel's name, and none of the copies; the run methods are restored afterwards."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_resolvent import ops
+
+    run = InterpretedFunction.__dict__["run"]
+    gen = torch.Generator().manual_seed(0)
+    qa, ka, x = (torch.randn(1, 2, 16, 16, generator=gen) for _ in range(3))
+    with OpCounter() as counter:
+        ops.resolvent_mix(qa, ka, None, None, x, None, "attention", impl="triton")
+    assert counter.launches["triton::attn_fwd_kernel"] == 1
+    assert counter.launches["aten::copy_"] == 0, counter.launches  # the interpreter copies every tensor argument
+    assert InterpretedFunction.__dict__["run"] is run
