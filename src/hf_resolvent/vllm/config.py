@@ -55,6 +55,12 @@ def check_servable(config: ResolventConfig) -> None:
             f"output, so its decode state grows with the context in a form vLLM cannot page. vLLM serves the mixers "
             f"{', '.join(SUPPORTED)}, alone or mixed per layer. Serve this model with python -m hf_resolvent.serve "
             "(or generate()), or train it with a cache-efficient pattern (exp2 -> exp2:ce)")
+    if config.conv_size and ATTENTION_LAYER in layer_kinds(config):
+        raise ValueError(
+            "vLLM cannot serve attention layers with a short convolution (conv_size > 0): the layer would need vLLM's "
+            "paged cache for its keys and values and a per-request state for the convolution's rows, and a vLLM "
+            "layer has one or the other. The resolvent layers of a model with a convolution are served (exp2:ce, "
+            "banded:w, local_attention:w, ...); serve this model with python -m hf_resolvent.serve")
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if config.position_embedding == "rope" and any(kind in rope_type for kind in LENGTH_DEPENDENT_ROPE):
         raise ValueError(

@@ -192,15 +192,12 @@ class ResolventAttentionMixer(ResolventMixer):
 
     def forward(self, hidden_states: torch.Tensor, rope, positions: torch.Tensor) -> torch.Tensor:
         n = hidden_states.shape[0]
-        proj = self.in_proj(hidden_states).view(1, n, len(self.parts), self.num_heads, self.head_dim)
-        t = {}
-        for (names, rotate), run in zip(self.part_runs, proj.split([len(names) for names, _ in self.part_runs], 2)):
-            if rotate and rope is not None:
-                parts = rotated_heads(run, *rope, impl=self.config.mixer_impl)
-            else:
-                parts = (part.transpose(1, 2) for part in run.unbind(2))
-            t.update(zip(names, parts))
-        q, k, v = (t[name][0].transpose(0, 1).reshape(n, -1) for name in ("qa", "ka", "x"))
+        proj = self.in_proj(hidden_states).view(1, n, len(self.parts), self.num_heads, self.head_dim)  # qa, ka, x
+        if rope is not None and "a" in self.config.rope_channels:
+            q, k = (t[0].transpose(0, 1) for t in rotated_heads(proj[:, :, :2], *rope, impl=self.config.mixer_impl))
+        else:
+            q, k = proj[0, :, 0], proj[0, :, 1]
+        q, k, v = (t.reshape(n, -1) for t in (q, k, proj[0, :, 2]))
         return self.out_proj(self.attn(q, k, v))
 
 
