@@ -6,7 +6,8 @@ Entry points used by :mod:`hf_resolvent.ops` when :mod:`hf_resolvent.ops.dispatc
 - :func:`triton_mix`: same contract as ``ops.parallel_mix`` (the tied variant with ``d``), differentiable (fused
   forward and backward kernels);
 - :func:`triton_decode_step`: same contract as ``ops.recurrent_step`` (one token against a layer's
-  ``DecodeState``).
+  ``DecodeState``); :func:`triton_decode_projected`: same contract as ``ops.decode_projected`` (the mixer's
+  step from its projection, RoPE and the gate in the kernel).
 
 Importing this package does not import Triton; the kernels are loaded on first use.
 """
@@ -21,6 +22,7 @@ _EXPORTS = {
     "check_ready": "._loader",
     "interpreting": "._loader",
     "triton_ready": "._loader",
+    "triton_decode_projected": ".decode",
     "triton_decode_step": ".decode",
     "BlockConfig": ".launching",
     "block_config": ".launching",
@@ -45,6 +47,7 @@ __all__ = [
     "interpreting",
     "make_plan",
     "set_nan_fill",
+    "triton_decode_projected",
     "triton_decode_step",
     "triton_mix",
     "triton_ready",

@@ -147,8 +147,8 @@ def record_passes(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 64
 
 def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 64, e: int = 64,
                     batch: int = 1, heads: int = 1, tied: bool = False) -> list[Launch]:
-    """Every kernel launch of a forward + backward (:func:`record_passes`) and of one decode step for ``pattern``,
-    on CPU tensors that nothing reads. The current BlockConfig applies."""
+    """Every kernel launch of a forward + backward (:func:`record_passes`) and of a decode step for ``pattern`` (from
+    separate tensors, and where d == e from the mixer's projection), on CPU tensors that nothing reads. The current BlockConfig applies."""
     from hf_resolvent.ops import DecodeState
     from hf_resolvent.patterns import get_pattern
 
@@ -166,6 +166,12 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
             _decode.triton_decode_step(state, None, None, qb, kb, one(e), g, d=torch.zeros(batch, heads, dtype=dtype))
         else:
             _decode.triton_decode_step(state, one(d), one(d), qb, kb, one(e), g)
+        if d == e:  # the model's step: from the projection, RoPE and the gate's activation in the kernel
+            parts = ("x", "qb", "kb") if tied else ("qa", "ka", "x") + (("qb", "kb") if pat.has_recurrence else ())
+            table = torch.zeros(1, d)
+            gate = None if g is None else (g, torch.zeros(heads), torch.zeros(heads))
+            _decode.triton_decode_projected(state, torch.zeros(batch, len(parts), heads, d, dtype=dtype), parts,
+                                            (table, table, "ab"), gate, g if tied else None)
     return passes["forward"] + passes["backward"] + rec.launches
 
 

@@ -10,10 +10,11 @@ Each block computes, per head, Y = (I - B)^-1 A X (docs/DESIGN.md section 1) wit
   d = (1 - g) sigmoid(w_d.u + b_d).
 
 Full sequences (training, prefill) run the parallel form (``ops.resolvent_mix``: PyTorch on CPU, the Triton
-kernels for CUDA tensors when available); tokens after a cache run ``ops.decode_tokens`` on the per-layer states
+kernels for CUDA tensors when available); tokens after a cache run ``ops.decode_projected`` on the per-layer states
 of a :class:`~hf_resolvent.ResolventCache`, built directly from the prefill (``ops.DecodeState.from_prefill``): one
-decode step per token (the Triton decode kernel or ``ops.recurrent_step``, chosen the same way), or several tokens
-at once (``ops.extend_mix``: a chunked prefill, assisted decoding's drafts). ``config.mixer_impl`` forces a path.
+decode step per token (the Triton decode kernel, RoPE and the gate included, or ``ops.recurrent_step``, chosen the
+same way), or several tokens at once (``ops.extend_mix``: a chunked prefill, assisted decoding's drafts).
+``config.mixer_impl`` forces a path.
 
 Padding: a 2-D ``attention_mask`` with left padding becomes the ops' ``start`` (padded positions are never read
 and positions count from the first real token, so a left-padded batch gives the same outputs as each sequence
@@ -26,7 +27,6 @@ sibling modules. What else a saved folder holds, and why, is :mod:`.remote_code`
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import pickle
 from pathlib import Path
@@ -56,11 +56,13 @@ from .remote_code import (
 )
 from .resolvent_ops import (
     causal_conv_silu,
-    decode_tokens,
+    decode_projected,
+    gate_values,
     gelu_tanh,
     require,
     resolvent_mix,
-    rotated_heads,
+    rotated_parts,
+    tied_weights,
 )
 
 __all__ = ["ResolventPreTrainedModel", "ResolventModel", "ResolventForCausalLM", "ResolventMixer", "ResolventBlock"]
@@ -153,11 +155,7 @@ class ResolventMixer(nn.Module):
             self.parts = ("x", "qb", "kb")
         else:
             self.parts = ("qa", "ka", "x", "qb", "kb")
-        # runs of consecutive parts that RoPE rotates (the queries and keys of config.rope_channels) or not: one
-        # rotation per run
-        rotated = {name for channel in config.rope_channels for name in (f"q{channel}", f"k{channel}")}
-        self.part_runs = [(tuple(names), rotate) for rotate, names in
-                          itertools.groupby(self.parts, key=lambda name: name in rotated)]
+        self.rope_channels = config.rope_channels
         width, inner = config.n_embd, config.n_head * config.head_dim
         self.in_proj = nn.Linear(width, len(self.parts) * inner)
         self.out_proj = nn.Linear(inner, width)
@@ -194,8 +192,7 @@ class ResolventMixer(nn.Module):
 
     def gate(self, u: torch.Tensor) -> torch.Tensor:
         """g (B, H, n) in (0, 1) from the block input u (B, n, width)."""
-        dt = F.softplus(self.gate_proj(u).float() + self.dt_bias.float())
-        return torch.exp(-dt * torch.exp(self.A_log.float())).transpose(1, 2).to(u.dtype)
+        return gate_values(self.gate_proj(u), self.dt_bias, self.A_log, u.dtype)
 
     def forward(self, hidden_states: torch.Tensor, rope=None, start=None, layer_cache=None) -> torch.Tensor:
         """(B, n, width) -> (B, n, width). ``rope``: (cos, sin) or None; ``start``: (B,) left padding or None;
@@ -208,25 +205,19 @@ class ResolventMixer(nn.Module):
             proj, conv_rows = self._convolve(proj, start, state)
         proj = proj.view(batch, n, len(self.parts), self.num_heads, self.head_dim)
         impl = self.config.mixer_impl
-        # split and unbind, not proj[:, :, i]: their backwards are one cat and one stack, where each index's backward
-        # zero-fills a proj-sized gradient that autograd then sums (figures: bench/NOTES.md)
-        t = {}  # name -> (B, H, n, hd)
-        for (names, rotate), run in zip(self.part_runs, proj.split([len(names) for names, _ in self.part_runs], 2)):
-            if rotate and rope is not None:
-                parts = rotated_heads(run, *rope, impl=impl)
-            else:
-                parts = (part.transpose(1, 2) for part in run.unbind(2))
-            t.update(zip(names, parts))
-        g = self.gate(hidden_states) if self.recurrent else None
-        d = (1 - g) * torch.sigmoid(self.skip_proj(hidden_states)).transpose(1, 2) if self.tied else None
-        if state is None:
+        if state is not None:  # the new tokens after the state (advanced in place), all at once or one step each
+            gate = (self.gate_proj(hidden_states), self.dt_bias, self.A_log) if self.recurrent else None
+            y = decode_projected(state, proj, self.parts, rope, self.rope_channels, gate,
+                                 self.skip_proj(hidden_states) if self.tied else None, impl=impl,
+                                 conv=None if conv_rows is None else conv_rows[:, -n:])
+        else:
+            t = rotated_parts(proj, self.parts, self.rope_channels, rope, impl)
+            g = self.gate(hidden_states) if self.recurrent else None
+            d = tied_weights(g, self.skip_proj(hidden_states)) if self.tied else None
             y = resolvent_mix(t.get("qa"), t.get("ka"), t.get("qb"), t.get("kb"), t["x"], g, self.pattern, impl=impl,
                               start=start, d=d)
             if layer_cache is not None:
                 layer_cache.store_prefill(self._state_rows(t, y, d, start), start, conv=conv_rows)
-        else:  # the new tokens after the state (advanced in place), all at once or one step each
-            y = decode_tokens(state, t.get("qa"), t.get("ka"), t.get("qb"), t.get("kb"), t["x"], g, impl=impl, d=d,
-                              conv=None if conv_rows is None else conv_rows[:, -n:]).to(t["x"].dtype)
         out = y.transpose(1, 2).reshape(batch, n, self.num_heads * self.head_dim)
         return self.resid_dropout(self.out_proj(out))
 

@@ -79,17 +79,17 @@ AUTO_MAP = {
 # --------------------------------------------------------------------------------------------------
 # Remote code
 
-# The ops modules the mixer functions need: mixer (resolvent_mix, decode_tokens), the dispatch, the forms, the
+# The ops modules the mixer functions need: mixer (resolvent_mix, decode_projected), the dispatch, the forms, the
 # PyTorch code of the parallel form, rope, gelu and the short convolution; patterns.py comes with the model files.
 SHIPPED_OPS = ("attention", "common", "conv", "dense_solve", "dispatch", "extend", "gelu", "graph", "mixer",
                "parallel", "recurrent", "rope", "slots", "sparse_solve", "state", "threads")
 
 # What a saved folder's resolvent_ops.py imports, by shipped module: the names the model files use.
 BUNDLE_IMPORTS = (
-    ("mixer", ("decode_tokens", "resolvent_mix")),
+    ("mixer", ("decode_projected", "gate_values", "resolvent_mix", "tied_weights")),
     ("state", ("DecodeState",)),
     ("common", ("require",)),
-    ("rope", ("rotated_heads",)),
+    ("rope", ("rotated_parts",)),
     ("gelu", ("gelu_tanh",)),
     ("conv", ("causal_conv_silu",)),
 )

@@ -8,13 +8,13 @@ relative imports it finds, and ``hf_resolvent.ops`` is a package, not a file.
 
 from hf_resolvent.ops import (
     DecodeState,
-    decode_tokens,
     resolvent_mix,
 )
 from hf_resolvent.ops.common import require
 from hf_resolvent.ops.conv import causal_conv_silu
 from hf_resolvent.ops.gelu import gelu_tanh
-from hf_resolvent.ops.rope import rotated_heads
+from hf_resolvent.ops.mixer import decode_projected, gate_values, tied_weights
+from hf_resolvent.ops.rope import rotated_parts
 
 IS_BUNDLE = False  # this is the library's module, not a saved folder's entry
 
@@ -22,9 +22,11 @@ __all__ = [
     "IS_BUNDLE",
     "DecodeState",
     "causal_conv_silu",
-    "decode_tokens",
+    "decode_projected",
+    "gate_values",
     "gelu_tanh",
     "require",
     "resolvent_mix",
-    "rotated_heads",
+    "rotated_parts",
+    "tied_weights",
 ]

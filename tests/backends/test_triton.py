@@ -398,6 +398,64 @@ def test_decode_step_tied_and_bfloat16():
         _close(got, want, 3e-2)
 
 
+@pytest.mark.parametrize("family", ["attention", "local", "dense", "sparse", "ce", "square-ce", "tied", "hybrid"])
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "fixed"])
+def test_the_models_decode_step_in_one_launch_matches_its_composition(family, static):
+    """The model's step after a cache on the Triton path (``triton_decode_projected``: RoPE, the gate's activation,
+    the read and the state's new rows in one launch per layer) against the PyTorch composition it replaces
+    (``rotated_parts``, ``gate_values``, ``tied_weights``, ``recurrent_step``, ``DecodeState.advance``): the logits
+    of every step, and every buffer of every layer's state after them, on a left-padded batch, with a short
+    convolution and RoPE on one channel for some families."""
+    from conftest import family_model
+
+    import hf_resolvent as hr
+
+    kw = {"conv_size": 3} if family in ("ce", "tied") else {}
+    if family in ("dense", "square-ce"):
+        kw["rope_channels"] = "b"
+    model = family_model(family, **kw)
+    ids = torch.randint(1, 61, (2, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    caches, logits = {}, {}
+    for impl in ("torch", "triton"):
+        model.config.mixer_impl = "torch"
+        cache = hr.ResolventCache(model.config, max_cache_len=32 if static else None)
+        with torch.no_grad():
+            model(ids[:, :12], attention_mask=mask[:, :12], past_key_values=cache, use_cache=True)
+            model.config.mixer_impl = impl
+            logits[impl] = [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                                  use_cache=True).logits for t in range(12, 20)]
+        caches[impl] = cache
+    for t, (got, want) in enumerate(zip(logits["triton"], logits["torch"])):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, t=t: f"step {t}: {m}")
+    for i, (got, want) in enumerate(zip(caches["triton"].layers, caches["torch"].layers)):
+        got_buffers, want_buffers = got.state.buffers(), want.state.buffers()
+        assert got_buffers.keys() == want_buffers.keys()
+        for name in want_buffers:
+            torch.testing.assert_close(got_buffers[name], want_buffers[name], rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, k=f"layer {i} {name}": f"{k}: {m}")
+
+
+def test_the_models_decode_step_in_one_launch_in_bfloat16():
+    """bfloat16: RoPE's and the gate's roundings as the PyTorch composition makes them, so the tokens agree and the
+    logits within bfloat16's tolerance."""
+    from conftest import family_model
+
+    model = family_model("hybrid", conv_size=3).to(torch.bfloat16)
+    prompt = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for impl in ("torch", "triton"):
+        model.config.mixer_impl = impl
+        out[impl] = model.generate(prompt, max_new_tokens=6, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True)
+    assert torch.equal(out["triton"].sequences, out["torch"].sequences)
+    for got, want in zip(out["triton"].scores, out["torch"].scores):
+        allowed = torch.isfinite(want)  # the pad token is suppressed: -inf in both
+        assert torch.equal(torch.isfinite(got), allowed)
+        _close(got[allowed], want[allowed], 3e-2)
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU lowering (no GPU needed)
 
@@ -484,7 +542,7 @@ def test_model_decodes_through_the_triton_step(monkeypatch):
     from hf_resolvent import ResolventConfig, ResolventForCausalLM
 
     calls = {"mix": 0, "step": 0}
-    for name, key in (("triton_mix", "mix"), ("triton_decode_step", "step")):
+    for name, key in (("triton_mix", "mix"), ("triton_decode_projected", "step")):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _real=real, _key=key, **k: calls.__setitem__(_key, calls[_key] + 1)
                             or _real(*a, **k))

@@ -53,8 +53,8 @@ def test_a_decode_step_on_the_triton_kernels_reads_nothing_back(family, monkeypa
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernels, calls = dispatch.triton(), []
-    step = kernels.triton_decode_step
-    monkeypatch.setattr(kernels, "triton_decode_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    step = kernels.triton_decode_projected
+    monkeypatch.setattr(kernels, "triton_decode_projected", lambda *a, **k: calls.append(1) or step(*a, **k))
     for static in (False, True):
         model = family_model(family, conv_size=4 if family == "ce" else 0)
         assert _decode_step_syncs(model, static, "triton") == [], static

@@ -9,6 +9,7 @@ from conftest import VOCAB
 from conftest import family_model as tiny_model
 
 import hf_resolvent as hr
+from hf_resolvent.ops.rope import part_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 def test_the_queries_and_keys_of_the_named_channels_rotate_and_the_inputs_never(channels, rotated):
     for family in ("ce", "tied", "attention"):
         mixer = tiny_model(family, rope_channels=channels).transformer.h[0].mixer
-        got = {name for names, rotate in mixer.part_runs if rotate for name in names}
+        got = {name for names, rotate in part_runs(mixer.parts, mixer.rope_channels) if rotate for name in names}
         assert got == rotated & set(mixer.parts) and "x" not in got
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
 from .dispatch import choose, choose_decode, choose_extend, torch_only, triton
 from .extend import extend_mix
@@ -17,6 +18,7 @@ from .graph import graph_mix
 from .parallel import parallel_mix, sdpa_mix
 from .patterns import get_pattern
 from .recurrent import recurrent_step
+from .rope import rotated_parts
 from .state import DecodeState
 
 
@@ -97,4 +99,50 @@ def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, impl: 
     ys = [decode_step(state, *(None if t is None else t[:, :, i] for t in (qa, ka, qb, kb, x, g)), impl=impl,
                       scale=scale, d=None if d is None else d[:, :, i], conv=None if conv is None else conv[:, i])
           for i in range(x.shape[2])]
-    return torch.stack(ys, dim=2)
+    return ys[0][:, :, None] if len(ys) == 1 else torch.stack(ys, dim=2)
+
+
+def gate_values(pre: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gate g (B, H, n) in (0, 1) from its pre-activation ``pre`` (B, n, H) (the layer's ``gate_proj``) and the
+    per-head ``dt_bias`` and ``a_log`` (H,): g = exp(-softplus(pre + dt_bias) exp(a_log)), as Mamba-2's decay,
+    computed in float32 and returned in ``dtype``."""
+    dt = F.softplus(pre.float() + dt_bias.float())
+    return torch.exp(-dt * torch.exp(a_log.float())).transpose(1, 2).to(dtype)
+
+
+def tied_weights(g: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    """The tied variant's d (B, H, n) = (1 - g) sigmoid(s) from the gate g (B, H, n) and the pre-activation ``skip``
+    s (B, n, H) (the layer's ``skip_proj``)."""
+    return (1 - g) * torch.sigmoid(skip).transpose(1, 2)
+
+
+def decode_projected(state: DecodeState, proj: torch.Tensor, parts: tuple[str, ...], rope=None,
+                     rope_channels: str = "ab", gate=None, skip=None, impl: str = "auto", conv=None) -> torch.Tensor:
+    """The mixer of L new tokens after a decode ``state`` (advanced in place), from the layer's projection: the
+    model's forward after a cache.
+
+    Args:
+        state: the layer's :class:`DecodeState`.
+        proj: (B, L, P, H, hd) the tokens' projected parts (after the short convolution), named by ``parts``.
+        rope: (cos, sin) tables (B or 1, L, hd) that rotate the queries and keys of ``rope_channels``, or None.
+        gate: (pre, dt_bias, a_log) for :func:`gate_values`, or None for attention patterns.
+        skip: the tied variant's pre-activation (B, L, H) of :func:`tied_weights`, or None.
+        impl: as :func:`decode_tokens`. One token on the Triton path runs as one kernel launch
+            (``triton_decode_projected``: RoPE, the gate and the state's rows in the kernel); every other case
+            composes :func:`~.rope.rotated_parts`, :func:`gate_values` and :func:`decode_tokens`, the reference.
+        conv: (B, L, C) the tokens' input rows of the layer's short convolution, which the state keeps.
+
+    Returns:
+        y (B, H, L, hd) in proj's dtype.
+    """
+    if proj.shape[1] == 1 and choose_decode(impl, proj) == "triton":
+        one = lambda t: None if t is None else t[:, 0]
+        tables = None if rope is None else (one(rope[0]), one(rope[1]), rope_channels)
+        gate_pre = None if gate is None else (one(gate[0]), *gate[1:])
+        y = triton().triton_decode_projected(state, proj[:, 0], parts, tables, gate_pre, one(skip), conv=one(conv))
+        return y[:, :, None]
+    t = rotated_parts(proj, parts, rope_channels, rope, impl)
+    g = None if gate is None else gate_values(*gate, dtype=proj.dtype)
+    d = None if skip is None else tied_weights(g, skip)
+    return decode_tokens(state, t.get("qa"), t.get("ka"), t.get("qb"), t.get("kb"), t["x"], g, impl=impl, d=d,
+                         conv=conv).to(proj.dtype)

@@ -83,7 +83,7 @@ def recurrent_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, scale
     check_tied(qa, ka, d)
     q = qa if d is None else qb
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    plan = state.step_plan()
+    plan = state.begin_step()
     rows, _ = state.view()
     r, read = plan.r, plan.read
     if d is not None:

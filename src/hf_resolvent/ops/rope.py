@@ -8,6 +8,9 @@ gradients, and follows the mixer's own ``impl`` (:data:`ROTATED_HEADS_TWIN`).
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import torch
 
 from .common import records_grad
@@ -68,3 +71,33 @@ def rotated_heads(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl:
         return rotated.unbind(0)
     tables = (table[:, :, None, None] for table in (cos, sin))  # (B, n, 1, 1, hd), as the run's parts
     return tuple(part.transpose(1, 2) for part in apply_rope(run, *tables).unbind(2))
+
+
+@functools.lru_cache
+def part_runs(parts: tuple[str, ...], channels: str) -> tuple[tuple[tuple[str, ...], bool], ...]:
+    """The runs of consecutive ``parts`` that RoPE rotates (the queries and keys of ``channels``: "ab", "a", "b", or
+    "" for none) or not, as (names, rotated): one rotation per run."""
+    rotated = {f"{kind}{channel}" for channel in channels for kind in "qk"}
+    return tuple((tuple(names), rotate) for rotate, names in itertools.groupby(parts, key=lambda name: name in rotated))
+
+
+def rotated_parts(proj: torch.Tensor, parts: tuple[str, ...], channels: str, rope, impl: str = "auto"
+                  ) -> dict[str, torch.Tensor]:
+    """The mixer's projection split into its parts, heads-major, the queries and keys of ``channels`` rotated.
+
+    Args:
+        proj: (B, n, P, H, hd), the P parts named by ``parts`` (``qa``, ``ka``, ``x``, ``qb``, ``kb``).
+        channels: the channels RoPE rotates ("ab", "a" or "b"); rope: (cos, sin) tables, or None to rotate none.
+        impl: as :func:`rotated_heads`.
+
+    Returns:
+        {name: (B, H, n, hd)}.
+    """
+    runs = part_runs(parts, channels if rope is not None else "")
+    # split and unbind, not proj[:, :, i]: their backwards are one cat and one stack, where each index's backward
+    # zero-fills a proj-sized gradient that autograd then sums (figures: bench/NOTES.md)
+    out = {}
+    for (names, rotate), run in zip(runs, proj.split([len(names) for names, _ in runs], 2)):
+        out.update(zip(names, rotated_heads(run, *rope, impl=impl) if rotate else
+                       (part.transpose(1, 2) for part in run.unbind(2))))
+    return out

@@ -515,16 +515,21 @@ class DecodeState:
             return valid & reads[(r[:, None] - p).clamp(0, size - 1)]
         return valid
 
-    def step_plan(self) -> StepPlan:
-        """The next token's bookkeeping (:class:`StepPlan`), once the buffers have room for it. Every layer of a cache takes the same token at the same
-        positions, and a state's positions follow from the pattern, the tokens taken and the left padding alone, so a
-        growing state shares the plan with the other layers (:data:`STEP_PLANS`, keyed by what the host knows: the
-        pattern, the tokens taken, the rows, and the left padding's tensor); a static one, whose step may run in a
-        graph, works it out itself."""
+    def begin_step(self, reads: bool = True) -> StepPlan:
+        """Begin taking the next token: make room for it, keep the copy :meth:`crop` goes back to while recording, and
+        return the token's bookkeeping (:class:`StepPlan`), which :meth:`advance` then follows; without its read mask
+        where ``reads`` is False (a kernel that evaluates the read rule itself). Every layer of a cache
+        takes the same token at the same positions, and a state's positions follow from the pattern, the tokens taken
+        and the left padding alone, so a growing state shares the plan with the other layers (:data:`STEP_PLANS`,
+        keyed by what the host knows: the pattern, the tokens taken, the rows, and the left padding's tensor); a
+        static one, whose step may run in a graph, works it out itself."""
         self._make_room(1)
+        if self.history is not None:
+            self.history.append(self._snapshot())
         key = None
         if not self.storage.fixed:
-            key = (self.pattern, self.storage.seen, self.positions.shape, id(self.start), str(self.positions.device))
+            key = (self.pattern, self.storage.seen, self.positions.shape, id(self.start), str(self.positions.device),
+                   reads)
             entry = STEP_PLANS.get(key)
             if entry is not None and entry[0] is self.start:
                 STEP_PLANS.move_to_end(key)
@@ -537,7 +542,7 @@ class DecodeState:
                                                                   r.device))
         else:
             row = _row_index(self.storage.seen, 1, self.ring, r.device)
-        plan = StepPlan(r, self.read_mask(r, positions), row, slots, stay)
+        plan = StepPlan(r, self.read_mask(r, positions) if reads else None, row, slots, stay)
         if key is not None:  # the entry holds the padding's tensor: no other tensor takes its id meanwhile
             STEP_PLANS[key] = (self.start, plan)
             if len(STEP_PLANS) > 8:
@@ -560,21 +565,20 @@ class DecodeState:
     # ----------------------------------------------------------------------------------------------
     # Taking tokens
 
-    def advance(self, new: dict[str, torch.Tensor], plan: StepPlan | None = None, conv: torch.Tensor | None = None
-                ) -> None:
-        """Take one token, in place: its rows ``new`` (by name, each (B, H, w)) as :meth:`step_plan` places them
-        (``plan``, if the caller has it already), and its convolution input row ``conv`` (B, C) where the layer has
-        a convolution."""
-        plan = self.step_plan() if plan is None else plan  # it makes room for the token
-        if self.history is not None:
-            self.history.append(self._snapshot())
+    def advance(self, new: dict[str, torch.Tensor] | None, plan: StepPlan | None = None,
+                conv: torch.Tensor | None = None) -> None:
+        """Take one token, in place: its rows ``new`` (by name, each (B, H, w)) as the plan of :meth:`begin_step`
+        places them (``plan``, if the caller began the step already), and its convolution input row ``conv`` (B, C)
+        where the layer has a convolution. ``new`` None: a kernel has written the token's rows in place already,
+        between :meth:`begin_step` and this call (the positions, which the layers' heads share, are written here)."""
+        plan = self.begin_step() if plan is None else plan
         if self.layout == SLOTS:
-            for name, held in self.rows.items():  # rows follow their slots
+            for name, held in self.rows.items() if new is not None else ():  # rows follow their slots
                 moved = torch.cat([new[name][:, :, None].to(held.dtype), held[:, :, :-1]], dim=2)
                 self.rows[name] = _overwritten(held, torch.where(plan.stay[:, None, :, None], held, moved))
             self.positions.copy_(plan.slots)
         else:
-            for name, held in self.rows.items():
+            for name, held in self.rows.items() if new is not None else ():
                 self.rows[name] = _rows_written(held, plan.row, new[name][:, :, None])
             self.positions.index_copy_(1, plan.row, torch.where(plan.r >= 0, plan.r, -1)[:, None])
         if conv is not None:
@@ -813,17 +817,18 @@ def _rows_written(held: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -
 
 @dataclass
 class StepPlan:
-    """Where the next token goes and what it reads (:meth:`DecodeState.step_plan`).
+    """Where the next token goes and what it reads (:meth:`DecodeState.begin_step`).
 
     Attributes:
         r: (B,) its pattern positions, negative inside the left padding.
-        read: (B, S) the rows of the state's view it reads (:meth:`DecodeState.read_mask`).
+        read: (B, S) the rows of the state's view it reads (:meth:`DecodeState.read_mask`), or None where not asked
+            for.
         row: (1,) the row it is written to (every token, or the ring); None for a register.
         slots, stay: (B, K) the register after it, and the slots that keep their token (a register only).
     """
 
     r: torch.Tensor
-    read: torch.Tensor
+    read: torch.Tensor | None
     row: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     stay: torch.Tensor | None = None
