@@ -4,7 +4,8 @@ vLLM keeps two kinds of per-request memory: a paged cache that grows with the to
 one fixed-shape state per request (``MambaBase`` layers: Mamba, linear attention). Resolvent layers map onto them
 as follows:
 
-- ``attention`` layers run vLLM's own attention layer over its paged cache;
+- ``attention`` layers run vLLM's own attention layer over its paged cache (with a short convolution, its rows are
+  kept per request in a fixed-shape state of the layer's own);
 - layers whose decode state has a bound that does not grow with the context (cache-efficient patterns such as
   ``exp2:ce`` and ``square:ce``, the windows ``banded:w``, ``diagonal`` and ``local_attention:w``, their ``+tied``
   forms) keep it in vLLM's fixed-shape state, sized for ``max_model_len`` tokens, the short convolution's rows
@@ -25,9 +26,11 @@ from ..patterns import get_pattern
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_LAYER", "STATE_LAYER", "ResolventVllmConfig", "check_servable", "layer_kinds"]
+__all__ = ["ATTENTION_LAYER", "STATE_LAYER", "ResolventVllmConfig", "check_servable", "layer_kinds", "uses_attention"]
 
 # vLLM's names for the two kinds of layer (hf_config.layer_types): a model is hybrid when some layer is not attention
+# alone. An attention layer with a short convolution keeps its convolution's rows per request, so it counts as a
+# layer with a state.
 ATTENTION_LAYER, STATE_LAYER = "full_attention", "linear_attention"
 
 SUPPORTED = ("attention", "local_attention:w", "exp2:ce", "square:ce", "f:<expression>:ce", "banded:w", "diagonal",
@@ -38,10 +41,16 @@ SUPPORTED = ("attention", "local_attention:w", "exp2:ce", "square:ce", "f:<expre
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
+def uses_attention(config: ResolventConfig, layer_idx: int) -> bool:
+    """True for a layer that runs vLLM's paged attention (an ``attention`` layer, with or without a convolution)."""
+    return get_pattern(config.layer_mixers[layer_idx]["pattern"]).kind == "attention"
+
+
 def layer_kinds(config: ResolventConfig) -> list[str]:
-    """Per layer, :data:`ATTENTION_LAYER` (vLLM's paged attention) or :data:`STATE_LAYER` (a fixed-shape state)."""
-    return [ATTENTION_LAYER if get_pattern(spec["pattern"]).kind == "attention" else STATE_LAYER
-            for spec in config.layer_mixers]
+    """Per layer, :data:`ATTENTION_LAYER` (vLLM's paged attention alone) or :data:`STATE_LAYER` (a per-request state
+    of fixed shape, beside paged attention for an attention layer with a convolution)."""
+    return [ATTENTION_LAYER if uses_attention(config, i) and not config.conv_size else STATE_LAYER
+            for i in range(config.n_layer)]
 
 
 def check_servable(config: ResolventConfig) -> None:
@@ -55,12 +64,6 @@ def check_servable(config: ResolventConfig) -> None:
             f"output, so its decode state grows with the context in a form vLLM cannot page. vLLM serves the mixers "
             f"{', '.join(SUPPORTED)}, alone or mixed per layer. Serve this model with python -m hf_resolvent.serve "
             "(or generate()), or train it with a cache-efficient pattern (exp2 -> exp2:ce)")
-    if config.conv_size and ATTENTION_LAYER in layer_kinds(config):
-        raise ValueError(
-            "vLLM cannot serve attention layers with a short convolution (conv_size > 0): the layer would need vLLM's "
-            "paged cache for its keys and values and a per-request state for the convolution's rows, and a vLLM "
-            "layer has one or the other. The resolvent layers of a model with a convolution are served (exp2:ce, "
-            "banded:w, local_attention:w, ...); serve this model with python -m hf_resolvent.serve")
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if config.position_embedding == "rope" and any(kind in rope_type for kind in LENGTH_DEPENDENT_ROPE):
         raise ValueError(

@@ -8,7 +8,8 @@ per layer the metadata of the step in its forward context: which requests, where
 Layers (:mod:`hf_resolvent.vllm.config` says which mixers go where):
 
 - attention layers project and rotate as the library's mixer does, then run vLLM's ``Attention`` over its paged
-  KV cache, all requests at once;
+  KV cache, all requests at once (with a short convolution, its last rows per request in a fixed-shape slot:
+  :class:`ResolventConvAttentionMixer`);
 - every other layer is a :class:`ResolventStateMixer`, a ``MambaBase`` layer: each request owns one slot of fixed
   shape holding the buffers of one :class:`~hf_resolvent.ops.DecodeState` (the rows of its layout, their
   positions, the tokens taken, the convolution's rows) for ``max_model_len`` tokens. The layer takes the requests
@@ -47,9 +48,9 @@ from ..modeling_resolvent import ResolventMixer, ResolventMLP, ResolventRotaryEm
 from ..ops.rope import rotated_heads
 from ..ops.state import DecodeState
 from ..patterns import get_pattern
-from .config import ATTENTION_LAYER, check_servable, layer_kinds
+from .config import check_servable, uses_attention
 
-__all__ = ["ResolventForCausalLMVLLM", "ResolventStateMixer", "state_layout"]
+__all__ = ["ResolventForCausalLMVLLM", "ResolventStateMixer", "slot_layout", "state_layout"]
 
 # The buffer that holds a state's token count; the others are named as DecodeState.buffers() names them.
 SEEN = "seen"
@@ -72,18 +73,32 @@ def state_template(config: ResolventConfig, layer_idx: int, capacity: int, dtype
 
 
 def state_layout(template: DecodeState) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape of one request's buffer, dtype) of each buffer of a slot, in the order vLLM packs them into
-    the slot's page: the int64 buffers first, so that each view of the page is aligned for its dtype, and a float32
-    pad at the end where the page would otherwise not be a whole number of int64s (pages follow each other)."""
+    """(name, shape of one request's buffer, dtype) of each buffer of a state layer's slot, in the order vLLM packs
+    them into the slot's page: the int64 buffers first, so that each view of the page is aligned for its dtype."""
     buffers = template.buffers()
     ints = [name for name, t in buffers.items() if t.dtype == torch.int64]
     floats = [name for name in buffers if name not in ints]
-    layout = [(name, (1,) if name == SEEN else tuple(buffers[name].shape[1:]), buffers[name].dtype)
-              for name in ints + floats]
+    return _padded([(name, (1,) if name == SEEN else tuple(buffers[name].shape[1:]), buffers[name].dtype)
+                    for name in ints + floats])
+
+
+def _padded(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The layout with a float32 pad at the end where its page would otherwise not be a whole number of int64s
+    (pages follow each other, and each buffer of each page is viewed in its own dtype)."""
     size = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in layout)
-    if size % 8:
-        layout.append(("pad", (1,), torch.float32))
-    return layout
+    return layout + [("pad", (1,), torch.float32)] if size % 8 else layout
+
+
+def slot_layout(config: ResolventConfig, layer_idx: int, capacity: int, dtype: torch.dtype
+                ) -> list[tuple[str, tuple[int, ...], torch.dtype]] | None:
+    """What layer ``layer_idx`` keeps per request in a slot of fixed shape: a state layer its decode state's
+    buffers, an attention layer with a short convolution the convolution's last rows (its keys and values are in
+    vLLM's paged cache), an attention layer without one nothing (None)."""
+    if not uses_attention(config, layer_idx):
+        return state_layout(state_template(config, layer_idx, capacity, dtype))
+    if config.conv_size:
+        return _padded([("conv", (config.conv_size - 1, 3 * config.n_head * config.head_dim), dtype)])
+    return None
 
 
 def _state_dtype(vllm_config: VllmConfig) -> torch.dtype:
@@ -133,22 +148,18 @@ class _SlotCache:
         self.state = self.slot_state
 
 
-class ResolventStateMixer(ResolventMixer, MambaBase):
-    """A resolvent layer whose decode state vLLM keeps per request, in fixed-shape slots (see the module)."""
+class _SlotLayer(MambaBase):
+    """What a layer with per-request slots tells vLLM: the shapes and dtypes of a slot's buffers (``self.layout``),
+    the backend whose metadata it reads, and its name in the forward context."""
 
-    def __init__(self, vllm_config: VllmConfig, config: ResolventConfig, layer_idx: int, prefix: str):
-        ResolventMixer.__init__(self, config, layer_idx)
-        self.prefix = prefix
-        self.template = state_template(config, layer_idx, vllm_config.model_config.max_model_len,
-                                       _state_dtype(vllm_config))
-        self.layout = state_layout(self.template)
+    def _register_slots(self, vllm_config: VllmConfig, prefix: str, layout) -> None:
+        self.prefix, self.layout = prefix, layout
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"duplicate layer name: {prefix}")
         context[prefix] = self
         self.kv_cache = (torch.tensor([]),)
 
-    # vLLM's interface for layers with a per-request state
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
         return tuple(shape for _, shape, _ in self.layout)
 
@@ -157,15 +168,28 @@ class ResolventStateMixer(ResolventMixer, MambaBase):
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
-        # the metadata this layer reads (requests, slots, token offsets) is the one every state layer gets; the
+        # the metadata these layers read (requests, slots, token offsets) is the one every state layer gets; the
         # short convolution's backend builds it without a kernel's extras
         return MambaAttentionBackendEnum.SHORT_CONV
 
+    def slot_buffers(self, slot: int) -> dict[str, torch.Tensor]:
+        """Request slot ``slot``'s buffers by name, as views of vLLM's (written in place)."""
+        return {name: tensor[slot, 0] if name == SEEN else tensor[slot:slot + 1]
+                for (name, _, _), tensor in zip(self.layout, self.kv_cache) if name != "pad"}
+
+
+class ResolventStateMixer(ResolventMixer, _SlotLayer):
+    """A resolvent layer whose decode state vLLM keeps per request, in fixed-shape slots (see the module)."""
+
+    def __init__(self, vllm_config: VllmConfig, config: ResolventConfig, layer_idx: int, prefix: str):
+        ResolventMixer.__init__(self, config, layer_idx)
+        self.template = state_template(config, layer_idx, vllm_config.model_config.max_model_len,
+                                       _state_dtype(vllm_config))
+        self._register_slots(vllm_config, prefix, state_layout(self.template))
+
     def slot_state(self, slot: int) -> DecodeState:
         """The state in request slot ``slot``: views of vLLM's buffers, written in place."""
-        views = {name: tensor[slot, 0] if name == SEEN else tensor[slot:slot + 1]
-                 for (name, _, _), tensor in zip(self.layout, self.kv_cache) if name != "pad"}
-        return self.template.with_buffers(views)
+        return self.template.with_buffers(self.slot_buffers(slot))
 
     def forward(self, hidden_states: torch.Tensor, rope, positions: torch.Tensor) -> torch.Tensor:
         """(N, width) -> (N, width) for the flattened tokens; ``rope``: (cos, sin) each (1, N, head_dim), or None."""
@@ -191,8 +215,12 @@ class ResolventAttentionMixer(ResolventMixer):
                               cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
 
     def forward(self, hidden_states: torch.Tensor, rope, positions: torch.Tensor) -> torch.Tensor:
-        n = hidden_states.shape[0]
-        proj = self.in_proj(hidden_states).view(1, n, len(self.parts), self.num_heads, self.head_dim)  # qa, ka, x
+        return self.attend(self.in_proj(hidden_states), rope)
+
+    def attend(self, proj: torch.Tensor, rope) -> torch.Tensor:
+        """Attention over the projected tokens (N, 3 x heads x head_dim: qa, ka, x)."""
+        n = proj.shape[0]
+        proj = proj.view(1, n, len(self.parts), self.num_heads, self.head_dim)
         if rope is not None and "a" in self.config.rope_channels:
             q, k = (t[0].transpose(0, 1) for t in rotated_heads(proj[:, :, :2], *rope, impl=self.config.mixer_impl))
         else:
@@ -201,14 +229,48 @@ class ResolventAttentionMixer(ResolventMixer):
         return self.out_proj(self.attn(q, k, v))
 
 
+class _ConvRows:
+    """A request's convolution rows (1, K - 1, C) where the mixer's ``_convolve`` looks for a state's."""
+
+    def __init__(self, conv: torch.Tensor):
+        self.conv = conv
+
+
+class ResolventConvAttentionMixer(ResolventAttentionMixer, _SlotLayer):
+    """An attention layer with a short convolution: the convolution's last K - 1 rows per request in a fixed-shape
+    slot (the requests one at a time, as a state layer takes them), then vLLM's paged attention over all tokens."""
+
+    def __init__(self, vllm_config: VllmConfig, config: ResolventConfig, layer_idx: int, prefix: str):
+        ResolventAttentionMixer.__init__(self, vllm_config, config, layer_idx, prefix)
+        self._register_slots(vllm_config, prefix, slot_layout(config, layer_idx, vllm_config.model_config.max_model_len,
+                                                              _state_dtype(vllm_config)))
+
+    def forward(self, hidden_states: torch.Tensor, rope, positions: torch.Tensor) -> torch.Tensor:
+        proj = self.in_proj(hidden_states)
+        metadata = _step_metadata(self.prefix)
+        if metadata is None:  # profile run: every token as one sequence, nothing kept
+            return self.attend(self._convolve(proj[None], None, None)[0][0], rope)
+        out = torch.zeros_like(proj)
+        requests = _requests(metadata)
+        firsts = positions[[first for _, first, _ in requests]].tolist() if requests else []
+        for (slot, first, end), position in zip(requests, firsts):
+            held = self.slot_buffers(slot)["conv"]
+            convolved, rows = self._convolve(proj[None, first:end], None, None if position == 0 else _ConvRows(held))
+            out[first:end] = convolved[0]
+            held.copy_(rows[:, -held.shape[1]:])
+        return self.attend(out, rope)
+
+
 class ResolventBlockVLLM(nn.Module):
     """The library's pre-norm block over flattened tokens: h + mixer(ln_1(h)), then + mlp(ln_2(.))."""
 
     def __init__(self, vllm_config: VllmConfig, config: ResolventConfig, layer_idx: int, prefix: str):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        kind = layer_kinds(config)[layer_idx]
-        mixer = ResolventAttentionMixer if kind == ATTENTION_LAYER else ResolventStateMixer
+        if not uses_attention(config, layer_idx):
+            mixer = ResolventStateMixer
+        else:
+            mixer = ResolventConvAttentionMixer if config.conv_size else ResolventAttentionMixer
         self.mixer = mixer(vllm_config, config, layer_idx, f"{prefix}.mixer")
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = ResolventMLP(config)
@@ -242,18 +304,13 @@ class ResolventModelVLLM(nn.Module):
 
 
 def _mamba_specs(vllm_config: VllmConfig) -> list[MambaSpec]:
-    """The state of each layer kept per request, before the model is built (vLLM sizes its pages from them)."""
+    """What each layer keeps per request, before the model is built (vLLM sizes its pages from them)."""
     config = vllm_config.model_config.hf_config
     capacity, dtype = vllm_config.model_config.max_model_len, _state_dtype(vllm_config)
-    specs = []
-    for i, kind in enumerate(layer_kinds(config)):
-        if kind == ATTENTION_LAYER:
-            continue
-        layout = state_layout(state_template(config, i, capacity, dtype))
-        specs.append(MambaSpec(shapes=tuple(shape for _, shape, _ in layout),
-                               dtypes=tuple(dtype for _, _, dtype in layout), block_size=capacity,
-                               mamba_type=MambaAttentionBackendEnum.SHORT_CONV))
-    return specs
+    layouts = [slot_layout(config, i, capacity, dtype) for i in range(config.n_layer)]
+    return [MambaSpec(shapes=tuple(shape for _, shape, _ in layout), dtypes=tuple(dtype for _, _, dtype in layout),
+                      block_size=capacity, mamba_type=MambaAttentionBackendEnum.SHORT_CONV)
+            for layout in layouts if layout is not None]
 
 
 class ResolventForCausalLMVLLM(nn.Module, HasInnerState, IsHybrid):
