@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from .inputs_resolvent import CACHE_NAME
 from .patterns import Pattern, get_pattern
 from .resolvent_ops import DecodeState
 
-__all__ = ["ResolventCache", "ResolventCacheLayer"]
+__all__ = ["ResolventCache", "ResolventCacheLayer", "prepare_generation_cache"]
 
 
 class ResolventCacheLayer:
@@ -286,6 +287,62 @@ class ResolventCache(Cache):
         if len(sizes) > 1:
             raise ValueError(f"the batch size is not consistent across layers: {sorted(sizes)}")
         return sizes.pop() if sizes else -1
+
+
+def prepare_generation_cache(model, generation_config, model_kwargs: dict, max_cache_length: int | None) -> None:
+    """The cache ``generate()`` decodes through, put in ``model_kwargs`` (the model's
+    ``_prepare_cache_for_generation`` hook): a given :class:`ResolventCache` as it is (an empty cache of another kind
+    replaced by one), else a growing one, or for ``cache_implementation="static"`` a preallocated one. Also takes the
+    cache under the other release's argument name (``CACHE_NAME``), and checks ``prefill_chunk_size``, which
+    transformers uses unchecked."""
+    chunk = generation_config.prefill_chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"prefill_chunk_size must be a positive number of tokens (or None: the prompt at once), "
+                         f"got {chunk!r}")
+    other = "past_key_values" if CACHE_NAME == "cache" else "cache"
+    if model_kwargs.get(other) is not None:
+        if model_kwargs.get(CACHE_NAME) is not None:
+            raise ValueError("got two caches, as past_key_values and as cache; pass one")
+        model_kwargs[CACHE_NAME] = model_kwargs.pop(other)
+    cache = model_kwargs.get(CACHE_NAME)
+    if cache is not None:
+        if generation_config.cache_implementation is not None:
+            raise ValueError(f"pass either cache_implementation or {CACHE_NAME} to generate(), not both")
+        if not isinstance(cache, ResolventCache):
+            if isinstance(cache, Cache) and cache.get_seq_length() == 0:
+                cache = model_kwargs[CACHE_NAME] = ResolventCache(model.config)
+            else:
+                raise ValueError(
+                    f"{CACHE_NAME} must be a ResolventCache, got {type(cache).__name__}; continue from the "
+                    "cache that a previous generate()/forward returned"
+                )
+        cache._is_user_defined = True
+        return
+    if generation_config.use_cache is False:
+        return
+    implementation = generation_config.cache_implementation
+    if implementation not in (None, "dynamic", "static"):
+        raise ValueError(
+            f"cache_implementation={implementation!r} is not available for resolvent models: they use their own "
+            "ResolventCache, growing (leave cache_implementation unset) or preallocated (\"static\")"
+        )
+    # static: sized by generate() for the prompt and every new token, as transformers sizes its StaticCache, and
+    # never below the last static generation's size, so that a compiled decode step keeps its shapes (a shorter
+    # generation reuses the compiled graph instead of compiling another)
+    if implementation == "static":
+        # as transformers keeps its StaticCache: one cache per model, reset for each generation, so that a
+        # compiled (and captured) decode step keeps the addresses of its buffers
+        max_cache_len = max(max_cache_length, getattr(model, "_previous_max_cache_length", -1))
+        model._previous_max_cache_length = max_cache_len
+        cache = getattr(model, "_static_cache", None)
+        if cache is None or cache.max_cache_len != max_cache_len:
+            cache = model._static_cache = ResolventCache(model.config, max_cache_len=max_cache_len)
+        cache.reset()
+        model_kwargs[CACHE_NAME] = cache
+    else:
+        model_kwargs[CACHE_NAME] = ResolventCache(model.config)
+    if generation_config.is_assistant:  # an assistant's drafts are rolled back: as transformers does for its caches
+        model_kwargs[CACHE_NAME].activate_past_recording()
 
 
 # A pytree of the layers' states, so that torch.export can return the cache a forward builds (use_cache=True, the

@@ -26,14 +26,12 @@ sibling modules. What else a saved folder holds, and why, is :mod:`.remote_code`
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -43,8 +41,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
-from .cache_resolvent import ResolventCache
+from .cache_resolvent import ResolventCache, prepare_generation_cache
 from .configuration_resolvent import CLOSED_GATE_VALUE, ResolventConfig
+from .gpt2_conversion import from_gpt2
+from .inputs_resolvent import CACHE_NAME, check_inputs, lay_out, one_cache
 from .patterns import get_pattern
 from .remote_code import (
     AUTO_MAP,
@@ -105,20 +105,6 @@ class ResolventRotaryEmbedding(nn.Module):
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(x.device, torch.float32)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
-
-
-# transformers 5.24 renamed the cache argument of forward() and generate(), and the output field, from
-# ``past_key_values`` to ``cache``. The supported releases lie on both sides of the rename (pyproject.toml): forward()
-# takes either name, and the generate() hooks and outputs below use the installed release's.
-CACHE_NAME = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
-
-
-def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
-    """The cache given to forward() under either name (see :data:`CACHE_NAME`)."""
-    if past_key_values is not None and cache is not None and past_key_values is not cache:
-        raise ValueError("got two different caches, as past_key_values and as cache; pass one (cache= on "
-                         "transformers >= 5.24, past_key_values= before)")
-    return cache if cache is not None else past_key_values
 
 
 def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -286,7 +272,7 @@ class ResolventBlock(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, rope=None, start=None, past_key_values=None, use_cache=False, cache=None):
         # the model passes the cache under CACHE_NAME: the name GradientCheckpointingLayer clears while it recomputes
-        cache = _one_cache(past_key_values, cache)
+        cache = one_cache(past_key_values, cache)
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
         hidden_states = hidden_states + self.mixer(self.ln_1(hidden_states), rope, start, layer_cache)
         rows = self.config.chunk_size_feed_forward
@@ -368,168 +354,6 @@ class ResolventPreTrainedModel(PreTrainedModel):
                                                       **kwargs)
 
 
-def _start_from_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.Tensor | None):
-    """(start, regroup) from a 2-D attention mask: the leading padding per sequence (B,) or None, and for a prefill
-    whose mask has holes the :class:`_Regroup` that moves each sequence's real tokens to the right end (so that they
-    read as left-padded), else None. Raises on unsupported masks."""
-    if mask.dim() != 2:
-        raise ValueError(
-            f"attention_mask must be 2-D (batch, length) with 1 for tokens and 0 for padding, got shape "
-            f"{tuple(mask.shape)}; resolvent mixers take their structure from the pattern, not from a 4-D mask"
-        )
-    batch, length = mask.shape
-    if not isinstance(past, int) or past > 0:  # after a cache: one pass over the mask as given, no copy of it (a
-        return _check_continued_mask(mask, past, n, cache_start), None  # decode step's mask grows with n)
-    if length != n:
-        raise ValueError(f"attention_mask has {length} columns but the input has {n} positions")
-    mask = mask.to(torch.bool)
-    columns = torch.arange(length, device=mask.device)
-    count = mask.sum(1)
-    lead = (mask.long().cumsum(1) == 0).sum(1)
-    contiguous = (columns[None] >= lead[:, None]) & (columns[None] < (lead + count)[:, None])
-    if torch.compiler.is_compiling():  # a graph keeps its shapes: left and right padding only, no branch on values
-        problem = "attention_mask has holes or an all-padding sequence, which a compiled forward cannot regroup"
-        require((count > 0).all() & (contiguous == mask).all(), problem, lambda: problem)
-        return lead, None
-    if (count == 0).any():
-        raise ValueError("attention_mask has a sequence without any real token (all padding); remove it (with "
-                         "generate(prefill_chunk_size=...), the first chunk must reach a real token of every "
-                         "sequence: use chunks longer than the longest left padding)")
-    if not torch.equal(contiguous, mask):  # holes: no later row reads a hidden position
-        return n - count, _Regroup.right_aligned(mask)
-    return (lead if bool(lead.any()) else None), None
-
-
-def _check_continued_mask(mask: torch.Tensor, past: int, n: int, cache_start: torch.Tensor | None):
-    """The start of tokens after a cache (the cache's own), once their 2-D mask checks out, by a check that reads
-    nothing back (a decode step never waits for the device): the prefill's mask then ones, as many real tokens as
-    the cache holds plus the new ones (a zero among the new columns, or a longer mask, counts differently), or the
-    new tokens' ones alone."""
-    length = mask.shape[1]
-    if length == past + n:
-        real = past + n - (0 if cache_start is None else cache_start.to(mask.device))
-        problem = ("attention_mask does not match the cache: when continuing from a cache the mask must be the "
-                   "prefill's mask followed by ones (right padding cannot be continued; pad on the left with "
-                   "tokenizer.padding_side = 'left')")
-        counted = mask.sum(1) if mask.dtype != torch.bool else mask.sum(1, dtype=torch.long)
-        require((counted == real).all(), problem, lambda: problem, read_back=False)
-    elif length == n:
-        problem = "attention_mask of new tokens after a cache must be all ones (no padding after tokens)"
-        require(mask.bool().all(), problem, lambda: problem, read_back=False)
-    else:
-        raise ValueError(
-            f"attention_mask has {length} columns; expected {past + n} (cached {past} + new {n}) or {n} (new only)"
-        )
-    return cache_start
-
-
-class _Regroup:
-    """A batch (B, n) laid out again for the mixers, and back: packed documents become one row each (right-padded,
-    :func:`_packed_documents`), and the real tokens of a sequence whose mask has holes move to the right end of
-    their row (left-padded, :meth:`right_aligned`). Positions that no row holds come back as zeros.
-
-    Attributes: index (R, L) flat positions b * n + t of the tokens each row holds (0 on padding), valid (R, L)."""
-
-    def __init__(self, index: torch.Tensor, valid: torch.Tensor, shape: tuple[int, int]):
-        self.index, self.valid, self.shape = index, valid, shape
-
-    @classmethod
-    def right_aligned(cls, mask: torch.Tensor) -> _Regroup:
-        """Each row's real tokens (mask True), in order, at the right end of the row."""
-        batch, n = mask.shape
-        slot = (n - mask.sum(1))[:, None] + mask.long().cumsum(1) - 1  # where each real token goes in its row
-        flat = torch.arange(batch * n, device=mask.device).view(batch, n)
-        rows = torch.arange(batch, device=mask.device)[:, None].expand(batch, n)
-        index = torch.zeros(batch, n, dtype=torch.long, device=mask.device)
-        valid = torch.zeros(batch, n, dtype=torch.bool, device=mask.device)
-        index[rows[mask], slot[mask]] = flat[mask]
-        valid[rows[mask], slot[mask]] = True
-        return cls(index, valid, (batch, n))
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, n, ...) -> (R, L, ...)."""
-        return t.reshape(self.shape[0] * self.shape[1], *t.shape[2:])[self.index]
-
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        """(R, L, ...) -> (B, n, ...): every token back in its place."""
-        out = t.new_zeros(self.shape[0] * self.shape[1], *t.shape[2:])
-        out[self.index[self.valid]] = t[self.valid]
-        return out.view(*self.shape, *t.shape[2:])
-
-
-def _refuse_right_padding(attention_mask: torch.Tensor) -> None:
-    """A batch whose mask rows end in zeros is right-padded: generation would continue each row after its padding.
-    Named where the positions generate() derives from such a mask would otherwise read as packed documents (with a
-    cache, or beside left-padded rows)."""
-    mask = attention_mask.bool()
-    rows = (~mask[:, -1] & mask.any(1)).nonzero().flatten().tolist()
-    if rows:
-        raise ValueError(
-            f"the prompt is right-padded (the attention mask of row {', '.join(map(str, rows[:8]))} ends in zeros): a "
-            "decode cache and generate() continue each row after its last position, so pad on the left "
-            "(tokenizer.padding_side = 'left', or padding_side='left' when tokenizing); right padding is for "
-            "training")
-
-
-def _packed_documents(position_ids: torch.Tensor, start: torch.Tensor | None) -> _Regroup | None:
-    """The documents of packed sequences: a new one wherever a position is not above the previous one (position_ids
-    restarting, as ``DataCollatorWithFlattening`` writes them); None when no row restarts. Left padding is skipped."""
-    batch, n = position_ids.shape
-    columns = torch.arange(n, device=position_ids.device)
-    lead = torch.zeros(batch, dtype=torch.long, device=position_ids.device) if start is None else start
-    real = columns[None] >= lead[:, None]
-    new = torch.ones_like(real)
-    new[:, 1:] = (position_ids[:, 1:] <= position_ids[:, :-1]) | ~real[:, :-1]  # a restart, or the first token
-    new &= real
-    if torch.compiler.is_compiling():  # a graph cannot split rows into documents: one document per row
-        problem = "position_ids restart inside a row (packed documents), which a compiled forward cannot split"
-        require(new.sum() == batch, problem, lambda: problem)
-        return None
-    if int(new.sum()) == batch:  # one document per row (host sync, like the position check)
-        return None
-    if start is not None and bool(start.any()):
-        raise ValueError("packed sequences (position_ids restarting inside a row) cannot be left-padded as well; "
-                         "pack the documents without padding")
-    doc = new.long().cumsum(1) - 1 + (new.sum(1).cumsum(0) - new.sum(1))[:, None]  # (B, n) global document id
-    flat_doc = doc.reshape(-1)
-    count = torch.bincount(flat_doc)
-    first = torch.cumsum(count, 0) - count  # flat position of each document's first token
-    offset = torch.arange(batch * n, device=doc.device) - first[flat_doc]
-    length = int(count.max())
-    index = torch.zeros(count.numel(), length, dtype=torch.long, device=doc.device)
-    valid = torch.zeros(count.numel(), length, dtype=torch.bool, device=doc.device)
-    index[flat_doc, offset] = torch.arange(batch * n, device=doc.device)
-    valid[flat_doc, offset] = True
-    return _Regroup(index, valid, (batch, n))
-
-
-def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, vocab_size: int,
-                  bos_token_id: int | None, read_back: bool = True) -> None:
-    """Refuse what the embedding lookup or the mixers would fail on deep inside torch: a wrong rank, no sequences,
-    no positions, token ids outside [0, vocab_size). ``input_ids`` (B, n) or ``inputs_embeds`` (B, n, width);
-    ``bos_token_id`` (or None) is suggested as the prompt of an empty one.
-
-    Every forward and every generate() step passes here; the id range costs one min/max reduction, and one host
-    sync unless ``read_back`` is False (tokens after a cache: an assert queued on the device, see ``require``).
-    """
-    name, tokens, rank = ("input_ids", input_ids, 2) if inputs_embeds is None else ("inputs_embeds", inputs_embeds, 3)
-    shape = tuple(tokens.shape)
-    if tokens.dim() != rank:
-        dims = "batch, length" if rank == 2 else "batch, length, width"
-        raise ValueError(f"{name} must be ({dims}), got shape {shape}")
-    if shape[0] == 0:
-        raise ValueError(f"{name} holds no sequences (shape {shape}, a batch of 0); pass at least one sequence")
-    if shape[1] == 0:  # no shape in the message: generate() may have repeated the rows (beams) by now
-        start = "" if bos_token_id is None else f" (to generate from nothing, start with the BOS token {bos_token_id})"
-        raise ValueError(f"{name} holds no tokens (length 0): an empty prompt; give at least one token{start}")
-    if inputs_embeds is None:
-        low, high = input_ids.min(), input_ids.max()  # not aminmax: ONNX has no full-tensor form of it
-        require((low >= 0) & (high < vocab_size), f"input_ids outside the vocabulary (vocab_size = {vocab_size})", lambda: (
-            f"input_ids holds the token id {int(low) if low < 0 else int(high)}, outside the vocabulary (vocab_size = "
-            f"{vocab_size}: ids 0 to {vocab_size - 1}); use the model's own tokenizer, or call "
-            "model.resize_token_embeddings(len(tokenizer)) after adding tokens"), read_back=read_back)
-
-
 class ResolventModel(ResolventPreTrainedModel):
     """The bare model: embeddings (token, and learned positions if configured), blocks, final LayerNorm.
 
@@ -572,7 +396,7 @@ class ResolventModel(ResolventPreTrainedModel):
         cache: Cache | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast | tuple:
-        past_key_values = _one_cache(past_key_values, cache)
+        past_key_values = one_cache(past_key_values, cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids (B, n) and inputs_embeds (B, n, width)")
         if output_attentions:
@@ -593,7 +417,7 @@ class ResolventModel(ResolventPreTrainedModel):
         continuing = (isinstance(past_key_values, ResolventCache) and not torch.compiler.is_compiling()
                       and past_key_values.get_seq_length() > 0)
         # a prompt of the BOS token alone reads as all padding when the pad token is the same id
-        _check_inputs(input_ids, inputs_embeds, vocab_size, None if bos == self.config.pad_token_id else bos,
+        check_inputs(input_ids, inputs_embeds, vocab_size, None if bos == self.config.pad_token_id else bos,
                       read_back=not continuing)
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
@@ -615,36 +439,9 @@ class ResolventModel(ResolventPreTrainedModel):
         if past_key_values is not None and past_key_values.batch_size not in (-1, batch):
             raise ValueError(f"the cache holds {past_key_values.batch_size} sequences but the input has {batch}")
         cache_start = None if past_key_values is None else past_key_values.start
-        regroup = None
-        if attention_mask is not None:
-            start, regroup = _start_from_mask(attention_mask.to(device), past, n, cache_start)
-        else:
-            start = cache_start
-        if regroup is not None:  # a mask with holes: the real tokens, right-aligned, run as left-padded sequences
-            inputs_embeds = regroup.pack(inputs_embeds)
-            if position_ids is not None:
-                position_ids = regroup.pack(position_ids.to(device).view(-1, n).expand(batch, -1))
-
-        documents = None
-        if position_ids is None:
-            position_ids = (torch.arange(n, device=device) + past)[None].expand(batch, -1)
-            if start is not None:
-                position_ids = (position_ids - start.to(device)[:, None]).clamp(min=0)
-        else:
-            position_ids = position_ids.to(device).view(-1, n).expand(batch, -1)
-            if n > 1 and past == 0:
-                if attention_mask is not None and (cache_asked or (start is not None and bool(start.any()))):
-                    _refuse_right_padding(attention_mask)  # its positions (0, 1, 2, 1, 1) are not documents
-                documents = _packed_documents(position_ids, start)
-        if documents is not None and regroup is not None:
-            raise ValueError("packed sequences (position_ids restarting inside a row) cannot have attention-mask "
-                             "holes as well; pass the documents without padding")
+        inputs_embeds, position_ids, start, regroup, documents = lay_out(
+            inputs_embeds, attention_mask, position_ids, past, cache_start, cache_asked)
         if documents is not None:  # packed sequences: each document runs as a sequence of its own
-            if cache_asked:
-                raise ValueError(
-                    "position_ids restart inside a sequence (packed documents, e.g. DataCollatorWithFlattening): "
-                    "that is for training; a decode cache needs one document per sequence, so pass the documents "
-                    "as separate (left-padded) sequences to use_cache / generate()")
             use_cache, past_key_values = False, None
         if self.wpe is not None:  # a learned table ends at n_positions; RoPE goes on (scaled as the config says)
             top = position_ids.max()
@@ -732,7 +529,7 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=_one_cache(past_key_values, cache),
+            past_key_values=one_cache(past_key_values, cache),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
@@ -759,76 +556,20 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode=None, batch_size=None,
                                       max_cache_length=None, *args, **kwargs):
-        """generate() hook: make a :class:`ResolventCache` (instead of a ``DynamicCache``), static for
-        ``cache_implementation="static"``. Also takes the cache under the other release's name (see
-        :data:`CACHE_NAME`), and checks ``prefill_chunk_size``, which transformers uses unchecked."""
-        chunk = generation_config.prefill_chunk_size
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"prefill_chunk_size must be a positive number of tokens (or None: the prompt at once), "
-                             f"got {chunk!r}")
-        other = "past_key_values" if CACHE_NAME == "cache" else "cache"
-        if model_kwargs.get(other) is not None:
-            if model_kwargs.get(CACHE_NAME) is not None:
-                raise ValueError("got two caches, as past_key_values and as cache; pass one")
-            model_kwargs[CACHE_NAME] = model_kwargs.pop(other)
-        cache = model_kwargs.get(CACHE_NAME)
-        if cache is not None:
-            if generation_config.cache_implementation is not None:
-                raise ValueError(f"pass either cache_implementation or {CACHE_NAME} to generate(), not both")
-            if not isinstance(cache, ResolventCache):
-                if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-                    cache = model_kwargs[CACHE_NAME] = ResolventCache(self.config)
-                else:
-                    raise ValueError(
-                        f"{CACHE_NAME} must be a ResolventCache, got {type(cache).__name__}; continue from the "
-                        "cache that a previous generate()/forward returned"
-                    )
-            cache._is_user_defined = True
-            return
-        if generation_config.use_cache is False:
-            return
-        implementation = generation_config.cache_implementation
-        if implementation not in (None, "dynamic", "static"):
-            raise ValueError(
-                f"cache_implementation={implementation!r} is not available for resolvent models: they use their own "
-                "ResolventCache, growing (leave cache_implementation unset) or preallocated (\"static\")"
-            )
-        # static: sized by generate() for the prompt and every new token, as transformers sizes its StaticCache, and
-        # never below the last static generation's size, so that a compiled decode step keeps its shapes (a shorter
-        # generation reuses the compiled graph instead of compiling another)
-        if implementation == "static":
-            # as transformers keeps its StaticCache: one cache per model, reset for each generation, so that a
-            # compiled (and captured) decode step keeps the addresses of its buffers
-            max_cache_len = max(max_cache_length, getattr(self, "_previous_max_cache_length", -1))
-            self._previous_max_cache_length = max_cache_len
-            cache = getattr(self, "_static_cache", None)
-            if cache is None or cache.max_cache_len != max_cache_len:
-                cache = self._static_cache = ResolventCache(self.config, max_cache_len=max_cache_len)
-            cache.reset()
-            model_kwargs[CACHE_NAME] = cache
-        else:
-            model_kwargs[CACHE_NAME] = ResolventCache(self.config)
-        if generation_config.is_assistant:  # an assistant's drafts are rolled back: as transformers does for its caches
-            model_kwargs[CACHE_NAME].activate_past_recording()
+        """generate() hook: a :class:`ResolventCache` instead of a ``DynamicCache`` (``prepare_generation_cache``)."""
+        prepare_generation_cache(self, generation_config, model_kwargs, max_cache_length)
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values=None, cache=None,
                                   **kwargs):
         """generate() hook for compileable (static) caches, which would get a 4-D mask: the 2-D mask for the prompt,
         and none for decode steps, whose positions the cache already knows (each sequence's left padding is recorded
         at prefill; generate() only appends real tokens). Without a mask, a compiled decode step has one shape."""
-        cache = _one_cache(past_key_values, cache)
+        cache = one_cache(past_key_values, cache)
         return attention_mask if cache is None or cache.get_seq_length() == 0 else None
 
-    # ----------------------------------------------------------------------------------------------
     @classmethod
-    def from_gpt2(
-        cls,
-        model_or_path,
-        mixer: Any = "attention",
-        position_embedding: str = "learned",
-        gate_init: str | float = "closed",
-        **config_overrides,
-    ) -> ResolventForCausalLM:
+    def from_gpt2(cls, model_or_path, mixer: Any = "attention", position_embedding: str = "learned",
+                  gate_init: str | float = "closed", **config_overrides) -> ResolventForCausalLM:
         """A resolvent model with a ``GPT2LMHeadModel``'s weights (a model, or a path/name for ``from_pretrained``).
 
         Copies token and position embeddings, LayerNorms, MLPs (GPT-2's ``Conv1D`` weights are transposed) and
@@ -839,56 +580,4 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
         ``conv_size`` the convolution starts as the identity tap on each token (the SiLU after it still changes q, k
         and v, so the logits differ from GPT-2's until fine-tuned).
         """
-        from transformers import GPT2LMHeadModel
-
-        if position_embedding == "none":
-            raise ValueError("from_gpt2 with position_embedding='none': GPT-2's weights were trained with its learned "
-                             "position table, and without positions its attention sees an unordered prefix; convert "
-                             "with 'learned' (the table is copied) or 'rope' and fine-tune")
-        gpt2 = model_or_path if isinstance(model_or_path, nn.Module) else GPT2LMHeadModel.from_pretrained(model_or_path)
-        gc = gpt2.config
-        if getattr(gc, "scale_attn_by_inverse_layer_idx", False) or not getattr(gc, "scale_attn_weights", True):
-            raise ValueError("from_gpt2 supports GPT-2 attention scaled by head_dim ** -0.5 only")
-        if getattr(gc, "add_cross_attention", False):
-            raise ValueError("from_gpt2 does not convert cross-attention (add_cross_attention=True)")
-        fields = dict(
-            vocab_size=gc.vocab_size, n_positions=gc.n_positions, n_embd=gc.n_embd, n_layer=gc.n_layer,
-            n_head=gc.n_head, n_inner=gc.n_inner, activation_function=gc.activation_function,
-            resid_pdrop=gc.resid_pdrop, embd_pdrop=gc.embd_pdrop, layer_norm_epsilon=gc.layer_norm_epsilon,
-            initializer_range=gc.initializer_range, bos_token_id=gc.bos_token_id, eos_token_id=gc.eos_token_id,
-            pad_token_id=gc.pad_token_id, tie_word_embeddings=gc.tie_word_embeddings,
-            position_embedding=position_embedding, mixer=mixer, gate_init=gate_init,
-        )
-        fields.update(config_overrides)
-        model = cls(ResolventConfig(**fields))
-        src, dst = gpt2.transformer, model.transformer
-        width = gc.n_embd
-        with torch.no_grad():
-            dst.wte.weight.copy_(src.wte.weight)
-            if dst.wpe is not None:
-                dst.wpe.weight.copy_(src.wpe.weight[: dst.wpe.weight.shape[0]])
-            dst.ln_f.load_state_dict(src.ln_f.state_dict())
-            for block_src, block in zip(src.h, dst.h):
-                block.ln_1.load_state_dict(block_src.ln_1.state_dict())
-                block.ln_2.load_state_dict(block_src.ln_2.state_dict())
-                block.mlp.c_fc.weight.copy_(block_src.mlp.c_fc.weight.t())
-                block.mlp.c_fc.bias.copy_(block_src.mlp.c_fc.bias)
-                block.mlp.c_proj.weight.copy_(block_src.mlp.c_proj.weight.t())
-                block.mlp.c_proj.bias.copy_(block_src.mlp.c_proj.bias)
-                w = block_src.attn.c_attn.weight.t()  # (3 width, width): rows q, k, v
-                b = block_src.attn.c_attn.bias
-                parts = {"qa": 0, "ka": 1, "x": 2, "qb": 0, "kb": 1}
-                mixer_mod = block.mixer
-                for i, name in enumerate(mixer_mod.parts):
-                    j = parts[name]
-                    mixer_mod.in_proj.weight[i * width:(i + 1) * width].copy_(w[j * width:(j + 1) * width])
-                    mixer_mod.in_proj.bias[i * width:(i + 1) * width].copy_(b[j * width:(j + 1) * width])
-                mixer_mod.out_proj.weight.copy_(block_src.attn.c_proj.weight.t())
-                mixer_mod.out_proj.bias.copy_(block_src.attn.c_proj.bias)
-                if mixer_mod.conv is not None:  # the identity tap: each token's own projection
-                    mixer_mod.conv.weight.zero_()
-                    mixer_mod.conv.weight[:, 0, -1] = 1.0
-                    mixer_mod.conv.bias.zero_()
-            if not model.config.tie_word_embeddings:
-                model.lm_head.weight.copy_(gpt2.lm_head.weight)
-        return model
+        return from_gpt2(cls, model_or_path, mixer, position_embedding, gate_init, **config_overrides)

@@ -8,8 +8,9 @@ Python files, so that a saved model runs where hf_resolvent is not installed. tr
 it saves: ``modeling_resolvent.py`` and every module its lines ``from .x import ...`` name, followed recursively
 (``transformers.dynamic_module_utils``); it copies them as flat files, so only flat siblings reach the folder. Hence:
 
-- the model files (``configuration_resolvent``, ``modeling_resolvent``, ``cache_resolvent``, ``patterns``, this
-  module) import only torch, transformers, safetensors and each other as flat siblings, and are copied as they are;
+- the model files (``configuration_resolvent``, ``modeling_resolvent``, ``inputs_resolvent``, ``cache_resolvent``,
+  ``gpt2_conversion``, ``patterns``, this module) import only torch, transformers, safetensors and each other as
+  flat siblings, and are copied as they are;
 - they reach the mixer functions through one flat module, ``resolvent_ops``. In the library it re-exports
   :mod:`hf_resolvent.ops` with absolute imports, which transformers does not follow. In a saved folder,
   :func:`write_ops_bundle` replaces it by a generated entry (:data:`BUNDLE_IMPORTS`) that imports the same names

@@ -96,7 +96,8 @@ def test_saved_folder_carries_the_code(tmp_path):
         "AutoModelForCausalLM": "modeling_resolvent.ResolventForCausalLM",
     }
     names = {p.name for p in tmp_path.iterdir()}
-    for needed in ("configuration_resolvent.py", "modeling_resolvent.py", "cache_resolvent.py", "patterns.py",
+    for needed in ("configuration_resolvent.py", "modeling_resolvent.py", "inputs_resolvent.py", "cache_resolvent.py",
+                   "gpt2_conversion.py", "patterns.py",
                    "remote_code.py", "resolvent_ops.py", "parallel.py", "recurrent.py", "state.py", "slots.py",
                    "sparse_solve.py", "dense_solve.py", "attention.py", "extend.py"):
         assert needed in names
