@@ -7,7 +7,10 @@ Entry points used by :mod:`hf_resolvent.ops` when :mod:`hf_resolvent.ops.dispatc
   forward and backward kernels);
 - :func:`triton_decode_step`: same contract as ``ops.recurrent_step`` (one token against a layer's
   ``DecodeState``); :func:`triton_decode_projected`: same contract as ``ops.decode_projected`` (the mixer's
-  step from its projection, RoPE and the gate in the kernel).
+  step from its projection, RoPE and the gate in the kernel);
+- :func:`triton_rope_heads`: same contract as ``ops.rope.rotated_heads`` (and with ``rotate``, the whole
+  ``ops.rope.rotated_parts``), :func:`triton_gate_values`: same contract as ``ops.mixer.gate_values``, both
+  differentiable, their outputs contiguous in the layout the mixer kernels read.
 
 Importing this package does not import Triton; the kernels are loaded on first use.
 """
@@ -24,6 +27,8 @@ _EXPORTS = {
     "triton_ready": "._loader",
     "triton_decode_projected": ".decode",
     "triton_decode_step": ".decode",
+    "triton_gate_values": ".rope_gate",
+    "triton_rope_heads": ".rope_gate",
     "BlockConfig": ".launching",
     "block_config": ".launching",
     "get_block_config": ".launching",
@@ -49,6 +54,8 @@ __all__ = [
     "set_nan_fill",
     "triton_decode_projected",
     "triton_decode_step",
+    "triton_gate_values",
     "triton_mix",
     "triton_ready",
+    "triton_rope_heads",
 ]

@@ -1,8 +1,8 @@
 """Ahead-of-time compilation of the kernels for a GPU target, on a machine without a GPU.
 
-``record_launches`` runs the real launch code of :mod:`.mix` / :mod:`.decode` with the kernel
-module swapped for a recorder, so it sees every launch exactly as it would happen (arguments, tile
-sizes, flags) without running anything. ``compile_launch`` then builds each recorded launch with
+``record_launches`` runs the real launch code of :mod:`.mix` / :mod:`.decode` (``record_projection_launches``: of
+:mod:`.rope_gate`, the launches around the mixer) with the kernel module swapped for a recorder, so it sees every
+launch exactly as it would happen (arguments, tile sizes, flags) without running anything. ``compile_launch`` then builds each recorded launch with
 Triton's compiler for a CUDA target (``ptxas`` ships with the triton wheel; no driver or device is
 needed), specialised on its arguments as Triton's JIT specialises a real launch, and reports registers,
 spills, shared memory and static counts of telling PTX instructions (warpgroup and warp-level tensor-core
@@ -11,7 +11,7 @@ the GPU, tiles that spill registers or pass a block's shared memory, and product
 path their tiles allow.
 
 Used by ``scripts/bench/bench_kernels.py --compile-check``, tests/backends/test_aot.py (the default tiles on
-sm_90) and tests/backends/test_triton.py.
+sm_90), tests/backends/test_triton.py and tests/backends/test_triton_rope_gate.py.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 from . import _loader, launching
 from . import decode as _decode
 from . import mix as _mix
+from . import rope_gate as _rope_gate
 from ._loader import jit_module
 
 _TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -109,13 +110,17 @@ def recording_launches(run: bool = False):
 
 @contextlib.contextmanager
 def _skipping_readiness():
-    """The decode entry's readiness check off: nothing runs, so CPU tensors are fine."""
-    old = _decode.check_ready
-    _decode.check_ready = lambda *tensors: None
+    """The readiness checks of the entries that check it themselves (decode, RoPE and the gate) off: nothing runs,
+    so CPU tensors are fine."""
+    modules = (_decode, _rope_gate)
+    old = [module.check_ready for module in modules]
+    for module in modules:
+        module.check_ready = lambda *tensors: None
     try:
         yield
     finally:
-        _decode.check_ready = old
+        for module, check in zip(modules, old):
+            module.check_ready = check
 
 
 def record_passes(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 64, e: int = 64, batch: int = 1,
@@ -173,6 +178,28 @@ def record_launches(pattern: str, dtype=torch.bfloat16, n: int = 1024, d: int = 
             _decode.triton_decode_projected(state, torch.zeros(batch, len(parts), heads, d, dtype=dtype), parts,
                                             (table, table, "ab"), gate, g if tied else None)
     return passes["forward"] + passes["backward"] + rec.launches
+
+
+def record_projection_launches(parts: tuple[str, ...] = ("qa", "ka", "x", "qb", "kb"), rotated: str = "ab",
+                               dtype=torch.bfloat16, n: int = 1024, d: int = 64, batch: int = 1, heads: int = 1,
+                               shared_tables: bool = True) -> list[Launch]:
+    """The kernel launches around a training step's mixer call on Triton, forward then backward, from the real entry
+    points (``triton_rope_heads`` over the whole projection, as ``ops.rope.rotated_parts`` calls it, and
+    ``triton_gate_values``), on CPU tensors that nothing reads: RoPE rotating the queries and keys of ``rotated``
+    ("ab", "a", "b" or "" for none) among ``parts``, tables (1 or B, n, d) (``shared_tables``: 1), and the gate of
+    ``heads`` heads. Not part of :func:`record_launches`, which records the mixer's own kernels."""
+    names = {f"{kind}{channel}" for channel in rotated for kind in "qk"}
+    rotate = tuple(name in names for name in parts)
+    proj = torch.zeros(batch, n, len(parts), heads, d, dtype=dtype, requires_grad=True)
+    table = torch.zeros(1 if shared_tables else batch, n, d)
+    pre = torch.zeros(batch, n, heads, dtype=dtype, requires_grad=True)
+    dt_bias, a_log = (torch.zeros(heads, requires_grad=True) for _ in range(2))
+    with recording_launches() as rec:
+        rope_parts = _rope_gate.triton_rope_heads(proj, table, table, rotate)
+        g = _rope_gate.triton_gate_values(pre, dt_bias, a_log, dtype)
+        n_forward = len(rec.launches)
+        torch.autograd.backward([*rope_parts, g], [torch.zeros_like(t) for t in (*rope_parts, g)])
+    return rec.launches[:n_forward] + rec.launches[n_forward:]
 
 
 def parse_config(text: str) -> dict:
