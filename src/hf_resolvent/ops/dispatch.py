@@ -39,7 +39,9 @@ pattern drops positions (:meth:`~.state.DecodeState.can_extend`).
 Precedence: the first source that names something other than ``"auto"`` wins: the ``impl=`` argument (the model
 passes ``config.mixer_impl``), then the environment variable ``HF_RESOLVENT_MIXER_IMPL``.
 ``HF_RESOLVENT_CPU_KERNELS=0`` keeps the CPU kernels from being built at all. The model's RoPE and GELU, which run
-outside the mixer call, follow the same ``impl``: their twins run where :func:`choose` gives "cpu".
+outside the mixer call, follow the same ``impl``: their twins run where :func:`choose` gives "cpu". RoPE with the
+head split and the gate's activation also have Triton twins, which run where :func:`choose` gives "triton", outside
+a graph (:func:`triton_twin_runs`).
 
 The backends live in the installed library. The flat copy of the ops modules that ``save_pretrained`` ships for
 ``trust_remote_code`` has none: there ``"auto"`` runs PyTorch and ``"cpu"`` or ``"triton"`` is an error.
@@ -146,6 +148,22 @@ def choose(impl: str | None, x: torch.Tensor, pattern=None) -> str:
                                "their build; HF_RESOLVENT_CPU_KERNELS=0 skips it); use impl='auto' or 'torch'")
         return "cpu"
     return "cpu" if cpu is not None and x.device.type == "cpu" and cpu.available() else "torch"
+
+
+# The dtypes the Triton kernels take (kernels/launching.py SUPPORTED_DTYPES; not imported: a saved folder's copy of
+# this module has no backends).
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_twin_runs(impl: str | None, *tensors: torch.Tensor) -> bool:
+    """True when a function that runs around the mixer call (RoPE with the head split, the gate) runs its Triton
+    twin on ``tensors``: where the mixer itself runs on Triton (:func:`choose` gives "triton": ``impl="triton"``, or
+    "auto" with CUDA tensors where Triton runs), not in a graph (which traces the PyTorch code), for the dtypes the
+    kernels take. The one condition of those twins; each function adds its own (no gradient for the tables)."""
+    impl = resolve(impl)
+    if impl in ("torch", "cpu") or torch.compiler.is_compiling() or any(t.dtype not in TRITON_DTYPES for t in tensors):
+        return False  # (choose() would raise for a "cpu" that cannot run: the mixer's call says so, not these)
+    return choose(impl, tensors[0]) == "triton"
 
 
 def choose_decode(impl: str | None, x: torch.Tensor) -> str:

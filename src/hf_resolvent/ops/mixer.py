@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from .dispatch import choose, choose_decode, choose_extend, torch_only, triton
+from .dispatch import TRITON_DTYPES, choose, choose_decode, choose_extend, torch_only, triton, triton_twin_runs
 from .extend import extend_mix
 from .graph import graph_mix
 from .parallel import parallel_mix, sdpa_mix
@@ -102,10 +102,17 @@ def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, impl: 
     return ys[0][:, :, None] if len(ys) == 1 else torch.stack(ys, dim=2)
 
 
-def gate_values(pre: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gate_values(pre: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, dtype: torch.dtype,
+                impl: str = "auto") -> torch.Tensor:
     """The gate g (B, H, n) in (0, 1) from its pre-activation ``pre`` (B, n, H) (the layer's ``gate_proj``) and the
     per-head ``dt_bias`` and ``a_log`` (H,): g = exp(-softplus(pre + dt_bias) exp(a_log)), as Mamba-2's decay,
-    computed in float32 and returned in ``dtype``."""
+    computed in float32 and returned in ``dtype``.
+
+    ``impl``: the mixer's. Where the mixer runs on Triton (:func:`~.dispatch.triton_twin_runs`), its Triton twin
+    (``triton_gate_values``) computes the same in one launch forward and two backward, g contiguous; the PyTorch code
+    below is the reference, and returns a transposed view."""
+    if dtype in TRITON_DTYPES and triton_twin_runs(impl, pre, dt_bias, a_log):
+        return triton().triton_gate_values(pre, dt_bias, a_log, dtype)
     dt = F.softplus(pre.float() + dt_bias.float())
     return torch.exp(-dt * torch.exp(a_log.float())).transpose(1, 2).to(dtype)
 

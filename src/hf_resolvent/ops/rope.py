@@ -3,7 +3,10 @@
 The PyTorch code (:func:`apply_rope` and the views in :func:`rotated_heads`) is the reference. Its twin on the CPU
 kernels (``backends/cpu/csrc/rope_cpu.cpp``), one C++ call, rotates the run and writes the parts in the layout the
 mixer kernels read, with its backward; it takes float32 runs whose last dimension is contiguous and tables without
-gradients, and follows the mixer's own ``impl`` (:data:`ROTATED_HEADS_TWIN`).
+gradients, and follows the mixer's own ``impl`` (:data:`ROTATED_HEADS_TWIN`). Its twin on Triton
+(``triton_rope_heads``, kernels/jit/rope.py) does the same in one launch each way, where the mixer runs on Triton
+(:func:`_on_triton`); there :func:`rotated_parts` takes the whole projection in that one launch, the parts RoPE
+leaves alone written heads-major beside the rotated ones.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import itertools
 import torch
 
 from .common import records_grad
-from .dispatch import cpu_ops, cpu_twin
+from .dispatch import cpu_ops, cpu_twin, triton, triton_twin_runs
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -54,17 +57,26 @@ ROTATED_HEADS_TWIN = cpu_twin("rope.rotated_heads", ("rope_heads", "rope_heads_b
                               follows_impl=True)
 
 
+def _on_triton(run: torch.Tensor, rope, impl: str) -> bool:
+    """The Triton twin runs where the mixer runs on Triton (:func:`~.dispatch.triton_twin_runs`), with tables that
+    need no gradient (it has none for them)."""
+    return (rope is None or not any(table.requires_grad for table in rope)) and triton_twin_runs(impl, run)
+
+
 def rotated_heads(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, ...]:
     """Rotate a run of projected parts and split it into heads-major parts.
 
     Args:
         run: (B, n, P, H, hd), P query/key parts of H heads (a slice of the mixer's input projection).
         cos, sin: (B or 1, n, hd) tables of :class:`~hf_resolvent.modeling_resolvent.ResolventRotaryEmbedding`.
-        impl: the mixer's ``impl`` (:mod:`.dispatch`): the C++ call runs where its twin takes the call.
+        impl: the mixer's ``impl`` (:mod:`.dispatch`): the Triton launch runs where the mixer runs on Triton, the
+            C++ call where its twin takes the call.
 
     Returns:
-        P tensors (B, H, n, hd): contiguous from the C++ call, views of the rotated run otherwise.
+        P tensors (B, H, n, hd): contiguous from the C++ call and from Triton, views of the rotated run otherwise.
     """
+    if _on_triton(run, (cos, sin), impl):
+        return triton().triton_rope_heads(run, cos, sin)
     if ROTATED_HEADS_TWIN.takes(run, cos, sin, impl=impl):
         cos, sin = (table.expand(run.shape[0], -1, -1) for table in (cos, signed_sin(sin)))
         rotated = _RopeHeads.apply(run, cos, sin) if records_grad([run]) else cpu_ops().rope_heads(run, cos, sin)
@@ -91,9 +103,14 @@ def rotated_parts(proj: torch.Tensor, parts: tuple[str, ...], channels: str, rop
         impl: as :func:`rotated_heads`.
 
     Returns:
-        {name: (B, H, n, hd)}.
+        {name: (B, H, n, hd)}: on Triton every part contiguous, from one launch; otherwise the rotated parts as
+        :func:`rotated_heads` gives them and the others transposed views of ``proj``.
     """
     runs = part_runs(parts, channels if rope is not None else "")
+    if _on_triton(proj, rope, impl):
+        rotate = tuple(rotated for names, rotated in runs for _ in names)
+        tables = rope if any(rotate) else (None, None)
+        return dict(zip(parts, triton().triton_rope_heads(proj, *tables, rotate=rotate)))
     # split and unbind, not proj[:, :, i]: their backwards are one cat and one stack, where each index's backward
     # zero-fills a proj-sized gradient that autograd then sums (figures: bench/NOTES.md)
     out = {}
