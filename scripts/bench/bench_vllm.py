@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/bench/vllm", help="folder for results.json, the plot, models and logs")
     p.add_argument("--mixers", default="exp2:ce,attention")
+    p.add_argument("--servers", default="vllm,hf_resolvent.serve", help="which of the two servers to measure")
     p.add_argument("--concurrency", default="1,16", help="requests sent at once, one batch per value")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(max(concurrency)):
             ids = tokenizer(" ".join(words[i % 10:]))["input_ids"][:args.prompt_tokens]
             prompts.append(tokenizer.decode(ids))
-        for name, command in servers.items():
+        for name in args.servers.split(","):
+            command = servers[name]
             port = free_port()
             log = out / f"{name}-{mixer.replace(':', '_')}.log"
             with Server(command(folders[mixer], port), port, log, env, args.startup_timeout):

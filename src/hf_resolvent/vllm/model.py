@@ -12,13 +12,15 @@ Layers (:mod:`hf_resolvent.vllm.config` says which mixers go where):
   :class:`ResolventConvAttentionMixer`);
 - every other layer is a :class:`ResolventStateMixer`, a ``MambaBase`` layer: each request owns one slot of fixed
   shape holding the buffers of one :class:`~hf_resolvent.ops.DecodeState` (the rows of its layout, their
-  positions, the tokens taken, the convolution's rows) for ``max_model_len`` tokens. The layer takes the requests
-  one at a time: a state's token count is one number for all of its rows, and each request has its own. A request
-  whose first token is at position 0 starts afresh (whatever an earlier request left in the slot is overwritten):
-  its tokens run the parallel form (``ops.resolvent_mix``) and lay the slot out as a prefill; a later chunk of its
-  prompt, or a decoded token, continues the slot's state (``ops.decode_tokens``: the extend path, or one step per
-  token). Both run the library's own mixer, :meth:`ResolventMixer.forward <hf_resolvent.modeling_resolvent.
-  ResolventMixer.forward>`, with the slot's state in place of a cache layer, so the maths is the library's.
+  positions, the tokens taken, the convolution's rows) for ``max_model_len`` tokens. A request whose first token
+  is at position 0 starts afresh (whatever an earlier request left in the slot is overwritten): its tokens run the
+  parallel form (``ops.resolvent_mix``) and lay the slot out as a prefill; a later chunk of its prompt, or a
+  decoded token, continues the slot's state (``ops.decode_tokens``: the extend path, or one step per token). These
+  run one request at a time, since a state's token count is one number for all of its rows and each request has
+  its own, except the decoded tokens of register layouts (the cache-efficient patterns), which run as one batch
+  (:meth:`ResolventStateMixer.decode_together`). All run the library's own mixer, :meth:`ResolventMixer.forward
+  <hf_resolvent.modeling_resolvent.ResolventMixer.forward>`, with the slot's state in place of a cache layer, so
+  the maths is the library's.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ except ImportError as err:  # pragma: no cover - exercised only without vLLM
 from ..configuration_resolvent import ResolventConfig
 from ..modeling_resolvent import ResolventMixer, ResolventMLP, ResolventRotaryEmbedding
 from ..ops.rope import rotated_heads
-from ..ops.state import DecodeState
+from ..ops.state import SLOTS, DecodeState, Fixed
 from ..patterns import get_pattern
 from .config import check_servable, uses_attention
 
@@ -199,11 +201,47 @@ class ResolventStateMixer(ResolventMixer, _SlotLayer):
         out = torch.zeros_like(hidden_states)
         requests = _requests(metadata)
         firsts = positions[[first for _, first, _ in requests]].tolist() if requests else []
+        # one decoded token after a register (the cache-efficient patterns): those requests run together
+        together = [(slot, first) for (slot, first, end), position in zip(requests, firsts)
+                    if end - first == 1 and position > 0] if self.template.layout == SLOTS else []
+        if len(together) > 1:
+            tokens = [first for _, first in together]
+            out[tokens] = self.decode_together([slot for slot, _ in together], hidden_states, rope, tokens)
+            taken = set(tokens)
+            requests = [request for request in requests if request[1] not in taken]
+            firsts = positions[[first for _, first, _ in requests]].tolist() if requests else []
         for (slot, first, end), position in zip(requests, firsts):
             cache = _SlotCache(self.slot_state(slot), fresh=position == 0)
             piece = None if rope is None else tuple(t[:, first:end] for t in rope)
             out[first:end] = ResolventMixer.forward(self, hidden_states[None, first:end], piece, None, cache)[0]
         return out
+
+    def decode_together(self, slots: list[int], hidden_states: torch.Tensor, rope, tokens: list[int]) -> torch.Tensor:
+        """One token for each of several requests whose states are registers, in one batch: (len(tokens), width).
+
+        Each request's state has its own token count; a batch of states has one. A register's rows follow their
+        pattern positions alone (the slots, the read rule and the slot rule never look at a row's index in the
+        sequence), so the batch counts the most tokens any of them has taken and gives each of the others as much
+        left padding as it has fewer: each request's next position, and so its step, is its own. The batch is
+        gathered from the slots, advanced, and written back."""
+        kv = {name: tensor for (name, _, _), tensor in zip(self.layout, self.kv_cache)}
+        index = torch.tensor(slots, device=hidden_states.device)
+        counts = kv[SEEN][index, 0]
+        top = int(counts.max())
+        rows = {name: kv[name][index] for name in self.template.rows}
+        conv = kv["conv"][index] if "conv" in kv else None
+        storage = Fixed(self.template.storage.capacity, torch.tensor(top, device=hidden_states.device), top)
+        state = DecodeState(self.pattern, rows, kv["positions"][index], storage, start=top - counts, conv=conv)
+        at = torch.tensor(tokens, device=hidden_states.device)
+        piece = None if rope is None else tuple(t[0, at][:, None] for t in rope)
+        y = ResolventMixer.forward(self, hidden_states[at][:, None], piece, None, _SlotCache(state, fresh=False))
+        for name in self.template.rows:
+            kv[name].index_copy_(0, index, state.rows[name])
+        kv["positions"].index_copy_(0, index, state.positions)
+        if conv is not None:
+            kv["conv"].index_copy_(0, index, state.conv)
+        kv[SEEN].index_copy_(0, index, (counts + 1)[:, None])
+        return y[:, 0]
 
 
 class ResolventAttentionMixer(ResolventMixer):
