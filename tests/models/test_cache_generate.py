@@ -258,6 +258,25 @@ def test_crop_where_every_position_is_kept():
     assert cache.is_croppable
 
 
+@pytest.mark.parametrize("mixer", ["dense", "exp2:ce"])
+def test_a_crop_to_a_tensor_length_then_steps_as_a_fresh_cache(mixer):
+    """transformers' candidate generators (5.16) crop to a 0-d tensor length: the count stays the host's, and the
+    steps after it read the rows held (a count kept as that tensor, and grown in place, went stale)."""
+    model = tiny_model(mixer)
+    ids = torch.randint(1, 61, (1, 14), generator=torch.Generator().manual_seed(0))
+    cache = hr.ResolventCache(model.config)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        model(ids[:, :10], past_key_values=cache)
+        for t in range(10, 13):
+            model(ids[:, t:t + 1], past_key_values=cache)
+        cache.crop(torch.tensor(11))
+        assert cache.get_seq_length() == 11
+        got = torch.cat([model(ids[:, t:t + 1], past_key_values=cache).logits for t in (11, 12, 13)], 1)
+    want = model(ids).logits[:, 11:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("spec, distinct, held", [("exp2:ce", 12, 12), ("square:ce", 34, 46), ("banded:8", 8, 8),
                                                   ("dense", 2048, 2048), ("exp2:ce+tied", 12, 12)])
 def test_cache_bytes_follow_the_pattern_plan(spec, distinct, held):

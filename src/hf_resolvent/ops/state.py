@@ -671,6 +671,7 @@ class DecodeState:
         state would hold: while recording (:meth:`record_history`) they go back to the copy taken before token
         ``length``, or rebuild the state from the recorded prefill when ``length`` lies inside it; elsewhere a
         ValueError."""
+        length = int(length)  # transformers' candidate generators may give a 0-d tensor; the count is the host's
         if length < 0:
             raise ValueError(f"crop length must be >= 0, got {length}")
         reach = self._reach(length)
