@@ -178,7 +178,7 @@ class ResolventMixer(nn.Module):
 
     def gate(self, u: torch.Tensor) -> torch.Tensor:
         """g (B, H, n) in (0, 1) from the block input u (B, n, width)."""
-        return gate_values(self.gate_proj(u), self.dt_bias, self.A_log, u.dtype)
+        return gate_values(self.gate_proj(u), self.dt_bias, self.A_log, u.dtype, impl=self.config.mixer_impl)
 
     def forward(self, hidden_states: torch.Tensor, rope=None, start=None, layer_cache=None) -> torch.Tensor:
         """(B, n, width) -> (B, n, width). ``rope``: (cos, sin) or None; ``start``: (B,) left padding or None;

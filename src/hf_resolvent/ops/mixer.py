@@ -149,7 +149,7 @@ def decode_projected(state: DecodeState, proj: torch.Tensor, parts: tuple[str, .
         y = triton().triton_decode_projected(state, proj[:, 0], parts, tables, gate_pre, one(skip), conv=one(conv))
         return y[:, :, None]
     t = rotated_parts(proj, parts, rope_channels, rope, impl)
-    g = None if gate is None else gate_values(*gate, dtype=proj.dtype)
+    g = None if gate is None else gate_values(*gate, dtype=proj.dtype, impl=impl)
     d = None if skip is None else tied_weights(g, skip)
     return decode_tokens(state, t.get("qa"), t.get("ka"), t.get("qb"), t.get("kb"), t["x"], g, impl=impl, d=d,
                          conv=conv).to(proj.dtype)
