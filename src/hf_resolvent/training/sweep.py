@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import torch
 
 from ..patterns import get_pattern
 from . import data as hdata
-from .config import RunError, training_budget
+from .config import RunError, default_data_dir, training_budget
 from .evaluate import EvalSettings, evaluate, strided_perplexity
 from .metrics import write_result
 from .models import COMPLEXITY_ORDER, cache_bytes, complexity_of
@@ -303,9 +302,7 @@ def plot(result: dict, path: Path) -> None:
 
 def data_dir_of(args) -> Path:
     """The folder pretrain.py trains on: --data, else its offline default."""
-    if args.data:
-        return Path(args.data)
-    return Path(os.environ.get("HF_RESOLVENT_DATA", "data")) / "stdlib"
+    return Path(args.data) if args.data else default_data_dir()
 
 
 def sweep(args, argv: list[str], pretrain: Path, log=print) -> dict:
