@@ -169,7 +169,7 @@ def test_the_openai_server_serves_a_saved_folder(save_model, tokenizer, tmp_path
 
     folder = save_model(["exp2:ce", "attention"])
     port = _free_port()
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # as a user runs it: the engine in a process of its own
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port",
                str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                "--served-model-name", "tiny"]
@@ -202,7 +202,7 @@ def test_the_openai_server_serves_a_saved_folder(save_model, tokenizer, tmp_path
         log.close()
 
 
-def test_the_vllm_example_of_the_serving_docs_runs(save_model, tmp_path):
+def test_the_vllm_example_of_the_serving_docs_runs(save_model, capsys):
     """docs/serving.md's vLLM example (fenced `py`: the docs' Python blocks run in the environment without vLLM),
     run as written on a tiny model in place of runs/tiny."""
     import re
@@ -211,7 +211,10 @@ def test_the_vllm_example_of_the_serving_docs_runs(save_model, tmp_path):
     text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     (block,) = re.findall(r"^```py\n(.*?)^```", text, flags=re.S | re.M)
     assert "runs/tiny" in block
-    code = block.replace("runs/tiny", str(save_model("exp2:ce")))
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len(result.stdout.strip().splitlines()) >= 2  # the two completions
+    names: dict = {}
+    try:
+        exec(block.replace("runs/tiny", str(save_model("exp2:ce"))), names)
+    finally:
+        if "llm" in names:
+            release(names.pop("llm"))
+    assert len(capsys.readouterr().out.strip().splitlines()) >= 2  # the two completions

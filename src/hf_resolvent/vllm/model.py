@@ -115,7 +115,7 @@ def _step_metadata(prefix: str):
     metadata = get_forward_context().attn_metadata
     if metadata is None:
         return None
-    if isinstance(metadata, list):  # dual-batch overlap splits a step in two; the config hook leaves it off
+    if isinstance(metadata, list):  # dual-batch overlap (off by default) splits a step in two
         raise RuntimeError("resolvent layers take one batch per step; turn off dual-batch overlap")
     return metadata.get(prefix)
 
