@@ -17,8 +17,7 @@ Layers (:mod:`hf_resolvent.vllm.config` says which mixers go where):
   parallel form (``ops.resolvent_mix``) and lay the slot out as a prefill; a later chunk of its prompt, or a
   decoded token, continues the slot's state (``ops.decode_tokens``: the extend path, or one step per token). These
   run one request at a time, since a state's token count is one number for all of its rows and each request has
-  its own, except the decoded tokens of register layouts (the cache-efficient patterns), which run as one batch
-  (:meth:`ResolventStateMixer.decode_together`). All run the library's own mixer, :meth:`ResolventMixer.forward
+  its own, except the decoded tokens, which run as one batch (:meth:`ResolventStateMixer.decode_together`). All run the library's own mixer, :meth:`ResolventMixer.forward
   <hf_resolvent.modeling_resolvent.ResolventMixer.forward>`, with the slot's state in place of a cache layer, so
   the maths is the library's.
 """
@@ -48,7 +47,7 @@ except ImportError as err:  # pragma: no cover - exercised only without vLLM
 from ..configuration_resolvent import ResolventConfig
 from ..modeling_resolvent import ResolventMixer, ResolventMLP, ResolventRotaryEmbedding
 from ..ops.rope import rotated_heads
-from ..ops.state import SLOTS, DecodeState, Fixed
+from ..ops.state import RING, DecodeState, Fixed
 from ..patterns import get_pattern
 from .config import check_servable, uses_attention
 
@@ -134,6 +133,15 @@ def _requests(metadata) -> list[tuple[int, int, int]]:
     return requests
 
 
+def _turned(t: torch.Tensor, order: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """``t`` (B, ...) with its rows along ``dim`` taken in ``order`` (B, rows) per sequence; ``t`` if None."""
+    if order is None:
+        return t
+    shape = [order.shape[0]] + [1] * (t.dim() - 1)
+    shape[dim] = order.shape[1]
+    return t.gather(dim, order.view(shape).expand(*t.shape[:dim], order.shape[1], *t.shape[dim + 1:]))
+
+
 class _SlotCache:
     """What :meth:`ResolventMixer.forward` asks of a cache layer, over one request's slot: ``state``, None before
     the request's first token (the mixer then runs the parallel form), and :meth:`store_prefill`, which lays those
@@ -201,9 +209,9 @@ class ResolventStateMixer(ResolventMixer, _SlotLayer):
         out = torch.zeros_like(hidden_states)
         requests = _requests(metadata)
         firsts = positions[[first for _, first, _ in requests]].tolist() if requests else []
-        # one decoded token after a register (the cache-efficient patterns): those requests run together
+        # one decoded token after the state: those requests run together
         together = [(slot, first) for (slot, first, end), position in zip(requests, firsts)
-                    if end - first == 1 and position > 0] if self.template.layout == SLOTS else []
+                    if end - first == 1 and position > 0]
         if len(together) > 1:
             tokens = [first for _, first in together]
             out[tokens] = self.decode_together([slot for slot, _ in together], hidden_states, rope, tokens)
@@ -217,27 +225,35 @@ class ResolventStateMixer(ResolventMixer, _SlotLayer):
         return out
 
     def decode_together(self, slots: list[int], hidden_states: torch.Tensor, rope, tokens: list[int]) -> torch.Tensor:
-        """One token for each of several requests whose states are registers, in one batch: (len(tokens), width).
+        """One token for each of several requests after their states, in one batch: (len(tokens), width).
 
-        Each request's state has its own token count; a batch of states has one. A register's rows follow their
-        pattern positions alone (the slots, the read rule and the slot rule never look at a row's index in the
-        sequence), so the batch counts the most tokens any of them has taken and gives each of the others as much
-        left padding as it has fewer: each request's next position, and so its step, is its own. The batch is
-        gathered from the slots, advanced, and written back."""
+        Each request's state has its own token count; a batch of states has one. So the batch counts the most
+        tokens any of them has taken and gives each of the others as much left padding as it has fewer: each
+        request's next position, and so what its token reads, is its own (a state reads its rows by their pattern
+        positions). Where a row goes follows the positions alone in a register (the slot rule); a ring writes the
+        token at the batch's count modulo its size, so each request's ring is turned by its padding on the way in,
+        and back on the way out. The batch is gathered from the slots, advanced, and written back."""
         kv = {name: tensor for (name, _, _), tensor in zip(self.layout, self.kv_cache)}
         index = torch.tensor(slots, device=hidden_states.device)
         counts = kv[SEEN][index, 0]
         top = int(counts.max())
-        rows = {name: kv[name][index] for name in self.template.rows}
+        pad = top - counts
+        turn = None
+        if self.template.layout == RING:  # row j of the batch's ring holds row j - pad of the request's
+            size = self.template.ring
+            turn = (torch.arange(size, device=index.device)[None] - pad[:, None]) % size  # (B, ring)
+        rows = {name: _turned(kv[name][index], turn, 2) for name in self.template.rows}
         conv = kv["conv"][index] if "conv" in kv else None
         storage = Fixed(self.template.storage.capacity, torch.tensor(top, device=hidden_states.device), top)
-        state = DecodeState(self.pattern, rows, kv["positions"][index], storage, start=top - counts, conv=conv)
+        state = DecodeState(self.pattern, rows, _turned(kv["positions"][index], turn, 1), storage, start=pad,
+                            conv=conv)
         at = torch.tensor(tokens, device=hidden_states.device)
         piece = None if rope is None else tuple(t[0, at][:, None] for t in rope)
         y = ResolventMixer.forward(self, hidden_states[at][:, None], piece, None, _SlotCache(state, fresh=False))
+        back = None if turn is None else turn.argsort(1)
         for name in self.template.rows:
-            kv[name].index_copy_(0, index, state.rows[name])
-        kv["positions"].index_copy_(0, index, state.positions)
+            kv[name].index_copy_(0, index, _turned(state.rows[name], back, 2))
+        kv["positions"].index_copy_(0, index, _turned(state.positions, back, 1))
         if conv is not None:
             kv["conv"].index_copy_(0, index, state.conv)
         kv[SEEN].index_copy_(0, index, (counts + 1)[:, None])
