@@ -50,8 +50,9 @@ that order, each with its share of what is left of ``--budget-s``.
 ``--dry-run`` runs every step on CPU through Triton's interpreter at tiny shapes (the tiny preset, prompts of 16
 and 32 tokens, 3 new tokens, vocabulary 512, float32; the captured decode traced by dynamo without inductor, once
 per model): the times mean nothing, the plumbing is checked; the CUDA counts are left out and the aten counts
-stand for them. On a CPU the resolvent mixers run their PyTorch form, not the Triton kernels, so their aten counts
-are that form's. Exit status: 0 when every step ran and every check passed, 1 otherwise, 2 without a GPU (and no
+stand for them. On a CPU the timed rows run the resolvent mixers' PyTorch form; the per-layer launch counts
+(``launches_per_layer``) run them on the Triton kernels, interpreted, as a GPU does (but for softmax attention
+alone, which a GPU runs through SDPA). Exit status: 0 when every step ran and every check passed, 1 otherwise, 2 without a GPU (and no
 --dry-run).
 """
 
@@ -719,6 +720,8 @@ def launches_per_layer(sizes: dict, device, bf16: bool) -> dict:
         for layers in (depth, depth + 1):
             torch.manual_seed(0)
             model = make_model(name, sizes["preset"], sizes["vocab"], n, n_layer=layers).to(device).train()
+            if device.type == "cpu" and name != "gpt2":  # the Triton kernels, interpreted: what a GPU launches
+                model.config.mixer_impl = "triton"
             trainee = Trainee(model, device, bf16, {})
             trainee.step(data)  # the first step makes the optimizer's state
             with op_counter(device) as c:
