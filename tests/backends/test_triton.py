@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import family_model
 
+import hf_resolvent as hr
 from hf_resolvent.backends import triton as kernels
 from hf_resolvent.ops import (
     DecodeState,
@@ -406,10 +408,6 @@ def test_the_models_decode_step_in_one_launch_matches_its_composition(family, st
     (``rotated_parts``, ``gate_values``, ``tied_weights``, ``recurrent_step``, ``DecodeState.advance``): the logits
     of every step, and every buffer of every layer's state after them, on a left-padded batch, with a short
     convolution and RoPE on one channel for some families."""
-    from conftest import family_model
-
-    import hf_resolvent as hr
-
     kw = {"conv_size": 3} if family in ("ce", "tied") else {}
     if family in ("dense", "square-ce"):
         kw["rope_channels"] = "b"
@@ -440,8 +438,6 @@ def test_the_models_decode_step_in_one_launch_matches_its_composition(family, st
 def test_the_models_decode_step_in_one_launch_in_bfloat16():
     """bfloat16: RoPE's and the gate's roundings as the PyTorch composition makes them, so the tokens agree and the
     logits within bfloat16's tolerance."""
-    from conftest import family_model
-
     model = family_model("hybrid", conv_size=3).to(torch.bfloat16)
     prompt = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(1))
     out = {}

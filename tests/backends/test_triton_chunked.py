@@ -81,7 +81,7 @@ def test_dense_solves_reading_a_copy_of_the_solved_rows(dense_solver, dtype):
 def test_the_chunked_solvers_run_the_chunk_kernels_and_the_blocked_ones_do_not():
     chunked = [launch.name for launch in aot.record_launches("exp2:ce", n=64, d=16, e=16)]
     assert chunked == ["sparse_direct_kernel", "chunk_prepare_kernel", "chunk_carry_kernel", "chunk_carry_kernel",
-                       "chunk_rows_bwd_kernel", "chunk_grads_kernel", "decode_step_kernel"]
+                       "chunk_rows_bwd_kernel", "chunk_grads_kernel", "decode_step_kernel", "decode_step_kernel"]
     dense = {launch.name: launch.grid for launch in aot.record_launches("dense", n=64, d=16, e=16)}
     assert {"dense_chunk_fwd_kernel", "dense_chunk_bwd_kernel"} <= set(dense)
     assert dense["dense_chunk_fwd_kernel"] == (64 // CHUNK,)  # one program per chunk of the one head

@@ -14,6 +14,7 @@ import time
 
 import psutil  # a dependency of accelerate
 import pytest
+from conftest import load_script, tiny_run_args
 
 from hf_resolvent import locks
 from hf_resolvent.backends import cpu as cpu_kernels
@@ -242,7 +243,6 @@ def test_a_lock_whose_holder_was_killed_is_taken_over(tmp_path, holder):
 
 def test_pretrain_builds_the_kernels_before_its_progress_bar(tiny_data, tmp_path, monkeypatch):
     import tqdm.auto
-    from conftest import load_script, tiny_run_args
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # on a GPU machine the run would need no CPU kernels
     pretrain = load_script("pretrain")

@@ -46,7 +46,7 @@ def _raises_clearly(call, fragments) -> None:
         assert fragment in message, (fragment, message)
     # raised by our check, not by torch deep inside, and not chained to another error
     raised_in = Path(info.traceback[-1].path)
-    assert raised_in.name in ("modeling_resolvent.py", "common.py") and "hf_resolvent" in raised_in.parts, raised_in
+    assert raised_in.name in ("modeling_resolvent.py", "inputs_resolvent.py", "common.py") and "hf_resolvent" in raised_in.parts, raised_in
     assert info.value.__cause__ is None and info.value.__context__ is None
 
 
