@@ -56,6 +56,7 @@ def built(tmp_path_factory):
     return extensions_dir, folder, _run(_GENERATE, extensions_dir, timeout=400)
 
 
+@pytest.mark.slow
 def test_a_build_killed_mid_way_is_recovered_and_the_build_says_what_it_does(built):
     extensions_dir, folder, first = built
     assert first.returncode == 0, first.stderr[-3000:]
@@ -68,6 +69,7 @@ def test_a_build_killed_mid_way_is_recovered_and_the_build_says_what_it_does(bui
     assert again.returncode == 0 and "compiling" not in again.stderr, again.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_truncated_library_in_the_cache_is_rebuilt_with_a_message_instead_of_ending_the_process(built):
     """A truncated library that ninja takes for up to date used to end every later run with SIGBUS (no message) until
     the folder was deleted by hand."""
@@ -147,6 +149,7 @@ def test_killing_a_build_ends_its_compilers(tmp_path):
                 pass
 
 
+@pytest.mark.slow
 def test_error_messages_survive_a_compiler_that_offers_only_the_static_cpp_runtime(tmp_path):
     """Where the compiler finds libstdc++.a before libstdc++.so (a CUDA machine's gcc 13 did), the kernels must still
     link the shared runtime the process holds: with a second, static copy inside the library, an error message that

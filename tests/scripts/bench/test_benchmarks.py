@@ -51,6 +51,7 @@ def test_bench_train_refuses_to_leave_out_the_reference(tmp_path, capsys):
     assert "GPT-2 is the model every ratio is taken to" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_decode_times_eager_and_compiled_steps(tmp_path):
     out = tmp_path / "decode.json"
     assert load_script("bench/bench_decode").main([

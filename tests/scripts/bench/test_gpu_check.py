@@ -28,6 +28,7 @@ def _run(out, *extra, timeout=240):
     return proc, json.loads((out / "gpu_check.json").read_text())
 
 
+@pytest.mark.slow
 def test_dry_run_passes_every_case(tmp_path):
     proc, result = _run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

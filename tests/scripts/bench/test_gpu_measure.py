@@ -57,6 +57,7 @@ def test_the_fastest_correct_variant_is_chosen_per_length():
     assert met[("exp2:ce", 8192, 1.0)] and not met[("exp2:ce", 4096, 1.0)] and not met[("exp2:ce", 32768, 1.0)]
 
 
+@pytest.mark.slow
 def test_dry_run_checks_times_profiles_and_trains_each_variant(tmp_path):
     proc, summary = _run(tmp_path, "--part", "kernels,train")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -83,6 +84,7 @@ def test_dry_run_checks_times_profiles_and_trains_each_variant(tmp_path):
         assert heading in text
 
 
+@pytest.mark.slow
 def test_a_variant_whose_check_fails_is_not_timed(tmp_path):
     proc, summary = _run(tmp_path, "--variants", "blocked-sparse", "--inject-error", "blocked-sparse")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -175,6 +177,7 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+@pytest.mark.slow
 def test_dry_run_of_the_model_part(parts):
     out, summary = parts
     result = json.loads((out / "model.json").read_text())
@@ -198,6 +201,7 @@ def test_dry_run_of_the_model_part(parts):
     assert all(f"| {m} | {n} x {b} |" in text for m, n, b in rows)
 
 
+@pytest.mark.slow
 def test_the_cpu_proxy_counts_launches_per_layer_for_each_model(parts):
     out, summary = parts
     layers = json.loads((out / "launches_per_layer.json").read_text())
@@ -215,6 +219,7 @@ def test_the_cpu_proxy_counts_launches_per_layer_for_each_model(parts):
     assert all(f"| {model} | {r['launches_per_layer']} |" in text for model, r in rows.items())
 
 
+@pytest.mark.slow
 def test_dry_run_of_the_decode_part(parts):
     out, summary = parts
     result = json.loads((out / "decode.json").read_text())
