@@ -1,4 +1,5 @@
-"""scripts/bench/gpu_check.py: the GPU session's correctness check, run here on CPU through Triton's interpreter.
+"""scripts/bench/gpu_check.py: the correctness check of the Triton kernels on a GPU, run here on CPU through Triton's
+interpreter.
 
 ``--dry-run`` runs the same code as on a GPU (inputs, kernels with NaN-filled outputs, oracles, comparisons, JSON)
 at tiny shapes; an injected error in the kernel output must make it fail. The full grid is checked as a plan only.
