@@ -31,7 +31,7 @@ def _check(state: DecodeState, x: torch.Tensor, tied: bool, *tensors) -> None:
 
 
 def _run(state: DecodeState, token: dict, scale, rope=None, gate_raw=None, conv=None) -> torch.Tensor:
-    """Launch the kernel for ``token`` (as :func:`.jit.decode.step` takes it) and advance ``state``."""
+    """Launch the kernel for ``token`` (as :func:`.jit.decode_step.step` takes it) and advance ``state``."""
     if not state.pattern.has_recurrence:  # attention kinds read no B channel, whatever was passed
         token.update(qb=None, kb=None, g=None)
     if scale is None:
@@ -40,7 +40,7 @@ def _run(state: DecodeState, token: dict, scale, rope=None, gate_raw=None, conv=
     write = ("row", plan.row) if plan.row is not None else ("slots", plan.stay)
     # the state's whole buffers (rows past those taken are empty: position -1, never read)
     cache = {name: state.rows.get(name) for name in ("keys_a", "values", "keys_b", "outputs")}
-    y, _ = jit_module().decode.step(token, cache, state.positions, plan.r, state.read_rule(),
+    y, _ = jit_module().decode_step.step(token, cache, state.positions, plan.r, state.read_rule(),
                                     state.layout == SLOTS, float(scale), get_block_config(), rope, gate_raw, write)
     state.advance(None, plan, conv)
     return y.to(token["x"].dtype)

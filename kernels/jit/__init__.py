@@ -4,11 +4,11 @@ Triton mode by ``_loader.jit_module``, which returns this package: ``jit.<op>.<l
 ``COSTS`` maps each kernel's name to its cost model (``cost.launch_cost``).
 """
 
-from . import attention, decode, dense_solve, gate, rope, sparse_chunked, sparse_solve
+from . import attention, decode_step, dense_solve, gate, rope, sparse_chunked, sparse_solve
 
-OPS = (attention, dense_solve, sparse_solve, sparse_chunked, decode, rope, gate)
+OPS = (attention, dense_solve, sparse_solve, sparse_chunked, decode_step, rope, gate)
 KERNELS = {name: getattr(op, name) for op in OPS for name in dir(op) if name.endswith("_kernel")}
 COSTS = {name: model for op in OPS for name, model in op.COSTS.items()}
 
-__all__ = ["COSTS", "KERNELS", "OPS", "attention", "decode", "dense_solve", "gate", "rope", "sparse_chunked",
+__all__ = ["COSTS", "KERNELS", "OPS", "attention", "decode_step", "dense_solve", "gate", "rope", "sparse_chunked",
            "sparse_solve"]

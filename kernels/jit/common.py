@@ -1,7 +1,7 @@
 """What every Triton kernel of the resolvent mixer shares: the conventions below, reductions and products that run
 the same under the interpreter, tile addressing, softmax pieces, and the scheduling of the solves (dense and
 sparse). One module per op holds the ``@triton.jit`` code of that op: ``attention``, ``dense_solve`` (blocked and
-chunked), ``sparse_solve``, ``sparse_chunked`` and ``decode``.
+chunked), ``sparse_solve``, ``sparse_chunked``, ``decode_step``, ``rope`` and ``gate``.
 
 This package is not imported as a normal one: :func:`hf_resolvent.backends.triton._loader.jit_module` loads it
 once per Triton mode (compiled for the GPU, or through the interpreter when ``TRITON_INTERPRET=1``), because
