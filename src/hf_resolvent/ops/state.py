@@ -208,9 +208,14 @@ class Fixed:
         return Fixed(self.capacity, self.seen.clone(), self.host_seen)
 
     def mark_static(self, state: DecodeState) -> None:
-        """Tell the compiler that the buffers keep their addresses, so that a captured graph may write them."""
+        """Ready the state for a compiled step: tell the compiler that the buffers keep their addresses, so that a
+        captured graph may write them, and make the pattern's tables a step reads (:meth:`DecodeState._constant`)."""
         for t in state.buffers().values():
             torch._dynamo.mark_static_address(t)
+        device, n = state.positions.device, self.capacity + 1
+        needs = ([("slots", state.positions.shape[1])] if state.layout == SLOTS else
+                 [("offsets", n), ("reads", n)] if state.layout == ALL and state.pattern.kind == "pattern" else [])
+        state.tables = {(what, size): _table(state.pattern, what, size, device) for what, size in needs}
 
 
 def _extended(t: torch.Tensor, dim: int, size: int, fill) -> torch.Tensor:
@@ -496,7 +501,7 @@ class DecodeState:
         if self.layout == RING:
             return self.READ_WINDOW, self.ring, None
         if self.layout == ALL and self.pattern.kind == "pattern":
-            return self.READ_OFFSETS, 0, _table(self.pattern, "offsets", self.read_bound() + 1, self.positions.device)
+            return self.READ_OFFSETS, 0, self._constant("offsets", self.read_bound() + 1)
         return self.READ_ALL, 0, None
 
     def read_mask(self, r: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -511,9 +516,16 @@ class DecodeState:
             return valid & torch.cat([valid[:, :1], p[:, 1:] != p[:, :-1]], dim=1)
         if self.pattern.kind == "pattern":
             size = self.read_bound() + 1
-            reads = _table(self.pattern, "reads", size, p.device)
+            reads = self._constant("reads", size)
             return valid & reads[(r[:, None] - p).clamp(0, size - 1)]
         return valid
+
+    def _constant(self, what: str, n: int) -> torch.Tensor:
+        """The pattern's table ``what`` of size ``n`` (:func:`_table`). A static state holds those its steps read,
+        made with its buffers (:meth:`Fixed.mark_static`): a compiled step that looked them up in the shared dict
+        would be guarded on the dict, and compiled again whenever another state added a table to it."""
+        held = self.__dict__.get("tables", {}).get((what, n))
+        return _table(self.pattern, what, n, self.positions.device) if held is None else held
 
     def begin_step(self, reads: bool = True) -> StepPlan:
         """Begin taking the next token: make room for it, keep the copy :meth:`crop` goes back to while recording, and
@@ -538,8 +550,7 @@ class DecodeState:
         _, positions = self.view()
         slots = stay = row = None
         if self.layout == SLOTS:
-            slots, stay = register_step(self.positions, r, _table(self.pattern, "slots", self.positions.shape[1],
-                                                                  r.device))
+            slots, stay = register_step(self.positions, r, self._constant("slots", self.positions.shape[1]))
         else:
             row = _row_index(self.storage.seen, 1, self.ring, r.device)
         plan = StepPlan(r, self.read_mask(r, positions) if reads else None, row, slots, stay)
