@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Recall at a distance (the passkey with decoys, MQAR): train small models to competence at context T, read them at
-up to 16 x T (``hf_resolvent.training.recall`` describes the task and the rule; docs/benchmarks.md the results).
+up to 16 x T (``hf_resolvent.training.recall`` describes the task and the rule; docs/benchmarks/long-context.md the
+results).
 
     python scripts/recall_at_distance.py --out runs/recall                      # 5 mixers x RoPE / none, 3 seeds
     python scripts/recall_at_distance.py --conv-size 4 --out runs/recall_conv4  # with the short convolution

@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the dev 
 
 README = (REPO / "README.md").read_text()
 # What a user reads as instructions: the README, the docs, and model cards where the repository has them.
-USER_DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("model_cards/**/*.md"))]
+USER_DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted(REPO.glob("model_cards/**/*.md"))]
 # Every Markdown file whose links are checked.
 LINKED_DOCS = [*USER_DOCS, REPO / "kernels" / "README.md", REPO / "bench" / "NOTES.md"]
 

@@ -2,7 +2,7 @@
 """Where a prefill's time goes: one forward over n tokens (with a cache, ``logits_to_keep=1``, as ``generate()``
 runs its prefill) under ``torch.profiler``, for GPT-2 or a resolvent mixer at bench_generate's shape.
 
-    python scripts/bench/profile_prefill.py --model exp2:ce --n 32768          # docs/benchmarks.md's profile of exp2:ce at 32k
+    python scripts/bench/profile_prefill.py --model exp2:ce --n 32768          # docs/benchmarks/generation.md's profile
     python scripts/bench/profile_prefill.py --model dense --n 16384
     python scripts/bench/profile_prefill.py --model gpt2 --n 16384 --threads 2
     python scripts/bench/profile_prefill.py --model exp2:ce --n 32768 --chunk 512   # as generate(prefill_chunk_size=512)

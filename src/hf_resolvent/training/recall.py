@@ -1,5 +1,5 @@
 """Recall at a distance: small models trained to competence on a recall task at a context T, then read at multiples
-of T (``scripts/recall_at_distance.py`` runs it; docs/benchmarks.md shows the results).
+of T (``scripts/recall_at_distance.py`` runs it; docs/benchmarks/long-context.md shows the results).
 
 The tasks (:func:`hf_resolvent.training.synthetic.passkey_batch`): ``pairs`` (key, value) bigrams among filler
 tokens, then keys of some of them; the model must answer each key's value. ``decoy``, the passkey with decoys, asks

@@ -73,7 +73,8 @@ def test_bench_decode_times_eager_and_compiled_steps(tmp_path):
 
 
 def test_profile_prefill_lists_the_operators_of_a_prefill(capsys):
-    """The prefill profiles of docs/benchmarks.md: the mixer's own kernels show for a resolvent model, SDPA for GPT-2."""
+    """The prefill profiles of docs/benchmarks/generation.md: the mixer's own kernels show for a resolvent model, SDPA
+    for GPT-2."""
     tiny = ["--n", "300", "--width", "32", "--heads", "2", "--layers", "2", "--vocab", "128", "--rows", "40"]
     profile = load_script("bench/profile_prefill")
     assert profile.main(["--model", "exp2:ce", *tiny, "--rows", "200"]) == 0
