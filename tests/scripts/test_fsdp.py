@@ -290,8 +290,10 @@ def test_the_fsdp_configs_are_one_setting_that_fits_both_model_types():
     launcher = prepare_multi_gpu_env(_validate_launch_command(args)[0])
     assert fsdp_env(FSDP_SETTINGS).items() <= launcher.items()
 
-    plugin = fsdp_plugin(FSDP_SETTINGS)
-    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    plugin = fsdp_plugin(FSDP_SETTINGS)  # the settings as the plugin's arguments
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True and plugin.cpu_ram_efficient_loading
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.activation_checkpointing is False
+    assert plugin.transformer_cls_names_to_wrap == ["ResolventBlock", "GPT2Block"]
     shape = {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32}
     resolvent = build_model({"type": "resolvent", "preset": "tiny", "mixer": "dense", "overrides": shape}, 50, 16)
     gpt2 = build_model({"type": "gpt2", "preset": "tiny", "overrides": shape}, 50, 16)

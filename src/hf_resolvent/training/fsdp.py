@@ -3,6 +3,7 @@ made from them, the wrap classes fitted to a model, and Accelerate's FSDP2 path 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from .config import ConfigError
@@ -32,19 +33,25 @@ def fsdp_env(settings: dict) -> dict[str, str]:
 
 
 def fsdp_plugin(settings: dict | None = None):
-    """Accelerate's FSDP plugin for ``settings`` (``fsdp_config`` keys), or, when None, for the FSDP_* variables an
-    ``accelerate launch`` set. Only FSDP2 is supported (:class:`ConfigError` otherwise)."""
-    from unittest import mock
-
+    """Accelerate's FSDP plugin for ``settings`` (``fsdp_config`` keys), passed as its arguments, or, when None, for the
+    FSDP_* variables an ``accelerate launch`` set. Only FSDP2 is supported (:class:`ConfigError` otherwise)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    env = fsdp_env(settings) if settings is not None else {}
-    version = env.get("FSDP_VERSION", os.environ.get("FSDP_VERSION", "1"))  # Accelerate's default is 1
+    if settings is None:
+        version = os.environ.get("FSDP_VERSION", "1")  # Accelerate's default is 1
+    else:
+        version = str(settings.get("fsdp_version", 1))
     if version != "2":
         raise ConfigError(f"FSDP version {version} was asked for; this script shards with FSDP2 only: set "
                           f"fsdp_version: 2 in the accelerate config (as scripts/accelerate/fsdp_8gpu.yaml does)")
-    with mock.patch.dict(os.environ, env):
+    if settings is None:
         return FullyShardedDataParallelPlugin()
+    fields = {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
+    arguments = {}
+    for key, value in settings.items():  # the plugin's argument of each key: fsdp_version, state_dict_type, ...
+        name = key if key in fields else key.removeprefix("fsdp_").replace("layer_cls", "cls_names")
+        arguments[name] = value
+    return FullyShardedDataParallelPlugin(**arguments)
 
 
 def fit_wrap_classes(plugin, model) -> list[str]:
