@@ -14,7 +14,7 @@ the first model folder, e.g. ``runs/eval``) it writes the comparison: ``eval.jso
 one point per model, as in the papers).
 
 References: ``--references`` (default: the repository's ``bench/sweep/sweep.json``, written by
-scripts/sweep.py) holds GPT-2 and attention trained at one budget. Where an evaluated model was trained at that
+experiments/sweep.py) holds GPT-2 and attention trained at one budget. Where an evaluated model was trained at that
 same budget (shape, context, steps, batch, learning-rate schedule, corpus and tokenizer: ``training_budget``),
 their strided perplexities join the table and the figure as references, so that a single run (the README's
 first command trains the sweep's ``dense`` run) is seen beside them; otherwise the output says why not.
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for the comparison table and figure (default: eval/ next to the first model)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--references", default=str(DEFAULT_REFERENCES),
-                   help="a scripts/sweep.py sweep.json whose GPT-2 and attention rows are drawn beside models "
+                   help="a experiments/sweep.py sweep.json whose GPT-2 and attention rows are drawn beside models "
                         "trained at its budget ('none': no references)")
     return p
 

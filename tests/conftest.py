@@ -30,14 +30,19 @@ torch.set_num_threads(int(os.environ.get("HF_RESOLVENT_TEST_THREADS", "1")))
 
 
 REPO = Path(__file__).resolve().parents[1]  # the repository's root
+# The experiments import each other by name, as they do when run from their folder (python experiments/sweep.py).
+sys.path.insert(0, str(REPO / "experiments"))
 
 
 def load_script(name: str):
-    """The module of ``scripts/<name>.py`` (the scripts are not a package; ``bench/bench_mixer`` names one of
-    ``scripts/bench/``), loaded afresh."""
+    """The module of ``scripts/<name>.py``, or of ``experiments/<name>.py`` for an experiment (neither folder is a
+    package; ``bench/bench_mixer`` names one of ``scripts/bench/``), loaded afresh."""
     path = REPO / "scripts" / f"{name}.py"
+    if not path.exists():
+        path = REPO / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_script_{name.replace('/', '_')}", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # where dataclasses look a module's annotations up
     spec.loader.exec_module(mod)
     return mod
 

@@ -31,7 +31,7 @@ README = (REPO / "README.md").read_text()
 # What a user reads as instructions: the README, the docs, and model cards where the repository has them.
 USER_DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted(REPO.glob("model_cards/**/*.md"))]
 # Every Markdown file whose links are checked.
-LINKED_DOCS = [*USER_DOCS, REPO / "kernels" / "README.md", REPO / "bench" / "NOTES.md"]
+LINKED_DOCS = [*USER_DOCS, *(REPO / p / "README.md" for p in ("kernels", "experiments")), REPO / "bench" / "NOTES.md"]
 
 
 def _blocks(text: str, language: str) -> list[str]:
@@ -171,7 +171,7 @@ def _bench_commands() -> list[list[str]]:
     for block in (b for doc in USER_DOCS for b in _blocks(doc.read_text(), "bash")):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
-            if any(w.startswith("scripts/") for w in words):
+            if any(w.startswith(("scripts/", "experiments/")) for w in words):
                 commands.append(words)
     return commands
 

@@ -1,4 +1,4 @@
-"""scripts/long_context.py: a preset smaller than --quick end to end (GPT-2 and exp2:ce through scripts/pretrain.py,
+"""experiments/long_context.py: a preset smaller than --quick end to end (GPT-2 and exp2:ce through scripts/pretrain.py,
 loss by position with and without RoPE scaling, token carry and MQAR), its JSON's schema, its rows (one for every
 model, task and length, not-applicable ones for GPT-2 past its context), tables and figures; the token-carry samples
 and the position buckets on their own."""
@@ -11,11 +11,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import load_script
 
-from hf_resolvent.training import long_context as lc  # noqa: E402
-
-script = load_script("long_context")
+import long_context as lc  # noqa: E402
 
 # --quick's models and tasks, smaller: the tiny corpus's validation split holds two windows of 4 x 16 tokens
 TEST_PRESET = {
@@ -36,13 +33,13 @@ def result(tiny_data, tmp_path_factory):
     lc.PRESETS["test"] = TEST_PRESET
     argv = ["--preset", "test", "--data", str(tiny_data), "--runs-dir", str(root / "runs"), "--out",
             str(root / "out"), "--run-timeout", "300", "--quiet"]
-    assert script.main(argv) == 0
+    assert lc.main(argv) == 0
     return root / "out", json.loads((root / "out" / "results.json").read_text())
 
 
 def test_every_model_task_and_length_has_one_row_of_the_schema(result):
     out, res = result
-    assert set(res) == {"command", "settings", "rows"} and res["command"].startswith("python scripts/long_context.py")
+    assert set(res) == {"command", "settings", "rows"} and res["command"].startswith("python experiments/long_context.py")
     keys = [(r["model"], r["task"], r["length"], r["seed"]) for r in res["rows"]]
     assert len(keys) == len(set(keys))
     want = {(m, t, n, 0) for m in ("gpt2", "exp2:ce") for t in ("loss", "loss:linear", "loss:dynamic", "loss:yarn")
@@ -135,9 +132,9 @@ def test_a_missing_value_needs_its_reason_and_nan_is_refused():
 
 
 def test_bad_requests_fail_clearly(tmp_path, capsys):
-    assert script.main(["--quick", "--models", "gpt2", "nope", "--out", str(tmp_path)]) == 2
+    assert lc.main(["--quick", "--models", "gpt2", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown model(s) ['nope']" in capsys.readouterr().err
-    assert script.main(["--quick", "--seeds", "1", "1", "--out", str(tmp_path)]) == 2
+    assert lc.main(["--quick", "--seeds", "1", "1", "--out", str(tmp_path)]) == 2
     assert "repeats a seed" in capsys.readouterr().err
 
 
@@ -150,7 +147,7 @@ def test_a_preset_with_its_own_data_and_models_without_positions(tmp_path):
         "lm": {"shape": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_inner": 32, "n_positions": 16}, "seq_len": 16,
                "batch": 2, "micro_batch": 2, "steps": 2, "lr": 3e-3, "warmup": 1, "multiples": [1, 2], "windows": 2}}
     runs = tmp_path / "runs"
-    assert script.main(["--preset", "test_bytes", "--runs-dir", str(runs), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert lc.main(["--preset", "test_bytes", "--runs-dir", str(runs), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {r["task"] for r in res["rows"]} == {*lc.LOSS_TASKS, "context_use"} and "token_carry" not in res["settings"]
     assert "257" in res["settings"]["loss"]["tokenizer"] and (runs / "data" / "meta.json").exists()

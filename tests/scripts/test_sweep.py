@@ -1,4 +1,4 @@
-"""scripts/sweep.py: the quick sweep end to end (two mixers, two seeds, through scripts/pretrain.py subprocesses and
+"""experiments/sweep.py: the quick sweep end to end (two mixers, two seeds, through scripts/pretrain.py subprocesses and
 scripts/evaluate.py), its table, figure and seed summary; the bootstrap interval, the Pareto front and the
 errors."""
 
@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 from conftest import load_script
 
-from hf_resolvent.training import sweep  # noqa: E402
-
-script = load_script("sweep")
+import sweep  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +21,7 @@ def quick(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
     argv = ["--quick", "--data", str(tiny_data), "--runs-dir", str(root / "runs"), "--out", str(root / "out"),
             "--steps", "6", "--seeds", "0", "1", "--run-timeout", "300"]
-    assert script.main(argv) == 0
+    assert sweep.main(argv) == 0
     return root, json.loads((root / "out" / "sweep.json").read_text())
 
 
@@ -49,7 +47,7 @@ def test_quick_sweep_trains_evaluates_and_writes_table_and_figure(quick):
                                            for s in (0, 1)])
     table = (root / "out" / "sweep.md").read_text()
     assert "| attention | 0 |" in table and "| exp2:ce | 1 |" in table and "exp2:ce - attention" in table
-    assert result["command"].startswith("python scripts/sweep.py --quick")
+    assert result["command"].startswith("python experiments/sweep.py --quick")
     assert (root / "out" / "sweep.png").stat().st_size > 5000
     assert (root / "out" / "evaluate" / "perplexity_vs_complexity.png").exists()
 
@@ -80,11 +78,11 @@ def test_bootstrap_interval_and_pareto_front():
 
 def test_hybrid_and_tied_models_reach_pretrain_as_per_layer_specs():
     preset = dict(sweep.PRESETS["hour"])
-    cmd = sweep.pretrain_command(script.PRETRAIN, "exp2:ce/attention", 0, preset, Path("r"), None)
+    cmd = sweep.pretrain_command(sweep.PRETRAIN, "exp2:ce/attention", 0, preset, Path("r"), None)
     assert "model.mixer=[exp2:ce, attention, exp2:ce, attention]" in cmd and "--mixer" not in cmd
-    tied = sweep.pretrain_command(script.PRETRAIN, "exp2:ce+tied", 0, preset, Path("r"), None)
+    tied = sweep.pretrain_command(sweep.PRETRAIN, "exp2:ce+tied", 0, preset, Path("r"), None)
     assert tied[tied.index("--mixer") + 1] == "exp2:ce+tied"
-    assert "model.type=gpt2" in sweep.pretrain_command(script.PRETRAIN, "gpt2", 0, preset, Path("r"), None)
+    assert "model.type=gpt2" in sweep.pretrain_command(sweep.PRETRAIN, "gpt2", 0, preset, Path("r"), None)
     names = set(sweep.MODELS)
     for required in ("gpt2", "attention", "local_attention:8", "dense", "banded:8", "diagonal", "exp2", "exp2:ce",
                      "square", "square:ce"):
@@ -92,12 +90,12 @@ def test_hybrid_and_tied_models_reach_pretrain_as_per_layer_specs():
 
 
 def test_bad_requests_fail_clearly(tiny_data, tmp_path, capsys):
-    assert script.main(["--quick", "--models", "attention", "nope", "--out", str(tmp_path)]) == 2
+    assert sweep.main(["--quick", "--models", "attention", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown model(s) ['nope']" in capsys.readouterr().err
-    assert script.main(["--quick", "--seeds", "0", "0", "--out", str(tmp_path)]) == 2
+    assert sweep.main(["--quick", "--seeds", "0", "0", "--out", str(tmp_path)]) == 2
     assert "repeats a seed" in capsys.readouterr().err
     # a failing training run names the model and the command that reproduces it
-    assert script.main(["--quick", "--models", "attention", "--data", str(tmp_path / "missing"), "--runs-dir",
+    assert sweep.main(["--quick", "--models", "attention", "--data", str(tmp_path / "missing"), "--runs-dir",
                        str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--run-timeout", "120"]) == 2
     err = capsys.readouterr().err
     assert "training attention (seed 0) failed" in err and "pretrain.py" in err

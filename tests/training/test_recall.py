@@ -1,4 +1,4 @@
-"""hf_resolvent.training.recall and scripts/recall_at_distance.py: models train until competent at T (or their
+"""experiments/recall_at_distance.py and experiments/recall_at_distance.py: models train until competent at T (or their
 budget, which the record says), are read at longer lengths on samples whose asked pair lies far back, and every
 row says how it was trained."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import load_script
 
-from hf_resolvent.training import recall
-from hf_resolvent.training import synthetic as tasks
+import recall_at_distance as recall
+import synthetic_tasks as tasks
 
 TINY = recall.RecallSettings(context=32, pairs=2, d=32, layers=2, max_steps=80, check_every=20, check_samples=20, grow=100.0,
                              grow_at=0.0, eval_samples=20, multiples=(1, 2))  # at T after the first check

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import load_script
 
-from hf_resolvent.training import synthetic as S
-from hf_resolvent.training.long_context import token_carry_batch
+import synthetic_tasks as S
+from long_context import token_carry_batch
 
 V = S.Vocab(n_noise=4, n_keys=16, n_values=16)
 SPECS = [S.TaskSpec("copy", 12, vocab=V), S.TaskSpec("assoc", 30, 8, vocab=V), S.TaskSpec("multihop", 30, 8, vocab=V),

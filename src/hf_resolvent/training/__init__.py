@@ -11,12 +11,9 @@
 - :mod:`.fsdp`: FSDP2 through Accelerate, on GPUs and CPU processes;
 - :mod:`.memory`: the allocator setting and the memory report of a training process;
 - :mod:`.data`: corpora, tokenizers, prepared token shards and the step-indexed sampler;
-- :mod:`.synthetic`: the synthetic tasks (copy, associative recall, multi-hop recall) as batch generators;
-- :mod:`.recall`: recall at a distance (the passkey with decoys, MQAR), trained to competence and read past T;
-- :mod:`.evaluate`: strided perplexity, sample generations, the comparison table and figure;
-- :mod:`.sweep`: the papers' comparison trained at one budget and evaluated together;
-- :mod:`.long_context`: language models' loss by position past their training length.
+- :mod:`.evaluate`: strided perplexity, sample generations, the comparison table and figure.
 
-Each script of ``scripts/`` is its argument parser and a call into these. What a user of the model imports lives one
-level up (config, model, cache, ops, patterns).
+Each script of ``scripts/`` is its argument parser and a call into these; the studies of ``experiments/`` (outside
+the package) train with them too. What a user of the model imports lives one level up (config, model, cache, ops,
+patterns).
 """

@@ -8,7 +8,7 @@ from the model's own next-token loss rather than with ``evaluate.load("perplexit
 script from the Hub and re-loads the model by Hub id, so it fails offline and cannot score a local resolvent model
 with remote code.
 
-References: a sweep's ``sweep.json`` (:mod:`.sweep`) holds GPT-2 and attention trained at one budget. Where an
+References: a sweep's ``sweep.json`` (``experiments/sweep.py``) holds GPT-2 and attention trained at one budget. Where an
 evaluated model was trained at that same budget (shape, context, steps, batch, learning-rate schedule, corpus and
 tokenizer: ``training_budget``), their strided perplexities join the table and the figure as references.
 """
@@ -212,11 +212,11 @@ def reference_rows(results: list[dict], path: str) -> tuple[list[dict], str]:
     if path == "none":
         return [], "no references (--references none)"
     if not Path(path).exists():
-        return [], f"no references: {path} does not exist (scripts/sweep.py writes it)"
+        return [], f"no references: {path} does not exist (experiments/sweep.py writes it)"
     sweep = json.loads(Path(path).read_text())
     budget = sweep["settings"].get("budget")
     if budget is None:
-        return [], f"no references: {path} does not record its training budget (an older scripts/sweep.py wrote it)"
+        return [], f"no references: {path} does not record its training budget (an older experiments/sweep.py wrote it)"
     if not any(r.get("budget") == budget for r in results):
         theirs = ", ".join(f"{k} {v}" for k, v in budget.items() if k != "corpus_sha256")
         return [], (f"no references from {path}: no model here was trained at its budget ({theirs}, corpus "

@@ -1,16 +1,64 @@
-"""Which mixer for long context? (``scripts/long_context.py`` is its command line, and its help describes the
-measurements.) Language models trained at a short context T by :mod:`.sweep`'s runs, read at up to 16 x T: loss
-by position with and without zero-shot RoPE scaling, and how much of its context each model uses; with the hour and
-quick presets, token carry (one key and value, no decoys: carrying one token's identity over a distance) and MQAR
-trained in-process.
-The recall study that needs the key is :mod:`.recall`.
+#!/usr/bin/env python
+"""Which mixer for long context? Train GPT-2 and the sweep's mixers at a short context T and measure them at up to
+16 x T: validation loss by position, with and without zero-shot RoPE scaling, and recall at a distance.
+
+    python experiments/long_context.py --quick --out runs/long_context/quick   # CI: gpt2 and exp2:ce, about a minute
+    python experiments/long_context.py --preset hour --out runs/long_context/hour   # every model of the sweep, 3 seeds (bench/long_context holds a copy)
+    python experiments/long_context.py --preset bytes --out runs/long_context/bytes  # byte-level models that read their context, with and without RoPE
+    python experiments/long_context.py --preset bytes_conv --out runs/long_context/bytes_conv  # the same with the short convolution
+
+Three questions, each trained at a short context and measured at longer ones (lengths: the preset's multiples of
+the context the task was trained at):
+
+- **loss** (language modelling): every model is a ``scripts/pretrain.py`` run on the offline corpus at context T,
+  built as ``experiments/sweep.py`` builds its runs (same arguments, same run folders, ``--resume``: finished runs are
+  reused). Each validation window of ``max multiple x T`` tokens (non-overlapping, from the start of the split;
+  ``settings.loss.windows`` says how many) is scored in one forward pass, and the loss of every predicted token
+  is averaged per position bucket: ``length`` kT holds the tokens at positions [k'T, kT), k' the multiple before
+  k (positions [1, T) for k = 1: exactly the positions seen in training). Tasks ``loss`` (the trained model as it
+  is) and ``loss:linear``, ``loss:dynamic``, ``loss:yarn``: the trained weights loaded into a config with that
+  ``rope_parameters`` (factor F = the largest multiple, original context T), zero-shot, no training. Dynamic NTK
+  changes the frequencies for the whole input once it is longer than T, so every bucket of a long window sees them.
+  Task ``context_use`` (length T): 1 - (mean loss over positions [T/2, T)) / (mean loss over [1, T/16]), how much
+  the model gains from its context where it was trained; a model short of ``CONTEXT_USE_GOAL`` (0.10) has not
+  learned to read it, and its losses past T say little. A model named ``<mixer> [none]`` has no position encoding
+  (``position_embedding="none"``), ``<mixer> [conv4]`` has RoPE and the short causal convolution of 4
+  (``conv_size=4``), ``<mixer> [none+conv4]`` both; the ``bytes`` and ``bytes_conv`` presets prepare their own
+  byte-level tokenisation of the offline corpus (one token per byte) in the runs folder.
+- **token_carry** (carrying one token's identity over a distance; presets ``hour`` and ``quick``): ``BOS``, a few
+  filler tokens (0 to ``prefix`` of them, so that the pair does not sit at a fixed position), a key and its value
+  stated once, ``distance`` filler tokens, then the key: the model must answer the value. It is a passkey without
+  decoys: the value is the sample's only value token, so a model that ignores order answers it without the key
+  (``experiments/recall_at_distance.py`` is the recall that needs the key). Trained on samples that fit in T
+  (distances from 1 to the longest that fits), evaluated on samples of every length kT, whose distance is the
+  longest that fits in kT (``settings.token_carry.distance``). Metric: accuracy of the answer.
+- **mqar** (multi-query associative recall, ``experiments/synthetic_tasks.py``): trained on sequences of one
+  length L, evaluated on sequences of kL with the same number of pairs (the queries spread over the longer
+  sequence). Metric: accuracy over the queries.
+
+The synthetic tasks train small models in-process (``task_model`` of experiments/synthetic_tasks.py: the same
+shape for every mixer, a fixed number of steps, no curriculum) and are not saved.
+
+GPT-2 has a learned position table, trained only up to the context it was trained at: its rows past T have ``value``
+null and a ``note`` saying why (and its ``loss:<scaling>`` rows, which have no RoPE to scale, likewise); every other
+value is a finite number. RoPE models (every resolvent model) run past ``n_positions`` as they are.
+
+With ``--seeds A B ...`` (default: the preset's) the first seed trains every model and the others the preset's
+``seeded`` models (default: the sweep's headline mixers, attention, dense and exp2:ce), for every task.
+
+OUT gets ``results.json`` (``{"command", "settings", "rows": [{"model", "task", "length", "seed", "value",
+"metric"}, ...]}``), ``results.md`` (the tables, "n/a" where a model cannot run), ``loss_by_position.png``
+(loss against position, one colour per mixer, one line style per RoPE scaling) and, with the synthetic tasks,
+``recall.png`` (accuracy against distance for token carry and against length for MQAR, one colour per mixer).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -18,14 +66,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..configuration_resolvent import ResolventConfig
-from ..files import atomic_write_json
-from ..modeling_resolvent import ResolventForCausalLM
-from . import data as hdata
-from . import synthetic as tasks
-from .data import prepare_dataset
-from .optim import build_optimizer, lr_at
-from .sweep import HEADLINE, HYBRID, LONG_CONTEXT_MIXERS, MODELS, SWEEP_MODELS, data_dir_of, run_dir, train
+from hf_resolvent.configuration_resolvent import ResolventConfig
+from hf_resolvent.files import atomic_write_json
+from hf_resolvent.modeling_resolvent import ResolventForCausalLM
+from hf_resolvent.training import cli
+from hf_resolvent.training import data as hdata
+from hf_resolvent.training.data import prepare_dataset
+from hf_resolvent.training.optim import build_optimizer, lr_at
+
+import synthetic_tasks as tasks
+from sweep import HEADLINE, HYBRID, LONG_CONTEXT_MIXERS, MODELS, SWEEP_MODELS, SweepError, data_dir_of, run_dir, train
 
 SCALINGS = ("linear", "dynamic", "yarn")
 LOSS_TASKS = ("loss", *(f"loss:{s}" for s in SCALINGS))
@@ -35,7 +85,7 @@ METRICS = {"loss": "loss (nats/token) over the positions of the bucket", "token_
 CONTEXT_USE_GOAL = 0.10  # a model uses its context when its loss in the last half of T is 10% below the first T/16
 
 PRESETS = {
-    # The language models at the sweep's hour shape and context (n_positions included, so that scripts/sweep.py's
+    # The language models at the sweep's hour shape and context (n_positions included, so that experiments/sweep.py's
     # runs of the same steps can be reused through --runs-dir), at half its steps.
     "hour": {
         "models": SWEEP_MODELS, "seeds": [0, 1, 2],
@@ -51,7 +101,7 @@ PRESETS = {
     },
     # Language models that read their context: byte-level text (the offline corpus with a 257-token vocabulary, one
     # token per byte, prepared into the runs folder) at T = 128 bytes, ten times the hour's steps, each mixer with
-    # RoPE and without a position encoding. No synthetic tasks: scripts/recall_at_distance.py is the recall study.
+    # RoPE and without a position encoding. No synthetic tasks: experiments/recall_at_distance.py is the recall study.
     "bytes": {
         "models": ["gpt2", "attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied", "attention [none]",
                    "dense [none]", "exp2:ce [none]", "square:ce [none]", "exp2:ce+tied [none]"],
@@ -282,7 +332,7 @@ def model_spec(name: str, layers: int) -> str | list[str]:
 
 
 def train_task(name: str, seed: int, cfg: dict, vocab_size: int, context: int, draw, device):
-    """A small model trained on batches ``draw(rng, batch_size)``: AdamW (scripts/synthetic.py's settings), warmup
+    """A small model trained on batches ``draw(rng, batch_size)``: AdamW (experiments/synthetic.py's settings), warmup
     and cosine decay, gradient clipping at 1; no curriculum."""
     torch.manual_seed(seed)
     model = tasks.task_model(model_spec(name, cfg["layers"]), vocab_size, context, cfg["d"], cfg["layers"],
@@ -514,7 +564,7 @@ def plot(result: dict, out: Path) -> list[Path]:
 def long_context(args, argv: list[str], pretrain: Path, log=print) -> dict:
     """Train the preset's runs (each ``pretrain``, the path of scripts/pretrain.py, in a subprocess), measure them
     and write ``results.json``, ``results.md`` and the figures into ``args.out``. ``args`` holds the attributes of
-    scripts/long_context.py's options; ``argv`` is recorded as the command."""
+    experiments/long_context.py's options; ``argv`` is recorded as the command."""
     name, preset, runs = resolve(args)
     root = Path(args.runs_dir or f"runs/long_context/{name}")
     out = Path(args.out)
@@ -556,7 +606,7 @@ def long_context(args, argv: list[str], pretrain: Path, log=print) -> dict:
                                                       for k in tc["multiples"]},
                                    "trained_distances": [1, token_carry_distance(tc["context"], tc["prefix"])]}
         settings["mqar"] = dict(preset["mqar"])
-    result = {"command": "python scripts/long_context.py " + " ".join(shlex.quote(a) for a in argv),
+    result = {"command": "python experiments/long_context.py " + " ".join(shlex.quote(a) for a in argv),
               "settings": settings, "rows": rows}
     missing = expected_keys(settings) - {(r["model"], r["task"], r["length"], r["seed"]) for r in rows}
     if missing:
@@ -569,3 +619,42 @@ def long_context(args, argv: list[str], pretrain: Path, log=print) -> dict:
     log(table)
     log(f"[long_context] wrote {out / 'results.json'}, {out / 'results.md'} and " + ", ".join(map(str, figures)))
     return result
+
+PRETRAIN = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="hour", choices=sorted(PRESETS))
+    p.add_argument("--quick", action="store_true", help="the quick preset (CI): gpt2 and exp2:ce, about a minute")
+    p.add_argument("--models", nargs="+", default=None, metavar="NAME",
+                   help=f"only these (default: the preset's); known: {', '.join(MODELS)}")
+    p.add_argument("--seeds", nargs="+", type=int, default=None,
+                   help="the first for every model, the others for " + ", ".join(HEADLINE))
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps of the language models")
+    p.add_argument("--data", default=None, help="prepared data folder (default: the offline corpus, data/stdlib)")
+    p.add_argument("--runs-dir", default=None, help="where the language models go (default: runs/long_context/PRESET)")
+    p.add_argument("--out", default="runs/long_context", help="folder for results.json, results.md and the figures")
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one language-model run may take")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.check(parser, device=args.device, folders=[("--out", args.out), ("--runs-dir", args.runs_dir)])
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    try:
+        long_context(args, argv, PRETRAIN, log)
+    except (LongContextError, SweepError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,14 +2,14 @@
 """Train a 2-layer model on a synthetic task (copy, associative recall, multi-hop recall, multi-query associative
 recall) and report held-out accuracy, as in the papers' section 5.2 (Table 1).
 
-    python scripts/synthetic.py --task multihop --mixer dense --preset cpu
-    python scripts/synthetic.py --task multihop --mixer attention --preset cpu-long
-    python scripts/synthetic.py --task mqar --mixer exp2:ce --preset cpu --out runs/bench/synthetic/mqar_cpu_exp2_ce.json
-    python scripts/synthetic.py --task copy --mixer exp2 --preset paper        # GPU: 20k steps x batch 1024
-    python scripts/synthetic.py --summary runs/bench/synthetic/mqar_*.json --out runs/bench/synthetic/mqar.json
+    python experiments/synthetic.py --task multihop --mixer dense --preset cpu
+    python experiments/synthetic.py --task multihop --mixer attention --preset cpu-long
+    python experiments/synthetic.py --task mqar --mixer exp2:ce --preset cpu --out runs/bench/synthetic/mqar_cpu_exp2_ce.json
+    python experiments/synthetic.py --task copy --mixer exp2 --preset paper        # GPU: 20k steps x batch 1024
+    python experiments/synthetic.py --summary runs/bench/synthetic/mqar_*.json --out runs/bench/synthetic/mqar.json
 
 Tasks are generated on the fly (no overfitting), with a curriculum over equal phases whose lengths and pair
-counts are the full ones divided by 8, 4, 2 and 1 (the papers'; ``--curriculum``, see hf_resolvent.training.synthetic).
+counts are the full ones divided by 8, 4, 2 and 1 (the papers'; ``--curriculum``, see experiments/synthetic_tasks.py).
 ``--mixer`` takes any pattern spec of the core library (``attention``, ``local_attention:8``, ``dense``,
 ``banded:8``, ``diagonal``, ``exp2``, ``exp2:ce``, ``square``, ``square:ce``, ...) or ``gpt2`` (transformers'
 GPT2LMHeadModel). Accuracy is measured on held-out samples of the full size (the last phase): ``accuracy`` over
@@ -58,8 +58,9 @@ import numpy as np
 import torch
 
 from hf_resolvent.training import cli
-from hf_resolvent.training import synthetic as tasks
 from hf_resolvent.training.optim import build_optimizer, lr_at
+
+import synthetic_tasks as tasks
 
 PRESETS = {
     "paper": {"copy_len": 128, "recall_len": 256, "pairs": 64, "vocab": (16, 128, 128), "d": 256, "layers": 2,

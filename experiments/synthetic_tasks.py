@@ -394,7 +394,7 @@ def task_model(mixer, vocab_size: int, context: int, d: int, layers: int, heads:
     ``mixer`` (a spec, or one per layer) or GPT-2 (``mixer="gpt2"``, learned positions), from the training package's
     one model factory. ``position_embedding``: ``rope``, ``learned``, ``none``, or ``rope:a`` / ``rope:b`` for RoPE
     on one channel only (``rope_channels``); GPT-2 ignores it, and ``conv_size`` (the short convolution)."""
-    from .models import build_model
+    from hf_resolvent.training.models import build_model
 
     shape = {"n_layer": layers, "n_embd": d, "n_head": heads, "n_inner": 4 * d, "n_positions": context,
              "bos_token_id": BOS, "eos_token_id": SEP, "pad_token_id": PAD}
