@@ -11,10 +11,10 @@ it saves: ``modeling_resolvent.py`` and every module its lines ``from .x import 
 - the model files (``configuration_resolvent``, ``modeling_resolvent``, ``inputs_resolvent``, ``cache_resolvent``,
   ``gpt2_conversion``, ``patterns``, this module) import only torch, transformers, safetensors and each other as
   flat siblings, and are copied as they are;
-- they reach the mixer functions through one flat module, ``resolvent_ops``. In the library it re-exports
-  :mod:`hf_resolvent.ops` with absolute imports, which transformers does not follow. In a saved folder,
-  :func:`write_ops_bundle` replaces it by a generated entry (:data:`BUNDLE_IMPORTS`) that imports the same names
-  from verbatim copies of the ops modules of :data:`SHIPPED_OPS`;
+- they reach the mixer functions through one flat module, ``resolvent_ops``. In the library it imports them from
+  :mod:`hf_resolvent.ops`'s modules with absolute imports, which transformers does not follow. In a saved folder,
+  :func:`write_ops_bundle` writes it with those imports made flat, beside verbatim copies of the ops modules they
+  reach (:func:`shipped_ops`);
 - those ops modules import each other and ``patterns`` as flat siblings (``from .patterns import ...``). Inside the
   package, ``hf_resolvent/ops/patterns.py`` is an alias of :mod:`hf_resolvent.patterns` that makes that import
   true, so no shipped file is ever rewritten;
@@ -56,16 +56,15 @@ from .resolvent_ops import IS_BUNDLE
 
 __all__ = [
     "AUTO_MAP",
-    "BUNDLE_IMPORTS",
     "MIXERS_METADATA_KEY",
     "POSITIONS_METADATA_KEY",
-    "SHIPPED_OPS",
     "add_architecture_record",
     "architecture_record",
     "check_saved_weights",
     "check_weight_files",
     "check_weight_index",
     "read_weight_index",
+    "shipped_ops",
     "unsafe_pickle_problem",
     "write_ops_bundle",
 ]
@@ -80,52 +79,44 @@ AUTO_MAP = {
 # --------------------------------------------------------------------------------------------------
 # Remote code
 
-# The ops modules the mixer functions need: mixer (resolvent_mix, decode_projected), the dispatch, the forms, the
-# PyTorch code of the parallel form, rope, gelu and the short convolution; patterns.py comes with the model files.
-SHIPPED_OPS = ("attention", "common", "conv", "dense_solve", "dispatch", "extend", "gelu", "graph", "mixer",
-               "parallel", "recurrent", "rope", "slots", "sparse_solve", "state", "threads")
-
-# What a saved folder's resolvent_ops.py imports, by shipped module: the names the model files use.
-BUNDLE_IMPORTS = (
-    ("mixer", ("decode_projected", "gate_values", "resolvent_mix", "tied_weights")),
-    ("state", ("DecodeState",)),
-    ("common", ("require",)),
-    ("rope", ("rotated_parts",)),
-    ("gelu", ("gelu_tanh",)),
-    ("conv", ("causal_conv_silu",)),
-)
-
-# The text of a saved folder's resolvent_ops.py; {imports} and {names} are filled in by write_ops_bundle (transformers
-# finds the relative imports by lines that start with one, so they are written out, not built at import time).
-_BUNDLE_ENTRY = '''"""The mixer functions the model code calls (PyTorch paths), written by save_pretrained.
+# A saved folder's resolvent_ops.py: the library's, with this docstring and its imports made flat.
+_BUNDLE_DOC = '''"""The mixer functions the model code calls (PyTorch paths), written by save_pretrained.
 
 Generated file: it lets `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` run where
 hf_resolvent is not installed. Install hf-resolvent and load without remote code for the compiled kernels.
-"""
+"""'''
+# transformers' rule for the relative imports it copies along (dynamic_module_utils), indented ones included
+_FLAT_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import", flags=re.MULTILINE)
 
-{imports}
 
-IS_BUNDLE = True
-
-__all__ = [{names}]
-'''
+def shipped_ops(entry: str) -> list[str]:
+    """The ops modules a saved folder needs: those the ``entry``'s flat imports name, and theirs, recursively
+    (``patterns`` ships with the model files)."""
+    ops = Path(importlib.import_module("hf_resolvent.ops").__file__).parent
+    todo, reached = _FLAT_IMPORT.findall(entry), set()
+    while todo:
+        module = todo.pop()
+        if module not in reached and module != "patterns":
+            reached.add(module)
+            todo += _FLAT_IMPORT.findall((ops / f"{module}.py").read_text(encoding="utf-8"))
+    return sorted(reached)
 
 
 def write_ops_bundle(folder: str | Path) -> list[Path]:
-    """Copy the ops modules of :data:`SHIPPED_OPS` into a saved folder as they are, and write its ``resolvent_ops.py``
-    entry; returns the files written. Nothing to do when this code already runs from a saved folder: transformers
-    copied the files along."""
+    """Write a saved folder's ``resolvent_ops.py`` (the library's, its imports of ``hf_resolvent.ops.<module>`` made
+    flat) and copy the ops modules it reaches into the folder as they are; returns the files written. Nothing to do
+    when this code already runs from a saved folder: transformers copied the files along."""
     if IS_BUNDLE:
         return []
     folder = Path(folder)
-    ops = Path(importlib.import_module("hf_resolvent.ops").__file__).parent
-    written = [Path(shutil.copyfile(ops / f"{module}.py", folder / f"{module}.py")) for module in SHIPPED_OPS]
-    imports = "\n".join(f"from .{module} import {', '.join(names)}" for module, names in BUNDLE_IMPORTS)
-    names = ", ".join(f'"{name}"' for name in ["IS_BUNDLE", *(n for _, group in BUNDLE_IMPORTS for n in group)])
+    library = Path(importlib.import_module("hf_resolvent.resolvent_ops").__file__).read_text(encoding="utf-8")
+    body = library[library.index('"""', 3) + 3:]  # after the library's docstring
+    body = re.sub(r"^from hf_resolvent\.ops\.(\w+) import", r"from .\1 import", body, flags=re.MULTILINE)
+    body = re.sub(r"^IS_BUNDLE = False.*$", "IS_BUNDLE = True", body, flags=re.MULTILINE)
     entry = folder / "resolvent_ops.py"
-    entry.write_text(_BUNDLE_ENTRY.replace("{imports}", imports).replace("{names}", names), encoding="utf-8")
-    written.append(entry)
-    return written
+    entry.write_text(_BUNDLE_DOC + body, encoding="utf-8")
+    ops = Path(importlib.import_module("hf_resolvent.ops").__file__).parent
+    return [*(Path(shutil.copyfile(ops / f"{m}.py", folder / f"{m}.py")) for m in shipped_ops(body)), entry]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -112,18 +112,21 @@ def test_saved_folder_carries_the_code(tmp_path):
             assert not line.startswith(("from hf_resolvent", "import hf_resolvent")), (path.name, line)
 
 
-def test_shipped_ops_are_the_modules_the_entry_reaches():
-    """SHIPPED_OPS is every ops module that the saved entry's imports reach through flat imports, and no other."""
-    from hf_resolvent.remote_code import BUNDLE_IMPORTS, SHIPPED_OPS
-
+def test_a_saved_folder_holds_the_ops_modules_its_entry_reaches_and_no_other(tmp_path):
+    """The ops modules copied into a saved folder are those its resolvent_ops.py reaches through flat imports, followed
+    through the copies (patterns.py ships with the model files): a new ops module the mixer imports ships with no
+    list to keep."""
+    tiny_model(MIXER).save_pretrained(tmp_path)
     ops = Path(hr.ops.__file__).parent
-    todo, reached = [module for module, _ in BUNDLE_IMPORTS], set()
+    todo, reached = ["resolvent_ops"], set()
     while todo:
         module = todo.pop()
         if module not in reached:
             reached.add(module)
-            todo += re.findall(r"^\s*from\s+\.(\w+)\s+import", (ops / f"{module}.py").read_text(), flags=re.MULTILINE)
-    assert sorted(reached - {"patterns"}) == sorted(SHIPPED_OPS)  # patterns.py ships with the model files
+            todo += re.findall(r"^\s*from\s+\.(\w+)\s+import", (tmp_path / f"{module}.py").read_text(), flags=re.M)
+    shipped = {p.stem for p in tmp_path.glob("*.py") if (ops / p.name).is_file() and p.name != "patterns.py"}
+    assert shipped == reached - {"resolvent_ops", "patterns"}
+    assert {"mixer", "state", "dispatch", "parallel"} <= shipped
 
 
 _LOADER = textwrap.dedent(
