@@ -105,8 +105,9 @@ MAX_NAME_CHARS = 256  # `model` and `user`
 ECHO_CHARS = 40  # of a client's value quoted back in an error message
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 API_KEY_ENV = "HF_RESOLVENT_API_KEY"
-# A chat for a tokenizer without a chat template (base models): "System: ...\nUser: ...\nAssistant:"
-PLAIN_CHAT = "one 'Role: text' line per message, then 'Assistant:'"
+# The chat template of a tokenizer without one (base models): "System: ...\nUser: ...\nAssistant:". The vLLM plugin
+# registers the same file as vLLM's fallback for the model type.
+PLAIN_CHAT_TEMPLATE = Path(__file__).with_name("plain_chat_template.jinja")
 SHUTTING_DOWN = "the server is shutting down, and this request was cut short: retry it once the server is back"
 # Files one of which a folder needs for AutoTokenizer to find its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -397,14 +398,15 @@ class ServedModel:
     def chat_prompt(self, messages: list) -> str:
         """The text a chat's ``messages`` make for the model: the tokenizer's chat template with the assistant's turn
         opened; for a tokenizer without one (the base models trained here), the plain default of
-        :data:`PLAIN_CHAT`: one ``Role: text`` line per message, then ``Assistant:``."""
+        :data:`PLAIN_CHAT_TEMPLATE`: one ``Role: text`` line per message, then ``Assistant:``."""
         turns = [{"role": m.role, "content": m.text()} for m in messages]
-        if getattr(self.tokenizer, "chat_template", None):
-            try:
-                return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # a template that refuses these messages (roles out of order, ...) says why
-                raise HTTPException(400, f"the model's chat template refused the messages: {_clip(e, 300)}") from None
-        return "".join(f"{t['role'].capitalize()}: {t['content']}\n" for t in turns) + "Assistant:"
+        own = getattr(self.tokenizer, "chat_template", None)
+        template = None if own else PLAIN_CHAT_TEMPLATE.read_text(encoding="utf-8")
+        try:
+            return self.tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # a template that refuses these messages (roles out of order, ...) says why
+            raise HTTPException(400, f"the model's chat template refused the messages: {_clip(e, 300)}") from None
 
     def admit(self) -> None:
         """A place in the queue for one request (given back when its job ends), or a 503 when the queue is full or

@@ -8,7 +8,9 @@ entry point of this package (pyproject.toml) and calls :func:`register`, which
 - registers the vLLM model class for the architecture ``ResolventForCausalLM`` with ``ModelRegistry``, in the lazy
   string form (vLLM imports :mod:`hf_resolvent.vllm.model` only where it builds the model);
 - adds the architecture's config hook (:class:`~hf_resolvent.vllm.config.ResolventVllmConfig`) to vLLM's per-model
-  hooks, which sizes the per-request states and refuses what the model cannot serve, at load.
+  hooks, which sizes the per-request states and refuses what the model cannot serve, at load;
+- gives the model type the chat template of our own server for tokenizers without one (base models), so that
+  vLLM's ``/v1/chat/completions`` and ``LLM.chat`` answer as ``python -m hf_resolvent.serve`` does.
 
 This module imports neither vLLM nor torch at import time: ``import hf_resolvent`` never needs vLLM, and vLLM loads
 plugins early, in every process, before the model is built. docs/serving.md says what is served and how.
@@ -27,8 +29,13 @@ def register() -> None:
     several times and in several processes; each call leaves the same registrations."""
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.transformers_utils.chat_templates.registry import (
+        get_chat_template_fallback_path,
+        register_chat_template_fallback_path,
+    )
 
-    import hf_resolvent  # noqa: F401 - registers the "resolvent" model type with AutoConfig
+    from ..configuration_resolvent import ResolventConfig  # importing the package registers it with AutoConfig
+    from ..serve import PLAIN_CHAT_TEMPLATE
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
@@ -36,3 +43,5 @@ def register() -> None:
         from .config import ResolventVllmConfig
 
         MODELS_CONFIG_MAP[ARCHITECTURE] = ResolventVllmConfig
+    if get_chat_template_fallback_path(ResolventConfig.model_type, "") is None:
+        register_chat_template_fallback_path(ResolventConfig.model_type, PLAIN_CHAT_TEMPLATE)
