@@ -43,7 +43,7 @@ import torch
 
 from hf_resolvent.training import cli
 from hf_resolvent.training.models import cache_bytes
-from hf_resolvent.training.optim import build_optimizer
+from hf_resolvent.training.optim import build_optimizer, lr_at
 
 import synthetic_tasks as tasks
 
@@ -62,6 +62,7 @@ class RecallSettings:
     warmup: int = 100
     batch: int = 32
     queries: int = 4  # answers per decoy training sample (the keys of that many pairs end it); mqar asks every pair
+    schedule: str = "curriculum"  # or "plain": samples of T from the first step, the rate decaying (SCHEDULES)
     grow: float = 1.25  # the training length's factor at each check passed, from the pairs alone up to T
     grow_at: float = 0.95  # accuracy at the current training length that lets it grow
     patience: int = 0  # checks at one training length after which it grows below grow_at too (0: never)
@@ -75,6 +76,10 @@ class RecallSettings:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"recall: task must be one of {sorted(TASKS)}, got {self.task!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"recall: schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}")
+        if isinstance(self.queries, bool) or not isinstance(self.queries, int) or self.queries < 1:
+            raise ValueError(f"recall: queries must be a whole number >= 1, got {self.queries!r}")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
             raise ValueError(f"recall: patience must be a whole number of checks >= 0 (0: the gate alone), got "
                              f"{self.patience!r}")
@@ -99,6 +104,11 @@ class RecallSettings:
 
 
 TASKS = {"decoy": "Passkey with decoys", "mqar": "MQAR at a distance"}
+SCHEDULES = {
+    "curriculum": "the training length grows with competence, from the pairs and queries alone to T; the rate "
+                  "constant after its warm-up",
+    "plain": "samples of T from the first step; the rate decays along a cosine to a tenth after its warm-up",
+}
 POSITIONS = ("rope", "rope:a", "rope:b", "learned", "none")
 
 
@@ -121,12 +131,14 @@ def accuracy(model, s: RecallSettings, length: int, n_samples: int, seed: int, d
 
 def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding: str, device, log=print):
     """(model, record): trained until its accuracy at T reaches ``s.target``, or for ``s.max_steps`` (AdamW, warmup
-    then a constant rate, gradient clipping at 1).
+    then the schedule's rate, gradient clipping at 1).
 
-    The training length grows with competence: it starts at the pairs and queries alone (no filler) and, at each
-    check (every ``s.check_every`` steps), grows by ``s.grow`` once the accuracy at the current length, on samples
-    laid out as in training, is at least ``s.grow_at``, or (``s.patience`` > 0) after that many checks at one length,
-    for a model that has stalled below the gate; at T the check reads the far layout and stops at ``s.target``.
+    ``s.schedule`` "curriculum": the training length grows with competence: it starts at the pairs and queries alone
+    (no filler) and, at each check (every ``s.check_every`` steps), grows by ``s.grow`` once the accuracy at the
+    current length, on samples laid out as in training, is at least ``s.grow_at``, or (``s.patience`` > 0) after that
+    many checks at one length, for a model that has stalled below the gate; the rate is constant. "plain": samples of
+    T from the first step, the rate decaying along a cosine over ``s.max_steps``. At T each check reads the far
+    layout and stops at ``s.target``.
     ``record``: steps, whether the target was reached, the longest length trained on, the accuracy at T when training
     stopped, seconds."""
     torch.manual_seed(seed)
@@ -134,11 +146,13 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     opt = build_optimizer(model, s.lr, betas=(0.9, 0.98), weight_decay=0.1, fused=False)
     vocab, rng = tasks.Vocab(*s.vocab), np.random.default_rng([seed, 0])
     name, queries = _name(mixer, position_embedding), s.train_queries
-    length = min(s.context, 1 + 2 * s.pairs + queries)  # BOS, the pairs and the queries, no filler
+    plain = s.schedule == "plain"
+    length = s.context if plain else min(s.context, 1 + 2 * s.pairs + queries)  # BOS, the pairs, the queries
+    rates = {"lr": s.lr, "warmup_steps": s.warmup, "max_steps": s.max_steps, "min_lr_ratio": 0.1}
     t0, acc, step, checks_here = time.time(), 0.0, 0, 0
     while step < s.max_steps:
         for group in opt.param_groups:
-            group["lr"] = s.lr * min(1.0, (step + 1) / s.warmup)
+            group["lr"] = lr_at(step, rates) if plain else s.lr * min(1.0, (step + 1) / s.warmup)
         batch = tasks.passkey_batch(vocab, length, s.pairs, s.batch, rng, queries=queries)
         loss = tasks.task_loss(model, batch, device)
         loss.backward()
@@ -278,7 +292,11 @@ def markdown(result: dict) -> str:
     conv = f", short convolution of {s['conv_size']}" if s.get("conv_size") else ""
     with_cache = any("cache" in r for r in result["rows"])
     cache_note = " Cache: the decode cache after the longest length read (KiB, float32, batch 1)." if with_cache else ""
-    lines = [f"{_task_title(s)}, trained at T = {s['context']} ({s['layers']} layers of width {s['d']}{conv}); "
+    queries = s["pairs"] if s.get("task", "decoy") == "mqar" else min(s.get("queries", 4), s["pairs"])
+    recipe = (f"AdamW at {s['lr']:g}, the {s.get('schedule', 'curriculum')} schedule, {queries} "
+              f"quer{'y' if queries == 1 else 'ies'} per training sample")
+    lines = [f"{_task_title(s)}, trained at T = {s['context']} ({s['layers']} layers of width {s['d']}{conv}; "
+             f"{recipe}); "
              f"chance {1 / s['vocab'][2]:.3f} "
              f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell. "
              f"Column T: every seed; longer lengths: the competent seeds (accuracy >= {s['target']} at T) only."
@@ -443,6 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conv-size", type=int, default=d.conv_size,
                    help="the resolvent models' short causal convolution (conv_size; 0: none)")
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--queries", type=int, default=d.queries,
+                   help="keys that end a training sample of the decoy task (1: the task it is read on); mqar asks every "
+                        "pair")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=d.schedule,
+                   help="; ".join(f"{k}: {v}" for k, v in SCHEDULES.items()))
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--max-steps", type=int, default=d.max_steps, help="training stops here if not competent before")
     p.add_argument("--grow", type=float, default=d.grow,
@@ -496,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers,
                                   heads=args.heads, conv_size=args.conv_size, lr=args.lr, batch=args.batch,
+                                  queries=args.queries, schedule=args.schedule,
                                   max_steps=args.max_steps, grow=args.grow, grow_at=args.grow_at,
                                   patience=args.patience, target=args.target, eval_samples=args.eval_samples,
                                   multiples=tuple(args.multiples))

@@ -190,11 +190,43 @@ def test_accuracy_counts_every_answer_of_a_sample():
         replace(TINY, task="passkey")
 
 
+def test_the_plain_schedule_trains_at_T_from_the_first_step_with_a_decaying_rate(monkeypatch):
+    """schedule="plain": every training sample is T long and of the asked number of queries, and the rate follows
+    lr_at's warm-up and cosine (the curriculum's stays constant after its warm-up)."""
+    lengths = []
+    draw = recall.tasks.passkey_batch
+
+    def recorded(vocab, length, pairs, batch_size, rng, far=False, queries=1):
+        if not far:
+            lengths.append((length, queries))
+        return draw(vocab, length, pairs, batch_size, rng, far=far, queries=queries)
+
+    monkeypatch.setattr(recall.tasks, "passkey_batch", recorded)
+    step = recall.tasks.task_loss
+    settings = replace(TINY, schedule="plain", queries=1, target=1.01, max_steps=40, warmup=4, check_every=20)
+    optimizers = []
+    real = recall.build_optimizer
+    monkeypatch.setattr(recall, "build_optimizer", lambda *a, **k: optimizers.append(real(*a, **k)) or optimizers[-1])
+    seen = []
+    monkeypatch.setattr(recall.tasks, "task_loss", lambda m, b, d: seen.append(optimizers[0].param_groups[0]["lr"])
+                        or step(m, b, d))
+    _, record = recall.train_to_competence("attention", 0, settings, "none", "cpu", lambda *a: None)
+    assert record["trained_length"] == 32 and set(lengths) == {(32, 1)}
+    schedule = {"lr": settings.lr, "warmup_steps": 4, "max_steps": 40, "min_lr_ratio": 0.1}
+    assert seen == pytest.approx([recall.lr_at(i, schedule) for i in range(40)])
+    assert seen[-1] < 0.2 * settings.lr
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        replace(TINY, schedule="cosine")
+    with pytest.raises(ValueError, match="queries must be a whole number"):
+        replace(TINY, queries=0)
+
+
 def test_mqar_runs_end_to_end_and_names_its_task(tmp_path):
     result = recall.run(["attention"], [0], ["none"], replace(TINY, task="mqar"), tmp_path, torch.device("cpu"),
                         lambda *a: None)
     assert result["settings"]["task"] == "mqar" and set(result["rows"][0]["accuracy"]) == {32, 64}
-    assert recall.markdown(result).startswith("MQAR at a distance, 2 pairs, trained at T = 32 (2 layers of width 32)")
+    assert recall.markdown(result).startswith("MQAR at a distance, 2 pairs, trained at T = 32 (2 layers of width 32; "
+                                              "AdamW at 0.001, the curriculum schedule, 2 queries per training sample)")
 
 
 def test_the_table_reads_past_T_only_the_seeds_competent_at_T():
