@@ -75,7 +75,18 @@ from hf_resolvent.training.data import prepare_dataset
 from hf_resolvent.training.optim import build_optimizer, lr_at
 
 import synthetic_tasks as tasks
-from sweep import HEADLINE, HYBRID, LONG_CONTEXT_MIXERS, MODELS, SWEEP_MODELS, SweepError, data_dir_of, run_dir, train
+from sweep import (
+    HEADLINE,
+    HYBRID,
+    LONG_CONTEXT_MIXERS,
+    MODELS,
+    PRETRAIN,
+    SWEEP_MODELS,
+    SweepError,
+    data_dir_of,
+    run_dir,
+    train,
+)
 
 SCALINGS = ("linear", "dynamic", "yarn")
 LOSS_TASKS = ("loss", *(f"loss:{s}" for s in SCALINGS))
@@ -619,8 +630,6 @@ def long_context(args, argv: list[str], pretrain: Path, log=print) -> dict:
     log(table)
     log(f"[long_context] wrote {out / 'results.json'}, {out / 'results.md'} and " + ", ".join(map(str, figures)))
     return result
-
-PRETRAIN = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -434,6 +434,7 @@ def how_far_plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120, bbox_inches="tight")  # the legend lies outside the axes
     plt.close(fig)
 
+
 MIXERS = ["attention", "dense", "exp2:ce", "square:ce", "exp2:ce+tied"]
 QUICK = dict(context=32, pairs=2, d=32, max_steps=60, check_every=20, check_samples=50, eval_samples=50, grow=2.0,
              grow_at=0.0, multiples=(1, 2))

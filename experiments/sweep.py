@@ -371,7 +371,8 @@ def sweep(args, argv: list[str], pretrain: Path, log=print) -> dict:
     log(f"[sweep] wrote {out / 'sweep.json'}, {out / 'sweep.md'} and {out / 'sweep.png'}")
     return result
 
-PRETRAIN = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"
+
+PRETRAIN = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"  # each run of the sweep
 
 
 def build_parser() -> argparse.ArgumentParser:
