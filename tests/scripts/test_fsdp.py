@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import torch
 import yaml
 from conftest import REPO, load_script, tiny_run_args
 from safetensors.torch import load_file
+from servers import free_port
 
 from hf_resolvent.training import data as D
 from hf_resolvent.training import launch, loop
@@ -51,12 +51,6 @@ def _env() -> dict[str, str]:
     drop = ("ACCELERATE_", "FSDP_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     return {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -88,7 +82,7 @@ def two_nodes(tiny_data, tmp_path_factory):
     meeting at 127.0.0.1 (the multi-node launch path); checkpoints at steps 3, 6 and 7."""
     out = tmp_path_factory.mktemp("two_nodes")
     logs = tmp_path_factory.mktemp("two_nodes_logs")
-    port = _port()
+    port = str(free_port())
     procs = []
     for rank in (0, 1):
         with open(logs / f"{rank}.out", "w") as stdout, open(logs / f"{rank}.err", "w") as stderr:
@@ -210,7 +204,7 @@ def test_kill_9_and_resume_under_fsdp_equals_the_uninterrupted_run(tiny_data, tw
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     shard.write_bytes(bytes(raw))
-    resumed = _run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", _port(), PRETRAIN, "--fsdp",
+    resumed = _run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), PRETRAIN, "--fsdp",
                     *tiny_run_args(tiny_data, out, "--max-steps", "7", "--resume")])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "took over the run folder" in resumed.stderr  # the lock of the killed run

@@ -24,6 +24,7 @@ import urllib.request
 import openai
 import pytest
 import torch
+from servers import free_port, wait_until_ready
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_resolvent import ResolventConfig, ResolventForCausalLM, serve
@@ -47,28 +48,8 @@ def model_folder(tmp_path_factory):
     return folder
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_until_ready(proc: subprocess.Popen, url: str, log) -> None:
-    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
-        try:
-            with no_proxy.open(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.2)
-    raise AssertionError(f"the server did not answer {url} within {READY_TIMEOUT} s:\n{log.read_text()[-3000:]}")
-
-
 def _start(model_folder, log, *flags, preexec_fn=None):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("HF_RESOLVENT_API_KEY", None)
     with open(log, "w") as out:
@@ -76,7 +57,7 @@ def _start(model_folder, log, *flags, preexec_fn=None):
                                  "--port", str(port), "--served-model-name", "tiny", "--device", "cpu",
                                  "--log-level", "warning", *flags], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=preexec_fn)
-    _wait_until_ready(proc, f"http://127.0.0.1:{port}/health", log)
+    wait_until_ready(proc, f"http://127.0.0.1:{port}/health", log, READY_TIMEOUT)
     return proc, f"http://127.0.0.1:{port}/v1/completions"
 
 

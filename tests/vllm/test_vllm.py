@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import torch
+from servers import free_port, wait_until_ready
 
 MAX_MODEL_LEN = 256  # the models' n_positions (conftest.py)
 CHUNK = 32  # max_num_batched_tokens: a longer prompt is prefilled in chunks
@@ -156,19 +155,13 @@ def test_a_model_that_keeps_every_position_is_refused_at_load(mixer, save_model)
     assert "exp2:ce" in message and "banded:w" in message and "attention" in message  # what it serves
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_openai_server_serves_a_saved_folder(save_model, tokenizer, tmp_path):
     """vLLM's OpenAI server loads the folder through the plugin (no code of the user's) and completes greedily as
     generate() does, a chat of a base model's tokenizer included (our server's plain template)."""
     from openai import OpenAI
 
     folder = save_model(["exp2:ce", "attention"])
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # as a user runs it: the engine in a process of its own
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port",
                str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
@@ -176,16 +169,7 @@ def test_the_openai_server_serves_a_saved_folder(save_model, tokenizer, tmp_path
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not answer /health in 180 s"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
+        wait_until_ready(server, f"http://127.0.0.1:{port}/health", tmp_path / "server.log", timeout=180)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0)
         completion = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0,
                                                extra_body={"ignore_eos": True})
