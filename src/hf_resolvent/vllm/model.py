@@ -209,16 +209,15 @@ class ResolventStateMixer(ResolventMixer, _SlotLayer):
         out = torch.zeros_like(hidden_states)
         requests = _requests(metadata)
         firsts = positions[[first for _, first, _ in requests]].tolist() if requests else []
+        requests = list(zip(requests, firsts))  # each request with the position of its first token
         # one decoded token after the state: those requests run together
-        together = [(slot, first) for (slot, first, end), position in zip(requests, firsts)
-                    if end - first == 1 and position > 0]
+        together = [(slot, first) for (slot, first, end), position in requests if end - first == 1 and position > 0]
         if len(together) > 1:
             tokens = [first for _, first in together]
             out[tokens] = self.decode_together([slot for slot, _ in together], hidden_states, rope, tokens)
             taken = set(tokens)
-            requests = [request for request in requests if request[1] not in taken]
-            firsts = positions[[first for _, first, _ in requests]].tolist() if requests else []
-        for (slot, first, end), position in zip(requests, firsts):
+            requests = [request for request in requests if request[0][1] not in taken]
+        for (slot, first, end), position in requests:
             cache = _SlotCache(self.slot_state(slot), fresh=position == 0)
             piece = None if rope is None else tuple(t[:, first:end] for t in rope)
             out[first:end] = ResolventMixer.forward(self, hidden_states[None, first:end], piece, None, cache)[0]
