@@ -272,6 +272,29 @@ class ResolventCache(Cache):
         for layer in self.layers:
             layer.crop(length)
 
+    def extend_mask(self, attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """``attention_mask`` (B, n) with ``new_tokens`` columns of ones appended, for ``generate()``.
+
+        The mask grows inside a buffer this cache holds, twice as long as needed when it is made: a token writes
+        its own column instead of copying every column before it, which after a long prompt would cost as much as
+        the decode step. A mask that is not a view of that buffer (the prompt's, or one a caller made) is copied
+        into a new one. Views of the buffer stay valid: only columns past the prompt are ever written, always with
+        ones.
+        """
+        room = getattr(self, "_mask_room", None)
+        length = attention_mask.shape[1]
+        ours = (room is not None and attention_mask.data_ptr() == room.data_ptr()
+                and attention_mask.device == room.device and attention_mask.dtype == room.dtype
+                and attention_mask.shape[0] == room.shape[0] and attention_mask.stride() == room.stride()
+                and length + new_tokens <= room.shape[1])
+        if ours:
+            room[:, length:length + new_tokens] = 1
+        else:
+            room = attention_mask.new_ones(attention_mask.shape[0], 2 * (length + new_tokens))
+            room[:, :length] = attention_mask
+            self._mask_room = room
+        return room[:, :length + new_tokens]
+
     @property
     def is_compileable(self) -> bool:
         """True for a static cache (``max_cache_len``): generate() may then compile the decode step."""

@@ -559,6 +559,20 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
         """generate() hook: a :class:`ResolventCache` instead of a ``DynamicCache`` (``prepare_generation_cache``)."""
         prepare_generation_cache(self, generation_config, model_kwargs, max_cache_length)
 
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, is_encoder_decoder: bool = False,
+                                            num_new_tokens: int = 1) -> dict:
+        """generate() hook: the 2-D mask grows in a buffer the request's cache holds
+        (:meth:`ResolventCache.extend_mask`) instead of being copied whole for every token."""
+        mask = model_kwargs.pop("attention_mask", None)
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder,
+                                                                   num_new_tokens)
+        if mask is not None:
+            cache = model_kwargs.get(CACHE_NAME)
+            model_kwargs["attention_mask"] = (
+                cache.extend_mask(mask, num_new_tokens) if isinstance(cache, ResolventCache)
+                else torch.cat([mask, mask.new_ones(mask.shape[0], num_new_tokens)], dim=-1))
+        return model_kwargs
+
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values=None, cache=None,
                                   **kwargs):
         """generate() hook for compileable (static) caches, which would get a 4-D mask: the 2-D mask for the prompt,
