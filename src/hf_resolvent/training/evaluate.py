@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .. import files
 from . import data as hdata
 from .config import RunError, recorded_data_dir, training_budget
-from .models import COMPLEXITY_ORDER, complexity_of, count_parameters
+from .models import COMPLEXITY_ORDER, complexity_of, count_parameters, lm_loss
 
 REFERENCE_MODELS = ("gpt2", "attention")  # the sweep's rows drawn beside a run of the same budget
 
@@ -309,12 +309,6 @@ def describe_eval(ev: dict) -> str:
     """The validation figures with what they measure (scripts/evaluate.py's strided perplexity differs)."""
     return (f"val loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f} ({ev['val_windows']} non-overlapping "
             f"windows of {ev['val_window']} tokens, {ev['val_tokens']:,} tokens scored)")
-
-
-def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of windows ``batch`` (B, L + 1): inputs [:, :-1], targets [:, 1:]."""
-    logits = model(input_ids=batch[:, :-1]).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
 
 
 @torch.no_grad()

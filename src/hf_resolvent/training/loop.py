@@ -34,12 +34,12 @@ from .checkpoints import (
     save_checkpoint,
 )
 from .config import ConfigError, RunError, batch_layout, default_data_dir, load_config
-from .evaluate import EVAL_KEYS, describe_eval, evaluate_loss, lm_loss
+from .evaluate import EVAL_KEYS, describe_eval, evaluate_loss
 from .fsdp import FSDP_SETTINGS, enable_fsdp_on_cpu, fit_wrap_classes, fsdp_plugin
 from .launch import describe_distributed
 from .memory import keep_freed_memory, memory_use
 from .metrics import plot_loss, truncate_metrics
-from .models import build_model, complexity_of, count_parameters, mixer_slug, model_label
+from .models import build_model, complexity_of, count_parameters, lm_loss, mixer_slug, model_label
 from .optim import FUSED_ADAMW_DEVICES, build_optimizer, lr_at
 
 

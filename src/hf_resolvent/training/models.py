@@ -1,13 +1,14 @@
 """The models of the papers' comparison: ``resolvent`` models with any mixer and the GPT-2 baseline
-(``transformers.GPT2LMHeadModel`` with SDPA) at the same shape (:func:`build_model`), what their decode cache holds
-(:func:`cache_bytes`), and how tables, plots and file names call them (:func:`model_label`, :func:`mixer_slug`,
-:func:`complexity_of`)."""
+(``transformers.GPT2LMHeadModel`` with SDPA) at the same shape (:func:`build_model`), the next-token loss they are
+trained and evaluated on (:func:`lm_loss`), what their decode cache holds (:func:`cache_bytes`), and how tables,
+plots and file names call them (:func:`model_label`, :func:`mixer_slug`, :func:`complexity_of`)."""
 
 from __future__ import annotations
 
 import re
 
 import torch
+import torch.nn.functional as F
 
 from ..configuration_resolvent import PRESETS
 from .config import ConfigError
@@ -22,6 +23,12 @@ def mixer_slug(spec: str | list) -> str:
     if isinstance(spec, (list, tuple)):
         return "-".join(mixer_slug(s) for s in spec)
     return re.sub(r"[^A-Za-z0-9]+", "_", str(spec)).strip("_")
+
+
+def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of windows ``batch`` (B, L + 1): inputs [:, :-1], targets [:, 1:]."""
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
 
 
 def build_model(model_cfg: dict, vocab_size: int, seq_len: int, eos_token_id: int | None = None):
