@@ -72,8 +72,8 @@ from hf_resolvent.modeling_resolvent import ResolventForCausalLM
 from hf_resolvent.training import cli
 from hf_resolvent.training import data as hdata
 from hf_resolvent.training.data import prepare_dataset
-from hf_resolvent.training.optim import build_optimizer, lr_at
 
+import protocol
 import synthetic_tasks as tasks
 from sweep import (
     HEADLINE,
@@ -343,24 +343,15 @@ def model_spec(name: str, layers: int) -> str | list[str]:
 
 
 def train_task(name: str, seed: int, cfg: dict, vocab_size: int, context: int, draw, device):
-    """A small model trained on batches ``draw(rng, batch_size)``: AdamW (experiments/synthetic.py's settings), warmup
-    and cosine decay, gradient clipping at 1; no curriculum."""
+    """A small model trained on batches ``draw(rng, batch_size)`` by :func:`protocol.train` (warm-up and cosine
+    decay); no curriculum."""
     torch.manual_seed(seed)
     model = tasks.task_model(model_spec(name, cfg["layers"]), vocab_size, context, cfg["d"], cfg["layers"],
                              cfg["heads"]).to(device)
-    opt = build_optimizer(model, cfg["lr"], betas=(0.9, 0.98), weight_decay=0.1, fused=False)
-    schedule = {"lr": cfg["lr"], "warmup_steps": cfg["warmup"], "max_steps": cfg["steps"], "min_lr_ratio": 0.1}
     rng = np.random.default_rng([seed, 0])
-    model.train()
-    for step in range(int(cfg["steps"])):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        loss = tasks.task_loss(model, draw(rng, int(cfg["batch"])), device)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model.eval(), float(loss.item())
+    _, loss = protocol.train(model, lambda step: draw(rng, int(cfg["batch"])), int(cfg["steps"]), cfg["lr"],
+                             cfg["warmup"], device)
+    return model.eval(), loss
 
 
 @torch.no_grad()

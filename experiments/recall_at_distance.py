@@ -43,8 +43,8 @@ import torch
 
 from hf_resolvent.training import cli
 from hf_resolvent.training.models import cache_bytes
-from hf_resolvent.training.optim import build_optimizer, lr_at
 
+import protocol
 import synthetic_tasks as tasks
 
 
@@ -59,6 +59,7 @@ class RecallSettings:
     heads: int = 2
     conv_size: int = 0  # the short convolution of the resolvent models (0: none; GPT-2 has none)
     lr: float = 1e-3
+    rates: tuple[float, ...] = ()  # a grid (protocol.best_rate): each model trained at each, the best at T kept
     warmup: int = 100
     batch: int = 32
     queries: int = 4  # answers per decoy training sample (the keys of that many pairs end it); mqar asks every pair
@@ -80,6 +81,8 @@ class RecallSettings:
             raise ValueError(f"recall: schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}")
         if isinstance(self.queries, bool) or not isinstance(self.queries, int) or self.queries < 1:
             raise ValueError(f"recall: queries must be a whole number >= 1, got {self.queries!r}")
+        if any(isinstance(r, bool) or not isinstance(r, (int, float)) or r <= 0 for r in self.rates):
+            raise ValueError(f"recall: rates must be positive learning rates, got {self.rates!r}")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
             raise ValueError(f"recall: patience must be a whole number of checks >= 0 (0: the gate alone), got "
                              f"{self.patience!r}")
@@ -100,7 +103,8 @@ class RecallSettings:
 
     def record(self) -> dict:
         """The settings as results.json holds them (tuples as lists)."""
-        return {**asdict(self), "vocab": list(self.vocab), "multiples": list(self.multiples)}
+        return {**asdict(self), "vocab": list(self.vocab), "multiples": list(self.multiples),
+                "rates": list(self.rates)}
 
 
 TASKS = {"decoy": "Passkey with decoys", "mqar": "MQAR at a distance"}
@@ -130,8 +134,8 @@ def accuracy(model, s: RecallSettings, length: int, n_samples: int, seed: int, d
 
 
 def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding: str, device, log=print):
-    """(model, record): trained until its accuracy at T reaches ``s.target``, or for ``s.max_steps`` (AdamW, warmup
-    then the schedule's rate, gradient clipping at 1).
+    """(model, record): trained by :func:`protocol.train` until its accuracy at T reaches ``s.target``, or for
+    ``s.max_steps``.
 
     ``s.schedule`` "curriculum": the training length grows with competence: it starts at the pairs and queries alone
     (no filler) and, at each check (every ``s.check_every`` steps), grows by ``s.grow`` once the accuracy at the
@@ -142,43 +146,36 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
     ``record``: steps, whether the target was reached, the longest length trained on, the accuracy at T when training
     stopped, seconds."""
     torch.manual_seed(seed)
-    model = _model(mixer, position_embedding, s).to(device).train()
-    opt = build_optimizer(model, s.lr, betas=(0.9, 0.98), weight_decay=0.1, fused=False)
+    model = _model(mixer, position_embedding, s).to(device)
     vocab, rng = tasks.Vocab(*s.vocab), np.random.default_rng([seed, 0])
     name, queries = _name(mixer, position_embedding), s.train_queries
     plain = s.schedule == "plain"
-    length = s.context if plain else min(s.context, 1 + 2 * s.pairs + queries)  # BOS, the pairs, the queries
-    rates = {"lr": s.lr, "warmup_steps": s.warmup, "max_steps": s.max_steps, "min_lr_ratio": 0.1}
-    t0, acc, step, checks_here = time.time(), 0.0, 0, 0
-    while step < s.max_steps:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, rates) if plain else s.lr * min(1.0, (step + 1) / s.warmup)
-        batch = tasks.passkey_batch(vocab, length, s.pairs, s.batch, rng, queries=queries)
-        loss = tasks.task_loss(model, batch, device)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        if step % s.check_every and step < s.max_steps:
-            continue
+    at = {"length": s.context if plain else min(s.context, 1 + 2 * s.pairs + queries),  # BOS, the pairs, the queries
+          "checks": 0, "accuracy": 0.0}
+
+    def check(step: int, loss: float) -> bool:
         check_seed = seed + 10_000 + step
-        if length < s.context:
-            here = accuracy(model, s, length, s.check_samples, check_seed, device, far=False)
-            log(f"[recall] {name} seed {seed} step {step}: loss {float(loss.detach()):.3f}, accuracy at length "
-                f"{length} {here:.3f}")
-            checks_here += 1
-            if here >= s.grow_at or checks_here == s.patience:
-                length, checks_here = min(s.context, max(length + 1, round(length * s.grow))), 0
-            continue
-        acc = accuracy(model, s, s.context, s.check_samples, check_seed, device)
-        log(f"[recall] {name} seed {seed} step {step}: loss {float(loss.detach()):.3f}, accuracy at T {acc:.3f}")
-        if acc >= s.target:
-            break
+        if at["length"] < s.context:
+            here = accuracy(model, s, at["length"], s.check_samples, check_seed, device, far=False)
+            log(f"[recall] {name} seed {seed} step {step}: loss {loss:.3f}, accuracy at length {at['length']} "
+                f"{here:.3f}")
+            at["checks"] += 1
+            if here >= s.grow_at or at["checks"] == s.patience:
+                at["length"], at["checks"] = min(s.context, max(at["length"] + 1, round(at["length"] * s.grow))), 0
+            return False
+        at["accuracy"] = accuracy(model, s, s.context, s.check_samples, check_seed, device)
+        log(f"[recall] {name} seed {seed} step {step}: loss {loss:.3f}, accuracy at T {at['accuracy']:.3f}")
+        return at["accuracy"] >= s.target
+
+    t0 = time.time()
+    step, loss = protocol.train(
+        model, lambda step: tasks.passkey_batch(vocab, at["length"], s.pairs, s.batch, rng, queries=queries),
+        s.max_steps, s.lr, s.warmup, device, decay=plain, check_every=s.check_every, check=check)
+    length, acc = at["length"], at["accuracy"]
     if length < s.context:  # never trained at T: its accuracy there, read once
         acc = accuracy(model, s, s.context, s.check_samples, seed + 10_000 + step, device)
     record = {"steps": step, "reached": acc >= s.target, "trained_length": length, "accuracy_at_T": acc,
-              "final_loss": float(loss.detach()), "seconds": round(time.time() - t0, 1)}
+              "final_loss": loss, "seconds": round(time.time() - t0, 1)}
     log(f"[recall] {name} seed {seed}: {'competent' if record['reached'] else 'NOT competent'} after {step} steps "
         f"(trained up to length {length}, accuracy at T {acc:.3f}, {record['seconds']:.0f} s)")
     return model.eval(), record
@@ -213,7 +210,7 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
                 if any(r["model"] == _name(mixer, pe) and r["seed"] == seed for r in result["rows"]):
                     log(f"[recall] {_name(mixer, pe)} seed {seed}: kept from {out / 'results.json'}")
                     continue
-                model, record = train_to_competence(mixer, seed, s, pe, device, log)
+                model, record = _train(mixer, seed, s, pe, device, log)
                 lengths = _lengths(mixer, s)
                 acc = {n: accuracy(model, s, n, s.eval_samples, seed, device) for n in lengths}
                 log("[recall]   accuracy by length: " + ", ".join(f"{n}: {a:.3f}" for n, a in acc.items()))
@@ -222,6 +219,17 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
                                        "training": record, "accuracy": acc, "cache": cache})
                 (out / "results.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _train(mixer, seed: int, s: RecallSettings, position_embedding: str, device, log):
+    """:func:`train_to_competence` at ``s.lr``, or with ``s.rates`` at each of them, the best at T kept."""
+    if not s.rates:
+        return train_to_competence(mixer, seed, s, position_embedding, device, log)
+    model, record = protocol.best_rate(
+        lambda lr: train_to_competence(mixer, seed, replace(s, lr=lr), position_embedding, device, log), s.rates)
+    log(f"[recall] {_name(mixer, position_embedding)} seed {seed}: the best rate is {record['lr']:g} (accuracy at "
+        "T by rate: " + ", ".join(f"{r}: {a:.3f}" for r, a in record["by_rate"].items()) + ")")
+    return model, record
 
 
 def _model(mixer, position_embedding: str, s: RecallSettings):
@@ -293,7 +301,9 @@ def markdown(result: dict) -> str:
     with_cache = any("cache" in r for r in result["rows"])
     cache_note = " Cache: the decode cache after the longest length read (KiB, float32, batch 1)." if with_cache else ""
     queries = s["pairs"] if s.get("task", "decoy") == "mqar" else min(s.get("queries", 4), s["pairs"])
-    recipe = (f"AdamW at {s['lr']:g}, the {s.get('schedule', 'curriculum')} schedule, {queries} "
+    rate = (f"the best at T of {', '.join(f'{r:g}' for r in s['rates'])} per model and seed" if s.get("rates")
+            else f"{s['lr']:g}")
+    recipe = (f"AdamW at {rate}, the {s.get('schedule', 'curriculum')} schedule, {queries} "
               f"quer{'y' if queries == 1 else 'ies'} per training sample")
     lines = [f"{_task_title(s)}, trained at T = {s['context']} ({s['layers']} layers of width {s['d']}{conv}; "
              f"{recipe}); "
@@ -305,7 +315,8 @@ def markdown(result: dict) -> str:
              + (" cache (KiB) |" if with_cache else ""),
              "|---|---:|---|" + "---:|" * (len(lengths) + with_cache)]
     for model, rows in _by_model(result["rows"]).items():
-        steps = ", ".join(f"{r['training']['steps']}" + _short_of_T(r["training"], s["context"]) for r in rows)
+        steps = ", ".join(f"{r['training']['steps']}" + _short_of_T(r["training"], s["context"])
+                          + (f" at {r['training']['lr']:g}" if s.get("rates") else "") for r in rows)
         competent = [r for r in rows if r["training"]["reached"]]
         cells = [_spread([_accuracy_at(r, n) for r in (rows if n == s["context"] else competent)]) for n in lengths]
         if with_cache:
@@ -462,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conv-size", type=int, default=d.conv_size,
                    help="the resolvent models' short causal convolution (conv_size; 0: none)")
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--rates", type=float, nargs="+", default=list(d.rates), metavar="LR",
+                   help="train every model at each of these learning rates and keep the best at T (in place of --lr); "
+                        f"the comparison's grid is {' '.join(f'{r:g}' for r in protocol.RATES)}")
     p.add_argument("--queries", type=int, default=d.queries,
                    help="keys that end a training sample of the decoy task (1: the task it is read on); mqar asks every "
                         "pair")
@@ -519,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         return compare(parser, args.compare, args.positions, Path(args.out))
     try:
         settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers,
-                                  heads=args.heads, conv_size=args.conv_size, lr=args.lr, batch=args.batch,
+                                  heads=args.heads, conv_size=args.conv_size, lr=args.lr, rates=tuple(args.rates),
+                                  batch=args.batch,
                                   queries=args.queries, schedule=args.schedule,
                                   max_steps=args.max_steps, grow=args.grow, grow_at=args.grow_at,
                                   patience=args.patience, target=args.target, eval_samples=args.eval_samples,

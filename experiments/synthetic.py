@@ -58,8 +58,8 @@ import numpy as np
 import torch
 
 from hf_resolvent.training import cli
-from hf_resolvent.training.optim import build_optimizer, lr_at
 
+import protocol
 import synthetic_tasks as tasks
 
 PRESETS = {
@@ -196,48 +196,43 @@ def run(args) -> dict:
     model = tasks.task_model(args.mixer, spec.vocab.size, spec.total_length(), preset["d"], preset["layers"],
                              preset["heads"], conv_size=args.conv_size).to(device)
     params = sum(p.numel() for p in model.parameters())
-    # The per-tensor AdamW loop (fused=False) is the one the README's table was measured with.
-    opt = build_optimizer(model, preset["lr"], betas=(0.9, 0.98), weight_decay=0.1, fused=False)
     steps, batch_size = int(preset["steps"]), int(preset["batch"])
-    schedule = {"lr": preset["lr"], "warmup_steps": preset["warmup"], "max_steps": steps, "min_lr_ratio": 0.1}
     micro = min(args.micro_batch or batch_size, batch_size)
     if batch_size % micro:
         raise ValueError(f"--batch-size {batch_size} must be a multiple of --micro-batch {micro}")
-    accum = batch_size // micro
     rng = np.random.default_rng([args.seed, 0])
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     log(f"[synthetic] task {args.task} ({spec}), mixer {args.mixer}: {params:,} parameters, {steps} steps x batch "
         f"{batch_size}, device {device}")
     if device.type == "cpu" and args.mixer != "gpt2":
         with torch.no_grad():  # the first forward compiles the CPU kernels (first use only): before the progress bar
             model(input_ids=tasks.make_batch(spec, 1, np.random.default_rng(0)).input_ids.to(device))
-    history = []
-    t0 = time.time()
     from tqdm.auto import tqdm
 
-    bar = tqdm(range(steps), disable=args.quiet, unit="step", dynamic_ncols=True)
-    for step in bar:
-        div = tasks.curriculum_divisor(step, steps, phases)
-        phase = spec.phase(div)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        total_loss = 0.0
-        for _ in range(accum):
-            batch = tasks.make_batch(phase, micro, rng)
-            with amp:
-                loss = tasks.task_loss(model, batch, device)
-            (loss / accum).backward()
-            total_loss += loss.item() / accum
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 20 == 0:
-            bar.set_postfix(loss=f"{total_loss:.3f}", phase=f"/{div}")
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < steps:
+    bar = tqdm(total=steps, disable=args.quiet, unit="step", dynamic_ncols=True)
+    history = []
+
+    def draw(step: int):
+        return tasks.make_batch(spec.phase(tasks.curriculum_divisor(step, steps, phases)), micro, rng)
+
+    def on_step(step: int, loss: float) -> None:
+        bar.update(1)
+        if (step - 1) % 20 == 0:
+            bar.set_postfix(loss=f"{loss:.3f}", phase=f"/{tasks.curriculum_divisor(step - 1, steps, phases)}")
+
+    def held_out(step: int, loss: float) -> bool:
+        if step < steps:
             ev = evaluate(model, spec, min(256, preset["eval_samples"]), args.seed, device)
-            history.append({"step": step + 1, "loss": total_loss, **ev})
-            bar.write(f"[synthetic] step {step + 1}: loss {total_loss:.3f}, held-out accuracy {ev['accuracy']:.3f}")
+            history.append({"step": step, "loss": loss, **ev})
+            bar.write(f"[synthetic] step {step}: loss {loss:.3f}, held-out accuracy {ev['accuracy']:.3f}")
+        return False
+
+    t0 = time.time()
+    _, total_loss = protocol.train(model, draw, steps, preset["lr"], preset["warmup"], device,
+                                   accum=batch_size // micro, autocast=amp, on_step=on_step,
+                                   check_every=args.eval_every or 0, check=held_out if args.eval_every else None)
+    bar.close()
     train_time = time.time() - t0
     result = evaluate(model, spec, preset["eval_samples"], args.seed, device)
     result.update({"task": args.task, "mixer": args.mixer, "conv_size": args.conv_size, "preset": args.preset,

@@ -205,15 +205,16 @@ def test_the_plain_schedule_trains_at_T_from_the_first_step_with_a_decaying_rate
     step = recall.tasks.task_loss
     settings = replace(TINY, schedule="plain", queries=1, target=1.01, max_steps=40, warmup=4, check_every=20)
     optimizers = []
-    real = recall.build_optimizer
-    monkeypatch.setattr(recall, "build_optimizer", lambda *a, **k: optimizers.append(real(*a, **k)) or optimizers[-1])
+    real = recall.protocol.build_optimizer
+    monkeypatch.setattr(recall.protocol, "build_optimizer",
+                        lambda *a, **k: optimizers.append(real(*a, **k)) or optimizers[-1])
     seen = []
     monkeypatch.setattr(recall.tasks, "task_loss", lambda m, b, d: seen.append(optimizers[0].param_groups[0]["lr"])
                         or step(m, b, d))
     _, record = recall.train_to_competence("attention", 0, settings, "none", "cpu", lambda *a: None)
     assert record["trained_length"] == 32 and set(lengths) == {(32, 1)}
     schedule = {"lr": settings.lr, "warmup_steps": 4, "max_steps": 40, "min_lr_ratio": 0.1}
-    assert seen == pytest.approx([recall.lr_at(i, schedule) for i in range(40)])
+    assert seen == pytest.approx([recall.protocol.lr_at(i, schedule) for i in range(40)])
     assert seen[-1] < 0.2 * settings.lr
     with pytest.raises(ValueError, match="schedule must be one of"):
         replace(TINY, schedule="cosine")
@@ -227,6 +228,28 @@ def test_mqar_runs_end_to_end_and_names_its_task(tmp_path):
     assert result["settings"]["task"] == "mqar" and set(result["rows"][0]["accuracy"]) == {32, 64}
     assert recall.markdown(result).startswith("MQAR at a distance, 2 pairs, trained at T = 32 (2 layers of width 32; "
                                               "AdamW at 0.001, the curriculum schedule, 2 queries per training sample)")
+
+
+def test_a_rate_grid_keeps_each_models_best_at_T_and_says_so(tmp_path, monkeypatch):
+    """With ``rates``, every (model, seed) trains at each rate; its row keeps the best at T, with the grid."""
+    trained = []
+    real = recall.train_to_competence
+
+    def recorded(mixer, seed, s, pe, device, log):
+        trained.append((mixer, seed, s.lr))
+        model, record = real(mixer, seed, s, pe, device, log)
+        return model, {**record, "accuracy_at_T": {0.01: 0.5, 0.1: 0.75, 1.0: 0.25}[s.lr]}
+
+    monkeypatch.setattr(recall, "train_to_competence", recorded)
+    result = recall.run(["attention"], [0, 1], ["none"], replace(TINY, rates=(0.01, 0.1, 1.0), max_steps=20), tmp_path,
+                        torch.device("cpu"), lambda *a: None)
+    assert trained == [("attention", seed, lr) for seed in (0, 1) for lr in (0.01, 0.1, 1.0)]
+    for row in result["rows"]:
+        assert row["training"]["lr"] == 0.1 and row["training"]["by_rate"] == {"0.01": 0.5, "0.1": 0.75, "1": 0.25}
+    table = recall.markdown(result)
+    assert "AdamW at the best at T of 0.01, 0.1, 1 per model and seed" in table and "at 0.1, " in table
+    with pytest.raises(ValueError, match="rates must be positive learning rates"):
+        replace(TINY, rates=(1e-3, 0))
 
 
 def test_the_table_reads_past_T_only_the_seeds_competent_at_T():
