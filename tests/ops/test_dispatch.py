@@ -12,7 +12,7 @@ import torch
 import hf_resolvent as hr
 from hf_resolvent.backends import cpu
 from hf_resolvent.configuration_resolvent import MIXER_IMPLS
-from hf_resolvent.ops import DecodeState, decode_step, dispatch, reference_mix, resolvent_mix
+from hf_resolvent.ops import DecodeState, decode_step, dispatch, mixer, reference_mix, resolvent_mix
 from hf_resolvent.patterns import get_pattern
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,17 +37,16 @@ def _cpu_ops_run(fn) -> set[str]:
     return {e.name for e in prof.events() if e.name.startswith("hf_resolvent::")}
 
 
-def test_the_impl_table_of_the_architecture_page_is_the_modules():
-    """docs/ARCHITECTURE.md shows the table of what each impl runs as the dispatch module's docstring has it."""
+def test_the_backend_table_of_the_architecture_page_is_the_modules():
+    """docs/ARCHITECTURE.md shows the dispatch module's table of backends, a row per backend of mixer.BACKENDS."""
 
     def table(text: str) -> list[str]:
-        rows = text[text.index("<!-- impl table -->"):text.index("<!-- end of impl table -->")].splitlines()[1:]
+        rows = text[text.index("<!-- backend table -->"):text.index("<!-- end of backend table -->")].splitlines()[1:]
         return [row.strip() for row in rows if row.strip()]
 
     page = table((Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md").read_text())
-    assert len(page) == len(dispatch.IMPLS) + 2  # a header, a rule, a row per choice
     assert page == table(dispatch.__doc__)
-    assert [row.split(" | ")[0].strip("| `\"") for row in page[2:]] == list(dispatch.IMPLS)
+    assert [row.split(" | ")[0].strip("| `\"") for row in page[2:]] == list(mixer.BACKENDS)
 
 
 def test_the_config_accepts_exactly_the_choices_of_the_switch():
@@ -129,9 +128,8 @@ def test_decoding_runs_the_recurrent_step_except_on_triton(monkeypatch):
     """On CPU the recurrent step runs its compiled twin unless impl="torch" asks for PyTorch alone; a named "cpu"
     that cannot run is an error, not a fallback."""
     qa, ka, qb, kb, x, g = _inputs(n=1)
-    for impl in ("auto", "cpu"):
-        assert dispatch.choose_decode(impl, x) == "recurrent"
-    assert dispatch.choose_decode("torch", x) == "torch"
+    for impl in ("auto", "cpu", "torch"):
+        assert dispatch.choose(impl, x) == impl.replace("auto", "cpu")
     token = (qa[:, :, 0], ka[:, :, 0], qb[:, :, 0], kb[:, :, 0], x[:, :, 0], g[:, :, 0])
     ran = {}
     for impl in ("cpu", "torch"):
@@ -154,17 +152,24 @@ class _OnCuda:
 
 
 def test_softmax_attention_alone_takes_sdpa_on_a_gpu(monkeypatch):
-    """Under "auto", the attention pattern on CUDA tensors runs scaled_dot_product_attention (the backend a
-    transformers model gets); every other pattern, "torch" and a named "triton" keep their paths."""
+    """Under "auto", CUDA tensors take the "cuda" backend: the attention pattern runs scaled_dot_product_attention
+    (the backend a transformers model gets), every other pattern Triton; "torch" and a named "triton" keep their
+    paths."""
     monkeypatch.setattr(dispatch, "triton_ready", lambda: True)
-    attention, dense, local = (get_pattern(s) for s in ("attention", "dense", "local_attention:8"))
-    assert dispatch.choose("auto", _OnCuda(), attention) == "sdpa"
-    assert dispatch.choose("auto", _OnCuda(), dense) == "triton" == dispatch.choose("auto", _OnCuda(), local)
-    assert dispatch.choose("triton", _OnCuda(), attention) == "triton"
-    assert dispatch.choose("torch", _OnCuda(), attention) == "torch"
-    assert dispatch.choose("auto", torch.empty(1), attention) != "sdpa"  # a CPU tensor
+    assert dispatch.choose("auto", _OnCuda()) == "cuda"
+    assert dispatch.choose("triton", _OnCuda()) == "triton" and dispatch.choose("torch", _OnCuda()) == "torch"
+    assert dispatch.choose("auto", torch.empty(1)) != "cuda"  # a CPU tensor
+    ran = []
+    monkeypatch.setattr(mixer, "sdpa_mix", lambda *a: ran.append("sdpa"))
+    monkeypatch.setattr(mixer, "triton", lambda: type("Triton", (), {"triton_mix": lambda *a, **k: ran.append("triton")}))
+    for spec in ("attention", "dense", "local_attention:8"):
+        mixer.BACKENDS["cuda"].mix(*(None,) * 6, get_pattern(spec))
+    assert ran == ["sdpa", "triton", "triton"]
+    monkeypatch.setattr(dispatch, "triton_ready", lambda: False)  # no Triton here: PyTorch
+    assert dispatch.choose("auto", _OnCuda()) == "torch"
+    monkeypatch.setattr(dispatch, "triton_ready", lambda: True)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert dispatch.choose("auto", _OnCuda(), attention) == "graph"
+    assert dispatch.choose("auto", _OnCuda()) == "graph"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

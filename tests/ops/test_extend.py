@@ -7,6 +7,8 @@ Shapes: B batch, H heads, n positions, d key width, e value width.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import make_mixer_inputs
@@ -16,10 +18,10 @@ from hf_resolvent.ops import (
     DecodeState,
     decode_tokens,
     extend_mix,
+    mixer,
     recurrent_mix,
     reference_mix,
 )
-from hf_resolvent.ops.dispatch import choose_extend
 from hf_resolvent.patterns import get_pattern
 
 N, FIRST, CUTS = 90, 23, (23, 24, 61, 90)  # a prefill of FIRST tokens, then chunks of 1, 37 and 29 tokens
@@ -125,31 +127,35 @@ def test_chunks_continue_a_static_state_in_its_buffers(key, cpu_path):
         extend_mix(state, *_part(inp, 0, 4), pattern)
 
 
-def test_chunks_run_where_the_dispatch_says_and_steps_elsewhere():
+def test_chunks_run_where_the_backend_has_them_and_steps_elsewhere(monkeypatch):
+    """decode_tokens runs several tokens at once where the backend's row has that path and the state allows it,
+    else one decode step each; both give the same outputs."""
+    assert {name for name, b in mixer.BACKENDS.items() if b.tokens is None} == {"triton", "graph"}
     pattern = get_pattern("exp2:ce")
     inp, start = _inputs(pattern, seed=5)
     state, _ = _states(pattern, inp, start)
-    assert choose_extend("auto", state) == "extend"
-    for impl in ("cpu", "triton"):  # they name another backend: one step per token
-        assert choose_extend(impl, state) == "steps", impl
+    assert state.can_extend()
     state.record_history()  # a rollback needs the state before each token: steps
-    assert choose_extend("auto", state) == "steps"
+    assert not state.can_extend()
     dense, _ = _states(get_pattern("dense"), inp, start)
     dense.record_history()
-    assert choose_extend("auto", dense) == "extend"  # that one crops by marking rows empty
+    assert dense.can_extend()  # that one crops by marking rows empty
     with pytest.raises(RuntimeError, match="token by token"):
         state.extend({"outputs": inp["x"][:, :, :2]}, torch.tensor([[23, 24], [18, 19]]))
     static, _ = _states(pattern, inp, start, capacity=N)
-    assert choose_extend("auto", static) == "extend" and choose_extend("torch", static) == "torch"
-    # both paths of decode_tokens give the same outputs
-    chunked, stepped = _states(pattern, inp, start)
-    y = decode_tokens(chunked, *_part(inp, FIRST, N), pattern)
-    assert_close(y, decode_tokens(stepped, *_part(inp, FIRST, N), pattern, impl="cpu"), "decode_tokens",
-                 tol=1e-12)
-    args, d = _tied(inp, FIRST, N)
-    chunked, stepped = _states(pattern, inp, start, tied=True)
-    assert_close(decode_tokens(chunked, *args, pattern, d=d), decode_tokens(stepped, *args, pattern, impl="cpu", d=d),
-                 "decode_tokens, tied", tol=1e-12)
+    assert static.can_extend()
+    chunks = []
+    cpu = mixer.BACKENDS["cpu"]
+    monkeypatch.setitem(mixer.BACKENDS, "cpu", replace(cpu, tokens=lambda *a, **k: chunks.append(1) or cpu.tokens(*a, **k)))
+    stepwise = replace(cpu, tokens=None)
+    for tied in (False, True):
+        args, d = _tied(inp, FIRST, N) if tied else (_part(inp, FIRST, N), None)
+        chunked, stepped = _states(pattern, inp, start, tied=tied)
+        y = decode_tokens(chunked, *args, pattern, d=d)
+        assert chunks.pop() and not chunks
+        with monkeypatch.context() as m:
+            m.setitem(mixer.BACKENDS, "cpu", stepwise)
+            assert_close(y, decode_tokens(stepped, *args, pattern, d=d), f"decode_tokens, tied={tied}", tol=1e-12)
 
 
 def test_a_state_that_lacks_the_rows_a_pattern_reads_is_refused():

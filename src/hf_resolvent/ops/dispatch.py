@@ -1,47 +1,47 @@
-"""Which code runs the mixer: the one switch between the forms and the backends (docs/ARCHITECTURE.md).
+"""Which code runs the mixer: the one switch between the backends (docs/ARCHITECTURE.md).
 
 Two words name two different things here. **The CPU kernels** are the C++ operators of
 :mod:`hf_resolvent.backends.cpu` (``torch.ops.hf_resolvent.<name>``), each the twin of one PyTorch function of
 ``ops/``. **In a graph** means traced by ``torch.compile`` or ``torch.export`` (``torch.compiler.is_compiling()``),
 where the graph form runs and no CPU kernel does (they have no meta kernels to trace).
 
-Where each choice is made:
-
-1. :func:`choose`, :func:`choose_decode` and :func:`choose_extend` turn ``impl`` into a form and a backend for a
-   whole mixer call (the table below).
-2. Inside the parallel form, the recurrent step and the extend path, each leaf function that has a CPU twin asks
-   its :class:`CpuTwin` (:meth:`CpuTwin.takes`) whether the twin runs this call: the twin's own condition on the
-   arguments (declared with :func:`cpu_twin` beside the function: a row limit, a dtype, a layout, no gradient),
-   then :func:`cpu_kernels_for` (CPU tensors in float32 or float64, the kernels built, not inside
-   :func:`torch_only`, not in a graph). :data:`CPU_TWINS` holds every twin by name once the ops modules are
-   imported. An autograd Function's backward runs on the CPU kernels exactly when its forward did.
+A mixer call is run by one backend, chosen once per call: :func:`choose` turns ``impl`` and where the tensors live
+into a backend's name, and the row of that name in :data:`hf_resolvent.ops.mixer.BACKENDS` gives what it runs for
+each kind of call (the table below). Inside the PyTorch forms, each leaf function that has a CPU twin runs it where
+the twin takes the call (:meth:`CpuTwin.takes`: the twin's own condition on the arguments, declared with
+:func:`cpu_twin` beside the function: a row limit, a dtype, a layout, no gradient; and the CPU kernels able to take
+the tensors, :func:`cpu_kernels_for`); the "torch" backend runs its forms inside :func:`torch_only`, where no twin
+runs. :data:`CPU_TWINS` holds every twin by name once the ops modules are imported. An autograd Function's backward
+runs on the CPU kernels exactly when its forward did.
 
 ``impl`` names a backend, as ``attn_implementation`` does in ``transformers``: "torch" (PyTorch alone), "cpu" (the
 CPU kernels, for the leaves whose twin takes the call, PyTorch for the rest), "triton", or "auto". The forms are
 not choices of ``impl``: each is a public function that tests and oracles call directly (``reference_mix``,
 ``parallel_mix``, ``graph_mix``, ``recurrent_mix``, ``recurrent_step``, ``extend_mix``); an old form value of
-``impl`` is an error naming that function. The table gives what each value runs for the three kinds of call.
+``impl`` is an error naming that function.
 
-<!-- impl table -->
-| `impl` | forward (`resolvent_mix`) | decode step (`decode_step`) | several tokens after a state (`decode_tokens`) |
-|---|---|---|---|
-| `"auto"` | the attention pattern on CUDA tensors, not in a graph: sdpa; else parallel on triton for CUDA tensors where Triton runs, else parallel on cpu where the kernels build, else parallel on torch; in a graph: graph | triton for CUDA tensors where Triton runs (not in a graph), else recurrent on cpu | extend on cpu; in a graph: decode steps |
-| `"torch"` | parallel on torch; in a graph: graph | recurrent on torch | extend on torch; in a graph: decode steps |
-| `"cpu"` | parallel on cpu, an error where the kernels cannot run (another device, no compiler, `HF_RESOLVENT_CPU_KERNELS=0`) and in a graph | recurrent on cpu, the same errors | decode steps |
-| `"triton"` | triton, an error where it cannot run | triton | decode steps |
-<!-- end of impl table -->
+<!-- backend table -->
+| backend | chosen for | forward (`resolvent_mix`) | decode step (`decode_step`) | several tokens after a state (`decode_tokens`) |
+|---|---|---|---|---|
+| `"torch"` | `impl="torch"`, and `"auto"` where no other row applies | parallel, PyTorch alone | recurrent, PyTorch alone | extend, PyTorch alone |
+| `"cpu"` | `impl="cpu"` (an error where the kernels cannot run: another device, no compiler, `HF_RESOLVENT_CPU_KERNELS=0`, in a graph), and `"auto"` for CPU tensors where the kernels build | parallel, on the CPU twins | recurrent, on its CPU twin | extend, on its CPU twin |
+| `"cuda"` | `"auto"` for CUDA tensors where Triton runs, not in a graph | the attention pattern: sdpa; else triton | triton | extend |
+| `"triton"` | `impl="triton"` (an error where it cannot run) | triton | triton | a decode step per token |
+| `"graph"` | `"auto"` and `"torch"` in a graph | graph | recurrent | a decode step per token |
+<!-- end of backend table -->
 
-"recurrent on cpu" and "extend on cpu" run their arithmetic on the CPU kernels only where their twin takes the call
-(no gradient, and for the extend path a sparse pattern and a state that holds rows): see :data:`CPU_TWINS`. Several
-tokens after a state also go one decode step at a time while the state records itself for rollbacks and its
-pattern drops positions (:meth:`~.state.DecodeState.can_extend`).
+"on the CPU twins": where each twin takes the call (the decode step's and the extend path's only without a gradient,
+the extend path's for a sparse pattern and a state that holds rows): see :data:`CPU_TWINS`. Several tokens after a
+state also go one decode step at a time while the state records itself for rollbacks and its pattern drops
+positions (:meth:`~.state.DecodeState.can_extend`). "sdpa" is PyTorch's ``scaled_dot_product_attention``, the
+backends a transformers model of attention gets (cuDNN, flash, memory-efficient).
 
 Precedence: the first source that names something other than ``"auto"`` wins: the ``impl=`` argument (the model
 passes ``config.mixer_impl``), then the environment variable ``HF_RESOLVENT_MIXER_IMPL``.
-``HF_RESOLVENT_CPU_KERNELS=0`` keeps the CPU kernels from being built at all. The model's RoPE and GELU, which run
-outside the mixer call, follow the same ``impl``: their twins run where :func:`choose` gives "cpu". RoPE with the
-head split and the gate's activation also have Triton twins, which run where :func:`choose` gives "triton", outside
-a graph (:func:`triton_twin_runs`).
+``HF_RESOLVENT_CPU_KERNELS=0`` keeps the CPU kernels from being built at all. The model's RoPE, GELU and short
+convolution, which run outside the mixer call, follow the same ``impl``: their CPU twins run where :func:`choose`
+gives "cpu". RoPE with the head split and the gate's activation also have Triton twins, which run where the mixer
+runs on Triton, outside a graph (:func:`triton_twin_runs`).
 
 The backends live in the installed library. The flat copy of the ops modules that ``save_pretrained`` ships for
 ``trust_remote_code`` has none: there ``"auto"`` runs PyTorch and ``"cpu"`` or ``"triton"`` is an error.
@@ -117,17 +117,12 @@ def triton():
     return _required("triton")
 
 
-def choose(impl: str | None, x: torch.Tensor, pattern=None) -> str:
-    """The code that runs a mixer call of ``pattern`` on tensors like ``x``: "sdpa", "triton", "graph" (in a graph),
-    "cpu" or "torch". Under "auto", softmax attention alone (the ``attention`` pattern: no B channel) on CUDA
-    tensors runs PyTorch's ``scaled_dot_product_attention``, the backends a transformers model of attention gets
-    (cuDNN, flash, memory-efficient); ``impl="triton"`` still names the Triton attention kernels."""
+def choose(impl: str | None, x: torch.Tensor) -> str:
+    """The backend that runs a mixer call on tensors like ``x`` (a row of the table above): "torch", "cpu",
+    "cuda", "triton" or "graph". Raises where a named backend cannot run."""
     impl = resolve(impl)
     if impl == "triton":
         return impl
-    if (impl == "auto" and x.is_cuda and pattern is not None and pattern.kind == "attention"
-            and not torch.compiler.is_compiling()):  # a graph traces the graph form's own SDPA call
-        return "sdpa"
     if torch.compiler.is_compiling():  # a graph takes the graph form; the C++ operators have no meta kernels
         if impl == "cpu":
             raise RuntimeError("impl='cpu' cannot run inside torch.compile (the C++ kernels are opaque to it); use "
@@ -136,7 +131,7 @@ def choose(impl: str | None, x: torch.Tensor, pattern=None) -> str:
     if impl == "torch":
         return impl
     if impl == "auto" and x.is_cuda and triton_ready():
-        return "triton"
+        return "cuda"
     cpu = backend("cpu")
     if impl == "cpu":
         cpu = _required("cpu")
@@ -157,39 +152,13 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def triton_twin_runs(impl: str | None, *tensors: torch.Tensor) -> bool:
     """True when a function that runs around the mixer call (RoPE with the head split, the gate) runs its Triton
-    twin on ``tensors``: where the mixer itself runs on Triton (:func:`choose` gives "triton": ``impl="triton"``, or
-    "auto" with CUDA tensors where Triton runs), not in a graph (which traces the PyTorch code), for the dtypes the
-    kernels take. The one condition of those twins; each function adds its own (no gradient for the tables)."""
+    twin on ``tensors``: where the mixer itself runs on Triton (:func:`choose` gives "triton" or "cuda"), not in a
+    graph (which traces the PyTorch code), for the dtypes the kernels take. The one condition of
+    those twins; each function adds its own (no gradient for the tables)."""
     impl = resolve(impl)
     if impl in ("torch", "cpu") or torch.compiler.is_compiling() or any(t.dtype not in TRITON_DTYPES for t in tensors):
         return False  # (choose() would raise for a "cpu" that cannot run: the mixer's call says so, not these)
-    return choose(impl, tensors[0]) == "triton"
-
-
-def choose_decode(impl: str | None, x: torch.Tensor) -> str:
-    """The decode step's code for tensors like ``x``: "triton", or the recurrent step as "recurrent" (its arithmetic
-    on the CPU kernels where its twin takes the call) or "torch" (its PyTorch code alone). A graph takes the
-    recurrent step."""
-    impl = resolve(impl)
-    if impl == "triton" or (impl == "auto" and x.is_cuda and not torch.compiler.is_compiling() and triton_ready()):
-        return "triton"
-    if impl == "torch" and not torch.compiler.is_compiling():  # a graph runs no CPU kernel anyway
-        return "torch"
-    if impl == "cpu":
-        choose(impl, x)  # raises where the CPU kernels cannot run (in a graph too, as for the forward)
-    return "recurrent"
-
-
-def choose_extend(impl: str | None, state) -> str:
-    """How L > 1 tokens continue a decode ``state``: all at once (:func:`.extend.extend_mix`) as "extend" (its arithmetic
-    on the CPU kernels where its twin takes the call) or "torch" (its PyTorch code alone), or "steps" (one decode step
-    each, :func:`choose_decode` choosing their code)."""
-    impl = resolve(impl)
-    if impl not in ("auto", "torch") or torch.compiler.is_compiling():
-        return "steps"
-    if not state.can_extend():
-        return "steps"
-    return "torch" if impl == "torch" else "extend"
+    return choose(impl, tensors[0]) in ("triton", "cuda")
 
 
 @contextmanager

@@ -1,5 +1,6 @@
-"""The mixer functions the model calls: each runs the backend that :mod:`.dispatch` chooses, in the form that suits it
-(parallel, or graph inside ``torch.compile``; the recurrent step or the extend path after a decode state).
+"""The mixer functions the model calls: each runs the backend that :func:`.dispatch.choose` names, by the row of
+:data:`BACKENDS` that says what that backend runs for each kind of call (parallel, or graph inside ``torch.compile``;
+the recurrent step or the extend path after a decode state; the Triton kernels; PyTorch's SDPA).
 
 Same contracts as the forms they run (``parallel_mix``, ``recurrent_step``, ...); ``impl`` is described in
 :mod:`.dispatch`. A saved model folder ships this module with the ops modules it imports, as they are.
@@ -7,12 +8,13 @@ Same contracts as the forms they run (``parallel_mix``, ``recurrent_step``, ...)
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .dispatch import TRITON_DTYPES, choose, choose_decode, choose_extend, torch_only, triton, triton_twin_runs
+from .dispatch import TRITON_DTYPES, choose, torch_only, triton, triton_twin_runs
 from .extend import extend_mix
 from .graph import graph_mix
 from .parallel import parallel_mix, sdpa_mix
@@ -20,6 +22,57 @@ from .patterns import get_pattern
 from .recurrent import recurrent_step
 from .rope import rotated_parts
 from .state import DecodeState
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What one backend runs for each kind of mixer call (a row of :data:`BACKENDS`).
+
+    Attributes:
+        mix: the forward, with :func:`resolvent_mix`'s arguments (qa, ka, qb, kb, x, g, pattern, start, scale, d).
+        step: one token after a decode state, with :func:`decode_step`'s (state, qa, ka, qb, kb, x, g, scale, d,
+            conv).
+        tokens: several tokens after a state at once, the same arguments with a token axis; None: a step each.
+        step_projected: one token from the layer's projection in one launch (:func:`decode_projected`'s case);
+            None: composed from RoPE, the gate and ``step``.
+    """
+
+    mix: Callable
+    step: Callable
+    tokens: Callable | None = None
+    step_projected: Callable | None = None
+
+
+def _alone(form: Callable) -> Callable:
+    """``form`` in PyTorch alone: no CPU twin of its leaves runs (:func:`.dispatch.torch_only`)."""
+
+    def run(*args, **kwargs):
+        with torch_only():
+            return form(*args, **kwargs)
+
+    return run
+
+
+def _triton(name: str) -> Callable:
+    """The Triton backend's function ``name``, looked up when called (the backend is imported only then)."""
+    return lambda *args, **kwargs: getattr(triton(), name)(*args, **kwargs)
+
+
+def _cuda_mix(qa, ka, qb, kb, x, g, pattern, start=None, scale=None, d=None):
+    """The "cuda" backend's forward: softmax attention alone (no B channel) through PyTorch's SDPA, the backends a
+    transformers model of attention gets (cuDNN, flash, memory-efficient); every other pattern on Triton."""
+    if pattern.kind == "attention":
+        return sdpa_mix(qa, ka, x, start, scale)
+    return triton().triton_mix(qa, ka, qb, kb, x, g, pattern, start=start, scale=scale, d=d)
+
+
+BACKENDS: dict[str, Backend] = {
+    "torch": Backend(_alone(parallel_mix), _alone(recurrent_step), _alone(extend_mix)),
+    "cpu": Backend(parallel_mix, recurrent_step, extend_mix),
+    "cuda": Backend(_cuda_mix, _triton("triton_decode_step"), extend_mix, _triton("triton_decode_projected")),
+    "triton": Backend(_triton("triton_mix"), _triton("triton_decode_step"), None, _triton("triton_decode_projected")),
+    "graph": Backend(graph_mix, recurrent_step),
+}
 
 
 def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None, scale=None, d=None):
@@ -42,16 +95,7 @@ def resolvent_mix(qa, ka, qb, kb, x, g, pattern, impl: str = "auto", start=None,
     Returns:
         (B, H, n, e) outputs in x's dtype.
     """
-    pattern = get_pattern(pattern)
-    path = choose(impl, x, pattern)
-    if path == "sdpa":
-        return sdpa_mix(qa, ka, x, start, scale)
-    if path == "graph":
-        return graph_mix(qa, ka, qb, kb, x, g, pattern, start, scale, d=d)
-    if path == "triton":
-        return triton().triton_mix(qa, ka, qb, kb, x, g, pattern, start=start, scale=scale, d=d)
-    with torch_only() if path == "torch" else nullcontext():
-        return parallel_mix(qa, ka, qb, kb, x, g, pattern, start, scale, d=d)
+    return BACKENDS[choose(impl, x)].mix(qa, ka, qb, kb, x, g, get_pattern(pattern), start=start, scale=scale, d=d)
 
 
 def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, impl: str = "auto", scale=None, d=None,
@@ -64,9 +108,9 @@ def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, impl: st
             the tied variant).
         x: (B, H, e) its value; g: (B, H) its gate (None for attention patterns).
         pattern: the state's own (it may be given, as to the other forms).
-        impl: as for :func:`resolvent_mix`; the Triton decode kernel runs for ``"triton"`` (and ``"auto"`` on CUDA
-            tensors, outside a graph), ``recurrent_step`` for every other choice (on its CPU twin where that takes
-            the call, in PyTorch alone for ``"torch"``).
+        impl: as for :func:`resolvent_mix`; the backend's decode step runs (:data:`BACKENDS`): the Triton decode
+            kernel, or ``recurrent_step`` (on its CPU twin where that takes the call, in PyTorch alone for
+            ``"torch"``).
         scale: score scale, default d ** -0.5.
         d: (B, H) for the tied variant.
         conv: (B, C) the token's input row of the layer's short convolution, which the state keeps.
@@ -74,17 +118,14 @@ def decode_step(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, impl: st
     Returns:
         y (B, H, e), 0 for sequences still in their left padding.
     """
-    path = choose_decode(impl, x)
-    if path == "triton":
-        return triton().triton_decode_step(state, qa, ka, qb, kb, x, g, scale=scale, d=d, conv=conv)
-    with torch_only() if path == "torch" else nullcontext():
-        return recurrent_step(state, qa, ka, qb, kb, x, g, scale=scale, d=d, conv=conv)
+    return BACKENDS[choose(impl, x)].step(state, qa, ka, qb, kb, x, g, scale=scale, d=d, conv=conv)
 
 
 def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, impl: str = "auto", scale=None, d=None,
                   conv=None):
     """Mix L tokens per sequence against a layer's decode ``state`` and advance it (the model's forward after a
-    cache): all at once where :func:`~.dispatch.choose_extend` allows it, else one :func:`decode_step` per token.
+    cache): all at once where the backend has a path for several tokens and the state allows it
+    (:meth:`~.state.DecodeState.can_extend`), else one decode step per token.
 
     Args: as :func:`decode_step`, with a token axis: qa, ka, qb, kb (B, H, L, d), x (B, H, L, e), g and d (B, H, L),
     conv (B, L, C).
@@ -92,12 +133,12 @@ def decode_tokens(state: DecodeState, qa, ka, qb, kb, x, g, pattern=None, impl: 
     Returns:
         y (B, H, L, e).
     """
-    path = choose_extend(impl, state) if x.shape[2] > 1 else "steps"
-    if path != "steps":
-        with torch_only() if path == "torch" else nullcontext():
-            return extend_mix(state, qa, ka, qb, kb, x, g, scale=scale, d=d, conv=conv)
-    ys = [decode_step(state, *(None if t is None else t[:, :, i] for t in (qa, ka, qb, kb, x, g)), impl=impl,
-                      scale=scale, d=None if d is None else d[:, :, i], conv=None if conv is None else conv[:, i])
+    backend = BACKENDS[choose(impl, x)]
+    if x.shape[2] > 1 and backend.tokens is not None and state.can_extend():
+        return backend.tokens(state, qa, ka, qb, kb, x, g, scale=scale, d=d, conv=conv)
+    at = lambda t, i: None if t is None else t[:, :, i]  # noqa: E731
+    ys = [backend.step(state, *(at(t, i) for t in (qa, ka, qb, kb, x, g)), scale=scale, d=at(d, i),
+                       conv=None if conv is None else conv[:, i])
           for i in range(x.shape[2])]
     return ys[0][:, :, None] if len(ys) == 1 else torch.stack(ys, dim=2)
 
@@ -142,11 +183,12 @@ def decode_projected(state: DecodeState, proj: torch.Tensor, parts: tuple[str, .
     Returns:
         y (B, H, L, hd) in proj's dtype.
     """
-    if proj.shape[1] == 1 and choose_decode(impl, proj) == "triton":
-        one = lambda t: None if t is None else t[:, 0]
+    backend = BACKENDS[choose(impl, proj)]
+    if proj.shape[1] == 1 and backend.step_projected is not None:
+        one = lambda t: None if t is None else t[:, 0]  # noqa: E731
         tables = None if rope is None else (one(rope[0]), one(rope[1]), rope_channels)
         gate_pre = None if gate is None else (one(gate[0]), *gate[1:])
-        y = triton().triton_decode_projected(state, proj[:, 0], parts, tables, gate_pre, one(skip), conv=one(conv))
+        y = backend.step_projected(state, proj[:, 0], parts, tables, gate_pre, one(skip), conv=one(conv))
         return y[:, :, None]
     t = rotated_parts(proj, parts, rope_channels, rope, impl)
     g = None if gate is None else gate_values(*gate, dtype=proj.dtype, impl=impl)
