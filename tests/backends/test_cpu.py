@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from hf_resolvent.backends import cpu
+from hf_resolvent.backends.cpu import functions
 from hf_resolvent.ops import attention, dispatch, parallel_mix, reference_mix
-from hf_resolvent.ops.dense_solve import CpuDenseSolve, DenseSolve
+from hf_resolvent.ops.dense_solve import DenseSolve
 from hf_resolvent.ops.slots import SlotCombine, slot_layout, slot_probs
 from hf_resolvent.ops.sparse_solve import SparseSolve
 from hf_resolvent.patterns import get_pattern
@@ -57,7 +58,7 @@ def test_cpu_dense_solve_matches_the_pytorch_one(n, d, e, chunk):
     inputs = _dense_inputs(n, d, e, seed=n)
     dy = torch.randn(2, 3, n, e, generator=torch.Generator().manual_seed(1))
     results = []
-    for solve in (CpuDenseSolve, DenseSolve):
+    for solve in (functions.DenseSolve, DenseSolve):
         y = solve.apply(*inputs, 0.3, chunk)
         results.append((y, *torch.autograd.grad(y, inputs, dy)))
     for name, got, want in zip(["y", "dq", "dk", "dg", "dz"], *results):
@@ -66,7 +67,7 @@ def test_cpu_dense_solve_matches_the_pytorch_one(n, d, e, chunk):
 
 @pytest.mark.parametrize("n,d,e", [(1, 8, 8), (100, 16, 24), (512, 64, 64), (97, 8, 5)])
 def test_cpu_causal_attention_matches_sdpa(n, d, e, monkeypatch):
-    monkeypatch.setattr(attention, "COMPILED_CHUNK", 7 if n == 97 else 64)  # chunks that do not divide n
+    monkeypatch.setattr(functions, "ATTENTION_CHUNK", 7 if n == 97 else 64)  # chunks that do not divide n
     gen = torch.Generator().manual_seed(n)
     q, k = (torch.randn(2, 3, n, d, generator=gen, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 3, n, e, generator=gen, requires_grad=True)
@@ -96,7 +97,7 @@ def test_causal_attention_past_the_compiled_kernels_length_takes_sdpa(monkeypatc
 
 
 def test_cpu_causal_attention_gradcheck(monkeypatch):
-    monkeypatch.setattr(attention, "COMPILED_CHUNK", 8)
+    monkeypatch.setattr(functions, "ATTENTION_CHUNK", 8)
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 29, 4, generator=gen, dtype=F64, requires_grad=True) for _ in range(3))
     assert torch.autograd.gradcheck(lambda *t: attention.causal_attention(*t, 0.6), (q, k, v))
@@ -104,7 +105,7 @@ def test_cpu_causal_attention_gradcheck(monkeypatch):
 
 def test_cpu_dense_solve_gradcheck():
     inputs = _dense_inputs(37, 5, 3, dtype=F64, seed=2)
-    assert torch.autograd.gradcheck(lambda *t: CpuDenseSolve.apply(*t, 0.7, 8), inputs)
+    assert torch.autograd.gradcheck(lambda *t: functions.DenseSolve.apply(*t, 0.7, 8), inputs)
 
 
 @pytest.mark.parametrize("spec,kernels", [("square:ce", {"slot_probs", "slot_combine", "slot_solve"}),
@@ -287,7 +288,7 @@ def test_cpu_rope_checks_its_inputs():
 def test_cpu_gelu_equals_pytorchs_tanh_gelu_and_its_gradient(dtype, tol):
     """ops.gelu_tanh (the MLP's activation) on the compiled pass and on F.gelu(approximate="tanh"): values and
     gradients over the range activations take, past the exponential's clamps, and at the special values."""
-    from hf_resolvent.ops.gelu import _GeluTanh, gelu_tanh
+    from hf_resolvent.ops.gelu import gelu_tanh
 
     gen = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(2991, generator=gen, dtype=dtype) * 4, torch.linspace(-60, 60, 1001, dtype=dtype),
@@ -297,7 +298,7 @@ def test_cpu_gelu_equals_pytorchs_tanh_gelu_and_its_gradient(dtype, tol):
     for impl in ("cpu", "torch"):
         leaf = x.clone().view(4, 1000).requires_grad_()  # 2-D, as c_fc's output
         y = gelu_tanh(leaf, impl=impl)
-        assert (y.grad_fn.name() == "_GeluTanhBackward") == (impl == "cpu")
+        assert (y.grad_fn.name() == "GeluTanhBackward") == (impl == "cpu")
         y.backward(grad.view(4, 1000))
         out[impl] = (y.detach().flatten(), leaf.grad.flatten())
     torch.testing.assert_close(out["cpu"][0], out["torch"][0], atol=tol, rtol=tol)
@@ -309,14 +310,14 @@ def test_cpu_gelu_equals_pytorchs_tanh_gelu_and_its_gradient(dtype, tol):
     assert torch.equal(cpu.operators().gelu_tanh(special).isnan(), torch.tensor([True, False, True]))
     assert cpu.operators().gelu_tanh(special)[1] == float("inf")
     if dtype == F64:
-        assert torch.autograd.gradcheck(_GeluTanh.apply, (torch.randn(40, dtype=F64, requires_grad=True),))
+        assert torch.autograd.gradcheck(functions.GeluTanh.apply, (torch.randn(40, dtype=F64, requires_grad=True),))
 
 
 def test_cpu_gelu_is_chosen_in_one_place_and_refuses_a_second_derivative():
     from hf_resolvent.ops.gelu import gelu_tanh
 
     x = torch.randn(4, 6, requires_grad=True)
-    assert gelu_tanh(x).grad_fn.name() == "_GeluTanhBackward"  # auto, float32 on the CPU
+    assert gelu_tanh(x).grad_fn.name() == "GeluTanhBackward"  # auto, float32 on the CPU
     with dispatch.torch_only():
         assert gelu_tanh(x).grad_fn.name() == "GeluBackward0"
     assert gelu_tanh(x, impl="torch").grad_fn.name() == "GeluBackward0"
@@ -357,7 +358,7 @@ def test_slot_probs_and_combine_read_keys_and_values_past_their_rows():
 def test_cpu_short_convolution_equals_pytorchs_depthwise_conv1d_and_its_gradients(dtype, tol):
     """ops.causal_conv_silu (the short convolution, conv_size) on the compiled passes and on SiLU of F.conv1d
     (groups = channels): values and the gradients of the rows, filters and biases, at several widths K and batches."""
-    from hf_resolvent.ops.conv import _CausalConvSilu, causal_conv_silu
+    from hf_resolvent.ops.conv import causal_conv_silu
 
     gen = torch.Generator().manual_seed(0)
     for batch, n, channels, k in ((1, 1, 5, 4), (3, 37, 300, 4), (2, 9, 17, 2), (1, 6, 8, 1)):
@@ -369,20 +370,20 @@ def test_cpu_short_convolution_equals_pytorchs_depthwise_conv1d_and_its_gradient
         for impl in ("cpu", "torch"):
             leaves = [t.clone().requires_grad_() for t in (window, weight, bias)]
             y = causal_conv_silu(*leaves, impl=impl)
-            assert (y.grad_fn.name() == "_CausalConvSiluBackward") == (impl == "cpu")
+            assert (y.grad_fn.name() == "CausalConvSiluBackward") == (impl == "cpu")
             out[impl] = (y, *torch.autograd.grad(y, leaves, grad))
         for got, want in zip(out["cpu"], out["torch"]):
             torch.testing.assert_close(got, want, atol=10 * tol * max(1, n), rtol=10 * tol)
     if dtype == F64:
         leaves = [torch.randn(*shape, dtype=F64, requires_grad=True) for shape in ((2, 10, 5), (5, 1, 3), (5,))]
-        assert torch.autograd.gradcheck(_CausalConvSilu.apply, tuple(leaves))
+        assert torch.autograd.gradcheck(functions.CausalConvSilu.apply, tuple(leaves))
 
 
 def test_cpu_short_convolution_is_chosen_in_one_place_and_refuses_bad_shapes():
     from hf_resolvent.ops.conv import causal_conv_silu
 
     window, weight, bias = torch.randn(2, 7, 6, requires_grad=True), torch.randn(6, 1, 4), torch.randn(6)
-    assert causal_conv_silu(window, weight, bias).grad_fn.name() == "_CausalConvSiluBackward"  # auto, float32, CPU
+    assert causal_conv_silu(window, weight, bias).grad_fn.name() == "CausalConvSiluBackward"  # auto, float32, CPU
     assert causal_conv_silu(window, weight, bias, impl="torch").grad_fn.name() == "SiluBackward0"
     with dispatch.torch_only():
         assert causal_conv_silu(window, weight, bias).grad_fn.name() == "SiluBackward0"

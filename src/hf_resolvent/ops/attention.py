@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dispatch import cpu_ops, cpu_twin
+from .dispatch import cpu_functions, cpu_twin
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -142,32 +142,6 @@ class _SplitCausalAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-# Rows per gemm block of the CPU kernel's causal attention: of 32, 64 and 128, 64 did best at n = 2048 and nearly
-# as well as 32 at n = 512, and every size tried beat PyTorch's flash kernel and its row tree above
-# (figures: bench/NOTES.md).
-COMPILED_CHUNK = 64
-
-
-class _CpuCausalAttention(torch.autograd.Function):
-    """Causal attention on the CPU kernel (hf_resolvent/backends/cpu/csrc/dense_cpu.cpp): per head, chunks of rows
-    against exactly the keys they see, two gemms each. Saves q, k, v, o and the row log-sum-exps."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = cpu_ops().causal_attention_forward(q, k, v, scale, COMPILED_CHUNK)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale = scale
-        return o
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = cpu_ops().causal_attention_backward(q, k, v, o, lse, grad.contiguous(), ctx.scale,
-                                                         COMPILED_CHUNK)
-        return dq, dk, dv, None
-
-
 # The CPU kernel's causal attention serves up to COMPILED_MAX_ROWS rows; past that PyTorch's flash kernel, whose key
 # blocks skip the masked half once n is large, is the faster one, forward and backward (the two tie at 4096: the
 # timings are in the message of the commit that set this limit, a68c3f7).
@@ -183,7 +157,7 @@ def causal_attention(q, k, v, scale: float) -> torch.Tensor:
     SPLIT_MAX_ROWS; the kernel needs e = d), else one causal ``scaled_dot_product_attention`` call."""
     n = q.shape[-2]
     if CAUSAL_ATTENTION_TWIN.takes(q, k, v):
-        return _CpuCausalAttention.apply(q, k, v, scale)
+        return cpu_functions().CausalAttention.apply(q, k, v, scale)
     if q.device.type == "cpu" and SPLIT_MIN_ROWS <= n <= SPLIT_MAX_ROWS and v.shape[-1] == q.shape[-1]:
         return _SplitCausalAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -12,24 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .common import records_grad
-from .dispatch import cpu_ops, cpu_twin
-
-
-class _CausalConvSilu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, window, weight, bias):
-        ctx.save_for_backward(window, weight, bias)
-        return cpu_ops().causal_conv_silu(window, weight, bias)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        window, weight, bias = ctx.saved_tensors
-        return tuple(cpu_ops().causal_conv_silu_backward(grad.contiguous(), window, weight, bias))
-
+from .dispatch import cpu_functions, cpu_ops, cpu_twin
 
 CONV_TWIN = cpu_twin("conv.causal_conv_silu", ("causal_conv_silu", "causal_conv_silu_backward"),
                      applies=lambda window, weight, bias: window.is_contiguous(), follows_impl=True)
@@ -42,7 +27,7 @@ def causal_conv_silu(window: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     takes the call."""
     if CONV_TWIN.takes(window, weight, bias, impl=impl):
         if records_grad([window, weight, bias]):
-            return _CausalConvSilu.apply(window, weight, bias)
+            return cpu_functions().CausalConvSilu.apply(window, weight, bias)
         return cpu_ops().causal_conv_silu(window, weight, bias)
     out = F.conv1d(window.transpose(1, 2), weight, bias, groups=window.shape[2])
     return F.silu(out.transpose(1, 2))

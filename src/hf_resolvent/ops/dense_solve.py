@@ -15,7 +15,7 @@ The backward mirrors the tree in reverse: transposed chunk solves give dZ = (I -
 node's flash backward, fed with the rows' *full* outputs and log-sum-exps, gives that block's share
 of dq, dk and of B^T dZ. Memory: O(n (d + e)) per head; no n x n tensor.
 
-On CPU the tree has a twin on the CPU kernels (:class:`CpuDenseSolve`, hf_resolvent/backends/cpu/csrc/dense_cpu.cpp):
+On CPU the tree has a twin on the CPU kernels (``DenseSolve`` of :mod:`hf_resolvent.backends.cpu.functions`):
 chunks of rows in order, each with one gemm of scores against all earlier keys; :func:`dense_solve` asks its twin.
 
 Shapes: B batch, H heads, n positions, d key width, e value width, C chunk, D = max(d, e).
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .attention import attend_block, attend_block_backward, merge_block, walk
-from .dispatch import cpu_ops, cpu_twin
+from .dispatch import cpu_functions, cpu_twin
 from .sparse_solve import solve_unit_lower_
 from .threads import by_head_groups, head_groups
 
@@ -175,26 +175,6 @@ class DenseSolve(torch.autograd.Function):
         return dq[..., :n, :d], dk[..., :n, :d], dg[..., :n], dz[..., :n, :e], None, None
 
 
-class CpuDenseSolve(torch.autograd.Function):
-    """:class:`DenseSolve` on the CPU kernel (hf_resolvent/backends/cpu/csrc/dense_cpu.cpp): chunks of rows in order,
-    each one gemm of scores against all earlier keys and one against the solved rows; no row tree. Same args.
-    Saves q, k, g, y and the row log-sum-exps (the backward recomputes the probabilities from them)."""
-
-    @staticmethod
-    def forward(ctx, q, k, g, z, scale, chunk):
-        q, k, g = q.contiguous(), k.contiguous(), g.contiguous()
-        y, lse = cpu_ops().dense_solve_forward(q, k, g, z.contiguous(), scale, chunk)
-        ctx.save_for_backward(q, k, g, y, lse)
-        ctx.scale, ctx.chunk = scale, chunk
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, g, y, lse = ctx.saved_tensors
-        dq, dk, dz, dg = cpu_ops().dense_solve_backward(q, k, g, y, lse, grad.contiguous(), ctx.scale, ctx.chunk)
-        return dq, dk, dg, dz, None, None
-
-
 DENSE_SOLVE_TWIN = cpu_twin("dense_solve.dense_solve", ("dense_solve_forward", "dense_solve_backward"))
 
 
@@ -202,5 +182,5 @@ def dense_solve(q, k, g, z, scale: float, chunk: int) -> torch.Tensor:
     """Y = Z + diag(g) softmax_{j<i}(scale q_i . k_j) Y: (B, H, n, e), on the CPU kernel where its twin takes the call
     (:mod:`hf_resolvent.backends.cpu`), else by :class:`DenseSolve`."""
     if DENSE_SOLVE_TWIN.takes(q, k, g, z):
-        return CpuDenseSolve.apply(q, k, g, z, scale, chunk)
+        return cpu_functions().DenseSolve.apply(q, k, g, z, scale, chunk)
     return DenseSolve.apply(q, k, g, z, scale, chunk)

@@ -185,6 +185,12 @@ def cpu_ops():
     return _required("cpu").operators()
 
 
+def cpu_functions():
+    """The CPU kernels' autograd Functions (:mod:`hf_resolvent.backends.cpu.functions`); call after a twin said yes."""
+    _required("cpu")
+    return importlib.import_module("hf_resolvent.backends.cpu.functions")
+
+
 @dataclass(frozen=True, eq=False)
 class CpuTwin:
     """A PyTorch function of ``ops/`` and the operators of the CPU kernels that compute the same thing.

@@ -11,24 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .common import records_grad
-from .dispatch import cpu_ops, cpu_twin
-
-
-class _GeluTanh(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return cpu_ops().gelu_tanh(x)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return cpu_ops().gelu_tanh_backward(grad.contiguous(), x)
-
+from .dispatch import cpu_functions, cpu_ops, cpu_twin
 
 GELU_TWIN = cpu_twin("gelu.gelu_tanh", ("gelu_tanh", "gelu_tanh_backward"), applies=lambda x: x.is_contiguous(),
                      follows_impl=True)
@@ -39,5 +24,5 @@ def gelu_tanh(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     ``mixer_impl`` (:mod:`.dispatch`): the C++ pass runs where its twin takes the call."""
     if GELU_TWIN.takes(x, impl=impl):
         # without a graph to record, the operator alone: a decode step's activations are a few thousand numbers
-        return _GeluTanh.apply(x) if records_grad([x]) else cpu_ops().gelu_tanh(x)
+        return cpu_functions().GeluTanh.apply(x) if records_grad([x]) else cpu_ops().gelu_tanh(x)
     return F.gelu(x, approximate="tanh")

@@ -17,7 +17,7 @@ import itertools
 import torch
 
 from .common import records_grad
-from .dispatch import cpu_ops, cpu_twin, triton, triton_twin_runs
+from .dispatch import cpu_functions, cpu_ops, cpu_twin, triton, triton_twin_runs
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -31,20 +31,6 @@ def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate queries or keys (..., d) by cos and sin tables broadcast to them (rotate-half), in float32."""
     half = t.shape[-1] // 2
     return torch.addcmul(t.float() * cos, t.roll(half, dims=-1).float(), signed_sin(sin)).to(t.dtype)
-
-
-class _RopeHeads(torch.autograd.Function):
-    """(B, n, P, H, hd) run -> (P, B, H, n, hd) rotated parts, and back for the gradient (rope_cpu.cpp)."""
-
-    @staticmethod
-    def forward(ctx, run, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return cpu_ops().rope_heads(run, cos, sin)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return cpu_ops().rope_heads_backward(grad, cos, sin), None, None
 
 
 def _twin_applies(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -79,7 +65,7 @@ def rotated_heads(run: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl:
         return triton().triton_rope_heads(run, cos, sin)
     if ROTATED_HEADS_TWIN.takes(run, cos, sin, impl=impl):
         cos, sin = (table.expand(run.shape[0], -1, -1) for table in (cos, signed_sin(sin)))
-        rotated = _RopeHeads.apply(run, cos, sin) if records_grad([run]) else cpu_ops().rope_heads(run, cos, sin)
+        rotated = cpu_functions().RopeHeads.apply(run, cos, sin) if records_grad([run]) else cpu_ops().rope_heads(run, cos, sin)
         return rotated.unbind(0)
     tables = (table[:, :, None, None] for table in (cos, sin))  # (B, n, 1, 1, hd), as the run's parts
     return tuple(part.transpose(1, 2) for part in apply_rope(run, *tables).unbind(2))

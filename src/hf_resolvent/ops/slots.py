@@ -25,7 +25,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 import torch
 
-from .dispatch import cpu_ops, cpu_twin
+from .dispatch import cpu_functions, cpu_ops, cpu_twin
 from .patterns import Pattern
 from .threads import serial, serial_for
 
@@ -312,25 +312,6 @@ def slot_softmax(scores: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     return probs * valid.to(probs.dtype)
 
 
-class _CpuSlotProbs(torch.autograd.Function):
-    """:func:`slot_probs` in one pass of the CPU kernels per direction (:mod:`hf_resolvent.backends.cpu`). Saves q, k
-    and the probs."""
-
-    @staticmethod
-    def forward(ctx, q, k, layout, scale):
-        q, k = q.contiguous(), k.contiguous()
-        probs = cpu_ops().slot_probs(q, k, layout.src_tensor, scale)
-        ctx.save_for_backward(q, k, probs)
-        ctx.layout, ctx.scale = layout, scale
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, probs = ctx.saved_tensors
-        dq, dk = cpu_ops().slot_probs_backward(grad.contiguous(), probs, q, k, ctx.layout.src_tensor, ctx.scale)
-        return dq, dk, None, None
-
-
 SLOT_PROBS_TWIN = cpu_twin("slots.slot_probs", ("slot_probs", "slot_probs_backward"))
 
 
@@ -338,7 +319,7 @@ def slot_probs(q: torch.Tensor, k: torch.Tensor, layout: SlotLayout, scale: floa
     """Softmax weights (B, H, K, n) of each row over its valid slots, scores scale * q_t . k_{src_k(t)}; 0 on
     invalid slots. Differentiable in q and k."""
     if SLOT_PROBS_TWIN.takes(q, k):
-        return _CpuSlotProbs.apply(q, k, layout, scale)
+        return cpu_functions().SlotProbs.apply(q, k, layout, scale)
     return slot_softmax(SlotDot.apply(q, k, layout) * scale, layout)
 
 

@@ -9,7 +9,8 @@ tree of kernel calls. Each kernel replaces one PyTorch function of the parallel 
 reference it is tested against and the path taken wherever the kernels are not: other devices, other dtypes, no
 C++ compiler, or a choice of ``impl="torch"``. Each of those functions declares its twin and the condition under
 which it applies beside its definition (:func:`hf_resolvent.ops.dispatch.cpu_twin`; all of them in
-:data:`hf_resolvent.ops.dispatch.CPU_TWINS`).
+:data:`hf_resolvent.ops.dispatch.CPU_TWINS`). The autograd Functions that pair an operator with its backward are
+:mod:`.functions`.
 
 The first use compiles the kernels (a C++ compiler is needed, ninja is a dependency; from about 20 s on idle
 cores to a few minutes on a busy 2-core machine) and says so on stderr; the build is cached in :func:`build_dir`
