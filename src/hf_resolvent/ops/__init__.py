@@ -12,9 +12,10 @@ Four forms compute the same function and are tested against each other:
 - ``extend``: several tokens at once after a :class:`DecodeState` (a chunked prefill, assisted decoding's drafts):
   the graph form's gathers and substitution over the held rows and the new ones.
 
-:func:`resolvent_mix`, :func:`decode_step` and :func:`decode_tokens` (``mixer.py``) run the form or backend that :mod:`.dispatch`
-chooses from ``impl`` (argument, then ``HF_RESOLVENT_MIXER_IMPL``): the CPU kernels of
-:mod:`hf_resolvent.backends.cpu` and the Triton kernels of :mod:`hf_resolvent.backends.triton`.
+:func:`resolvent_mix`, :func:`decode_step` and :func:`decode_tokens` (``mixer.py``) run the backend that
+:func:`.dispatch.choose` names from ``impl`` (argument, then ``HF_RESOLVENT_MIXER_IMPL``), by its row of
+:data:`.mixer.BACKENDS`: PyTorch, the CPU kernels of :mod:`hf_resolvent.backends.cpu` or the Triton kernels of
+:mod:`hf_resolvent.backends.triton`, each in the form that suits the call.
 
 Every function takes the tied variant (A = B D + D', paper B.3) through one argument: ``d`` (the per-token
 weights of D), with ``qa = ka = None``.
