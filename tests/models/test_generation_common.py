@@ -9,6 +9,8 @@ generation against one run, a chunked prefill against the prompt at once, the st
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import FAMILIES, VOCAB
@@ -93,7 +95,9 @@ def test_chunked_prefill_equals_the_prompt_at_once(family, monkeypatch):
     def counted(run):
         return lambda *args, **kwargs: calls.append(1) or run(*args, **kwargs)
 
-    monkeypatch.setattr(mixer, "extend_mix", counted(mixer.extend_mix))
+    for name, backend in mixer.BACKENDS.items():
+        if backend.tokens is not None:
+            monkeypatch.setitem(mixer.BACKENDS, name, replace(backend, tokens=counted(backend.tokens)))
     model = tiny_model(family)
     ids = prompt(2, 40, seed=4)
     mask = (torch.arange(40)[None] >= torch.tensor([[3], [0]])).long()
