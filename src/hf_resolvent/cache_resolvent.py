@@ -276,8 +276,7 @@ class ResolventCache(Cache):
         """``attention_mask`` (B, n) with ``new_tokens`` columns of ones appended, for ``generate()``.
 
         The mask grows inside a buffer this cache holds, twice as long as needed when it is made: a token writes
-        its own column instead of copying every column before it, which after a long prompt would cost as much as
-        the decode step. A mask that is not a view of that buffer (the prompt's, or one a caller made) is copied
+        its own column instead of copying every column before it (a copy as long as the prompt). A mask that is not a view of that buffer (the prompt's, or one a caller made) is copied
         into a new one. Views of the buffer stay valid: only columns past the prompt are ever written, always with
         ones.
         """

@@ -153,8 +153,8 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def triton_twin_runs(impl: str | None, *tensors: torch.Tensor) -> bool:
     """True when a function that runs around the mixer call (RoPE with the head split, the gate) runs its Triton
     twin on ``tensors``: where the mixer itself runs on Triton (:func:`choose` gives "triton" or "cuda"), not in a
-    graph (which traces the PyTorch code), for the dtypes the kernels take. The one condition of
-    those twins; each function adds its own (no gradient for the tables)."""
+    graph (which traces the PyTorch code), for the dtypes the kernels take. The one condition of those twins; each
+    function adds its own (no gradient for the tables)."""
     impl = resolve(impl)
     if impl in ("torch", "cpu") or torch.compiler.is_compiling() or any(t.dtype not in TRITON_DTYPES for t in tensors):
         return False  # (choose() would raise for a "cpu" that cannot run: the mixer's call says so, not these)
