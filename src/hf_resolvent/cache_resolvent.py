@@ -272,27 +272,27 @@ class ResolventCache(Cache):
         for layer in self.layers:
             layer.crop(length)
 
-    def extend_mask(self, attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """``attention_mask`` (B, n) with ``new_tokens`` columns of ones appended, for ``generate()``.
+    def extend_columns(self, name: str, t: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """``t`` (B, n) with ``columns`` (B, k) appended, for what ``generate()`` grows by a column per token (the
+        attention mask, the position ids), ``name`` telling them apart.
 
-        The mask grows inside a buffer this cache holds, twice as long as needed when it is made: a token writes
-        its own column instead of copying every column before it (a copy as long as the prompt). A mask that is not a view of that buffer (the prompt's, or one a caller made) is copied
-        into a new one. Views of the buffer stay valid: only columns past the prompt are ever written, always with
-        ones.
+        ``t`` grows inside a buffer this cache holds, twice as long as needed when it is made: a token writes its
+        own columns instead of copying every column before it (a copy as long as the prompt). A ``t`` that is not a
+        view of that buffer (the prompt's, or one a caller made) is copied into a new one. Views of the buffer stay
+        valid: ``generate()`` only appends, and a crop (assisted decoding's rollback) rewrites the columns it gave
+        back with the same values.
         """
-        room = getattr(self, "_mask_room", None)
-        length = attention_mask.shape[1]
-        ours = (room is not None and attention_mask.data_ptr() == room.data_ptr()
-                and attention_mask.device == room.device and attention_mask.dtype == room.dtype
-                and attention_mask.shape[0] == room.shape[0] and attention_mask.stride() == room.stride()
-                and length + new_tokens <= room.shape[1])
-        if ours:
-            room[:, length:length + new_tokens] = 1
-        else:
-            room = attention_mask.new_ones(attention_mask.shape[0], 2 * (length + new_tokens))
-            room[:, :length] = attention_mask
-            self._mask_room = room
-        return room[:, :length + new_tokens]
+        rooms = self.__dict__.setdefault("_rooms", {})
+        room, (batch, length), more = rooms.get(name), t.shape, columns.shape[1]
+        ours = (room is not None and t.data_ptr() == room.data_ptr() and t.device == room.device
+                and t.dtype == room.dtype and batch == room.shape[0] and t.stride() == room.stride()
+                and length + more <= room.shape[1])
+        if not ours:
+            room = t.new_empty(batch, 2 * (length + more))
+            room[:, :length] = t
+            rooms[name] = room
+        room[:, length:length + more] = columns
+        return room[:, :length + more]
 
     @property
     def is_compileable(self) -> bool:

@@ -561,16 +561,25 @@ class ResolventForCausalLM(ResolventPreTrainedModel, GenerationMixin):
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, is_encoder_decoder: bool = False,
                                             num_new_tokens: int = 1) -> dict:
-        """generate() hook: the 2-D mask grows in a buffer the request's cache holds
-        (:meth:`ResolventCache.extend_mask`) instead of being copied whole for every token."""
-        mask = model_kwargs.pop("attention_mask", None)
+        """generate() hook: the 2-D attention mask and position ids grow in buffers the request's cache holds
+        (:meth:`ResolventCache.extend_columns`) instead of being copied whole for every token."""
+        cache = model_kwargs.get(CACHE_NAME)
+        grown = {}
+        if isinstance(cache, ResolventCache):
+            grown = {key: model_kwargs.pop(key) for key in ("attention_mask", "position_ids")
+                     if isinstance(model_kwargs.get(key), torch.Tensor) and model_kwargs[key].dim() == 2}
         model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder,
                                                                    num_new_tokens)
-        if mask is not None:
-            cache = model_kwargs.get(CACHE_NAME)
-            model_kwargs["attention_mask"] = (
-                cache.extend_mask(mask, num_new_tokens) if isinstance(cache, ResolventCache)
-                else torch.cat([mask, mask.new_ones(mask.shape[0], num_new_tokens)], dim=-1))
+        if "attention_mask" in grown:
+            mask = grown["attention_mask"]
+            model_kwargs["attention_mask"] = cache.extend_columns(
+                "attention_mask", mask, mask.new_ones(mask.shape[0], num_new_tokens))
+        if "position_ids" in grown:
+            positions = grown["position_ids"]
+            model_kwargs["position_ids"] = cache.extend_columns(
+                "position_ids", positions, positions[:, -1:] + torch.arange(1, num_new_tokens + 1,
+                                                                              device=positions.device,
+                                                                              dtype=positions.dtype))
         return model_kwargs
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values=None, cache=None,

@@ -191,41 +191,48 @@ def test_left_padded_batch_generates_like_each_prompt_alone():
     assert torch.equal(beams[0, 6:], model.generate(a, max_new_tokens=5, num_beams=2, do_sample=False)[0])
 
 
-def test_generate_grows_the_mask_in_one_buffer_not_a_copy_per_token():
+def test_generate_grows_the_mask_and_positions_in_one_buffer_each_not_a_copy_per_token():
     model = tiny_model("exp2:ce")
     batch = torch.randint(1, 61, (2, 9))
     mask = (torch.arange(9)[None] >= torch.tensor([[3], [0]])).long()
-    seen, forward = [], model.forward
+    seen, update = [], model._update_model_kwargs_for_generation
 
-    def recording_forward(*args, **kwargs):
-        seen.append(kwargs["attention_mask"])
-        return forward(*args, **kwargs)
+    def recording_update(*args, **kwargs):
+        grown = update(*args, **kwargs)
+        seen.append((grown["attention_mask"], grown["position_ids"]))
+        return grown
 
-    model.forward = recording_forward
+    model._update_model_kwargs_for_generation = recording_update
     out = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    del model.forward
-    assert [m.shape[1] for m in seen] == list(range(9, 15))
-    assert len({m.data_ptr() for m in seen[1:]}) == 1  # every decode step's mask is a view of one buffer
-    for m in seen:
+    del model._update_model_kwargs_for_generation
+    masks, positions = zip(*seen)
+    assert [m.shape[1] for m in masks] == [p.shape[1] for p in positions] == list(range(10, 16))
+    # after each token, the mask and the positions are views of one buffer each, not new copies
+    assert len({m.data_ptr() for m in masks}) == 1 and len({p.data_ptr() for p in positions}) == 1
+    for i, (m, p) in enumerate(seen):
         assert torch.equal(m[:, :9], mask) and bool(m[:, 9:].eq(1).all())
+        assert torch.equal(p[:, -1], torch.tensor([6, 9]) + i)  # counted from each sequence's first real token
     assert torch.equal(out, model.generate(batch, attention_mask=mask.clone(), max_new_tokens=6, do_sample=False,
                                            use_cache=False))
 
 
-def test_a_cache_extends_only_its_own_mask_in_place():
+def test_a_cache_extends_only_its_own_buffers_in_place():
     cache = hr.ResolventCache(tiny_model("exp2:ce").config)
-    prompt = torch.tensor([[0, 0, 1], [1, 1, 1]])
-    grown = cache.extend_mask(prompt, 2)
+    prompt, ones = torch.tensor([[0, 0, 1], [1, 1, 1]]), lambda k: torch.ones(2, k, dtype=torch.long)
+    grown = cache.extend_columns("mask", prompt, ones(2))
     assert torch.equal(grown, torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])) and torch.equal(prompt[0], grown[0, :3])
-    again = cache.extend_mask(grown, 1)
+    again = cache.extend_columns("mask", grown, ones(1))
     assert again.data_ptr() == grown.data_ptr() and again.shape == (2, 6)
-    cropped = cache.extend_mask(again[:, :4], 3)  # assisted decoding crops the mask, then extends it
+    cropped = cache.extend_columns("mask", again[:, :4], ones(3))  # assisted decoding crops, then extends
     assert cropped.data_ptr() == grown.data_ptr() and torch.equal(cropped[:, :3], prompt) and bool(cropped[:, 3:].all())
+    other = cache.extend_columns("positions", torch.tensor([[0, 1], [4, 5]]), torch.tensor([[2], [6]]))
+    assert torch.equal(other, torch.tensor([[0, 1, 2], [4, 5, 6]])) and other.data_ptr() != grown.data_ptr()
+    assert cache.extend_columns("mask", cropped, ones(1)).data_ptr() == grown.data_ptr()  # a buffer per name
     callers = torch.zeros(2, 20, dtype=torch.long)
     callers[:, :4] = 1
-    extended = cache.extend_mask(callers[:, :4], 30)  # a caller's view is copied, never written past its end
+    extended = cache.extend_columns("mask", callers[:, :4], ones(30))  # a caller's view: copied, never written into
     assert extended.shape == (2, 34) and bool(extended.all()) and not bool(callers[:, 4:].any())
-    beyond = cache.extend_mask(extended, 100)  # past the buffer's room: a new, larger buffer
+    beyond = cache.extend_columns("mask", extended, ones(100))  # past the buffer's room: a new, larger buffer
     assert beyond.shape == (2, 134) and bool(beyond.all())
 
 
