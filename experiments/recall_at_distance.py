@@ -59,7 +59,7 @@ class RecallSettings:
     heads: int = 2
     conv_size: int = 0  # the short convolution of the resolvent models (0: none; GPT-2 has none)
     lr: float = 1e-3
-    rates: tuple[float, ...] = ()  # a grid (protocol.best_rate): each model trained at each, the best at T kept
+    rates: tuple[float, ...] = ()  # a grid (protocol.best_rate) swept on each model's first seed, its best kept
     warmup: int = 100
     batch: int = 32
     queries: int = 4  # answers per decoy training sample (the keys of that many pairs end it); mqar asks every pair
@@ -210,7 +210,9 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
                 if any(r["model"] == _name(mixer, pe) and r["seed"] == seed for r in result["rows"]):
                     log(f"[recall] {_name(mixer, pe)} seed {seed}: kept from {out / 'results.json'}")
                     continue
-                model, record = _train(mixer, seed, s, pe, device, log)
+                swept = next((r for r in result["rows"] if r["model"] == _name(mixer, pe)
+                              and "by_rate" in r["training"]), None)
+                model, record = _train(mixer, seed, s, pe, device, log, swept)
                 lengths = _lengths(mixer, s)
                 acc = {n: accuracy(model, s, n, s.eval_samples, seed, device) for n in lengths}
                 log("[recall]   accuracy by length: " + ", ".join(f"{n}: {a:.3f}" for n, a in acc.items()))
@@ -221,10 +223,18 @@ def run(mixers: list, seeds: list[int], positions: list[str], s: RecallSettings,
     return result
 
 
-def _train(mixer, seed: int, s: RecallSettings, position_embedding: str, device, log):
-    """:func:`train_to_competence` at ``s.lr``, or with ``s.rates`` at each of them, the best at T kept."""
+def _train(mixer, seed: int, s: RecallSettings, position_embedding: str, device, log, swept: dict | None = None):
+    """:func:`train_to_competence` at ``s.lr``; with ``s.rates``, at each of them, the best at T kept
+    (:func:`protocol.best_rate`), for the first seed of a model; a later seed trains at the rate that seed's row
+    (``swept``) chose, and its record names that seed (``rate_of_seed``). One rate per model, chosen on one seed and
+    replicated on the others, rather than the best of the grid for every seed: the spread over seeds is then a
+    model's, not the best of three tries."""
     if not s.rates:
         return train_to_competence(mixer, seed, s, position_embedding, device, log)
+    if swept is not None:
+        lr = swept["training"]["lr"]
+        model, record = train_to_competence(mixer, seed, replace(s, lr=lr), position_embedding, device, log)
+        return model, {**record, "lr": lr, "rate_of_seed": swept["seed"]}
     model, record = protocol.best_rate(
         lambda lr: train_to_competence(mixer, seed, replace(s, lr=lr), position_embedding, device, log), s.rates)
     log(f"[recall] {_name(mixer, position_embedding)} seed {seed}: the best rate is {record['lr']:g} (accuracy at "
@@ -301,8 +311,8 @@ def markdown(result: dict) -> str:
     with_cache = any("cache" in r for r in result["rows"])
     cache_note = " Cache: the decode cache after the longest length read (KiB, float32, batch 1)." if with_cache else ""
     queries = s["pairs"] if s.get("task", "decoy") == "mqar" else min(s.get("queries", 4), s["pairs"])
-    rate = (f"the best at T of {', '.join(f'{r:g}' for r in s['rates'])} per model and seed" if s.get("rates")
-            else f"{s['lr']:g}")
+    rate = (f"the best at T of {', '.join(f'{r:g}' for r in s['rates'])} per model on its first seed, the other "
+            "seeds at that rate" if s.get("rates") else f"{s['lr']:g}")
     recipe = (f"AdamW at {rate}, the {s.get('schedule', 'curriculum')} schedule, {queries} "
               f"quer{'y' if queries == 1 else 'ies'} per training sample")
     lines = [f"{_task_title(s)}, trained at T = {s['context']} ({s['layers']} layers of width {s['d']}{conv}; "
@@ -312,8 +322,8 @@ def markdown(result: dict) -> str:
              f"Column T: every seed; longer lengths: the competent seeds (accuracy >= {s['target']} at T) only."
              + cache_note,
              "", "| model | competent seeds | steps | " + " | ".join(f"{n}" for n in lengths) + " |"
-             + (" cache (KiB) |" if with_cache else ""),
-             "|---|---:|---|" + "---:|" * (len(lengths) + with_cache)]
+             + (" cache (KiB) |" if with_cache else "") + (" at T by rate |" if s.get("rates") else ""),
+             "|---|---:|---|" + "---:|" * (len(lengths) + with_cache) + ("---|" if s.get("rates") else "")]
     for model, rows in _by_model(result["rows"]).items():
         steps = ", ".join(f"{r['training']['steps']}" + _short_of_T(r["training"], s["context"])
                           + (f" at {r['training']['lr']:g}" if s.get("rates") else "") for r in rows)
@@ -321,8 +331,17 @@ def markdown(result: dict) -> str:
         cells = [_spread([_accuracy_at(r, n) for r in (rows if n == s["context"] else competent)]) for n in lengths]
         if with_cache:
             cells.append(_cache_cell(rows[0]))
+        if s.get("rates"):
+            cells.append(_grid_cell(rows))
         lines.append(f"| {model} | {len(competent)} of {len(rows)} | {steps} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _grid_cell(rows: list[dict]) -> str:
+    """The accuracy at T of each rate of the grid on the seed that swept it: "1e-3: 0.31, 3e-3: 0.99 (seed 0)"."""
+    swept = [r for r in rows if "by_rate" in r["training"]]
+    return "; ".join(", ".join(f"{rate}: {acc:.2f}" for rate, acc in r["training"]["by_rate"].items())
+                     + f" (seed {r['seed']})" for r in swept) or "-"
 
 
 def _cache_cell(row: dict) -> str:

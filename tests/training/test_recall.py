@@ -230,8 +230,9 @@ def test_mqar_runs_end_to_end_and_names_its_task(tmp_path):
                                               "AdamW at 0.001, the curriculum schedule, 2 queries per training sample)")
 
 
-def test_a_rate_grid_keeps_each_models_best_at_T_and_says_so(tmp_path, monkeypatch):
-    """With ``rates``, every (model, seed) trains at each rate; its row keeps the best at T, with the grid."""
+def test_a_rate_grid_is_swept_on_a_models_first_seed_and_its_best_replicated(tmp_path, monkeypatch):
+    """With ``rates``, a model's first seed trains at each rate and keeps the best at T, with the grid; its other
+    seeds train at that rate alone, and the table says which rate each seed ran at and the grid beside."""
     trained = []
     real = recall.train_to_competence
 
@@ -241,13 +242,21 @@ def test_a_rate_grid_keeps_each_models_best_at_T_and_says_so(tmp_path, monkeypat
         return model, {**record, "accuracy_at_T": {0.01: 0.5, 0.1: 0.75, 1.0: 0.25}[s.lr]}
 
     monkeypatch.setattr(recall, "train_to_competence", recorded)
-    result = recall.run(["attention"], [0, 1], ["none"], replace(TINY, rates=(0.01, 0.1, 1.0), max_steps=20), tmp_path,
-                        torch.device("cpu"), lambda *a: None)
-    assert trained == [("attention", seed, lr) for seed in (0, 1) for lr in (0.01, 0.1, 1.0)]
-    for row in result["rows"]:
-        assert row["training"]["lr"] == 0.1 and row["training"]["by_rate"] == {"0.01": 0.5, "0.1": 0.75, "1": 0.25}
+    settings = replace(TINY, rates=(0.01, 0.1, 1.0), max_steps=20)
+    result = recall.run(["attention"], [0, 1, 2], ["none"], settings, tmp_path, torch.device("cpu"), lambda *a: None)
+    assert trained == [("attention", 0, lr) for lr in (0.01, 0.1, 1.0)] + [("attention", 1, 0.1), ("attention", 2, 0.1)]
+    first, *others = result["rows"]
+    assert first["training"]["lr"] == 0.1 and first["training"]["by_rate"] == {"0.01": 0.5, "0.1": 0.75, "1": 0.25}
+    assert all(r["training"]["lr"] == 0.1 and r["training"]["rate_of_seed"] == 0 and "by_rate" not in r["training"]
+               for r in others)
     table = recall.markdown(result)
-    assert "AdamW at the best at T of 0.01, 0.1, 1 per model and seed" in table and "at 0.1, " in table
+    assert "AdamW at the best at T of 0.01, 0.1, 1 per model on its first seed, the other seeds at that rate" in table
+    assert table.count(" at 0.1") == 3 and "0.01: 0.50, 0.1: 0.75, 1: 0.25 (seed 0)" in table
+    # a resumed run replicates the rate its first seed chose, without sweeping again
+    trained.clear()
+    result = recall.run(["attention"], [0, 1, 2, 3], ["none"], settings, tmp_path, torch.device("cpu"),
+                        lambda *a: None, resume=True)
+    assert trained == [("attention", 3, 0.1)]
     with pytest.raises(ValueError, match="rates must be positive learning rates"):
         replace(TINY, rates=(1e-3, 0))
 
