@@ -368,6 +368,23 @@ def test_recall_with_decoys_needs_the_key_and_the_plain_passkey_does_not():
     assert decoys < 0.4  # chance over the values present: 1/4, a little more where two pairs share a value
 
 
+def _first_value_accuracy(batch, vocab: S.Vocab) -> float:
+    """A rule that never reads the key: answer the first value token of the sample."""
+    ids = batch.input_ids.numpy()
+    first = [row[np.flatnonzero(vocab.is_value(row))[0]] for row in ids]
+    return float(np.mean(np.array(first) == batch.labels.numpy()[:, -1]))
+
+
+def test_the_far_layout_is_for_reading_only_a_model_trained_on_it_need_not_read_the_key():
+    """Read one query far back (the asked pair first, every decoy after it), the first value of the sample is the
+    answer, so a model trained on that layout can score at T without reading the key, and lose it with distance as
+    the first value moves away. Training samples put the asked pair anywhere, where the same rule scores chance
+    over the values present."""
+    vocab, rng = S.Vocab(8, 16, 16), np.random.default_rng(3)
+    assert _first_value_accuracy(S.passkey_batch(vocab, 64, 8, 500, rng, far=True), vocab) == 1.0
+    assert _first_value_accuracy(S.passkey_batch(vocab, 64, 8, 2000, rng), vocab) < 0.2  # 1/8, values repeat
+
+
 def test_passkey_samples_hold_distinct_keys_and_the_asked_pair_far_back():
     vocab = S.Vocab(8, 16, 16)
     batch = S.passkey_batch(vocab, 64, 4, 200, np.random.default_rng(0), far=True)
