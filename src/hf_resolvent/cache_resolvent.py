@@ -284,15 +284,39 @@ class ResolventCache(Cache):
         """
         rooms = self.__dict__.setdefault("_rooms", {})
         room, (batch, length), more = rooms.get(name), t.shape, columns.shape[1]
-        ours = (room is not None and t.data_ptr() == room.data_ptr() and t.device == room.device
-                and t.dtype == room.dtype and batch == room.shape[0] and t.stride() == room.stride()
-                and length + more <= room.shape[1])
-        if not ours:
+        if not (self._holds(name, t) and length + more <= room.shape[1]):
             room = t.new_empty(batch, 2 * (length + more))
             room[:, :length] = t
             rooms[name] = room
+            if name == "attention_mask":
+                self._mask_checked = 0
+        elif name == "attention_mask":  # the columns from ``length`` on are written again: unchecked
+            self._mask_checked = min(self._mask_checked, length)
         room[:, length:length + more] = columns
         return room[:, :length + more]
+
+    def _holds(self, name: str, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a view of the start of the buffer :meth:`extend_columns` grows ``name`` in (compared by
+        pointer, shape and strides: no value is read)."""
+        room = self.__dict__.get("_rooms", {}).get(name)
+        return (room is not None and t.data_ptr() == room.data_ptr() and t.device == room.device
+                and t.dtype == room.dtype and t.shape[0] == room.shape[0] and t.stride() == room.stride()
+                and t.shape[1] <= room.shape[1])
+
+    def mask_to_check(self, mask: torch.Tensor, past: int, n: int) -> torch.Tensor:
+        """The part of a 2-D attention mask given with ``n`` tokens after ``past`` cached ones that a forward must
+        still check: the ``n`` new columns alone where ``mask`` is the mask this cache grows (:meth:`extend_columns`)
+        and a forward has checked its first ``past`` columns (:meth:`mask_checked`), else all of it. A decode step
+        in ``generate()`` then reads its token's column, not a mask as long as the sequence."""
+        if (mask.shape[1] == past + n and self._holds("attention_mask", mask)
+                and self.__dict__.get("_mask_checked", 0) >= past):
+            return mask[:, past:]
+        return mask
+
+    def mask_checked(self, mask: torch.Tensor) -> None:
+        """Record that a forward checked ``mask`` (remembered only where it is the mask this cache grows)."""
+        if self._holds("attention_mask", mask):
+            self._mask_checked = mask.shape[1]
 
     @property
     def is_compileable(self) -> bool:

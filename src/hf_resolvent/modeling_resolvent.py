@@ -439,8 +439,13 @@ class ResolventModel(ResolventPreTrainedModel):
         if past_key_values is not None and past_key_values.batch_size not in (-1, batch):
             raise ValueError(f"the cache holds {past_key_values.batch_size} sequences but the input has {batch}")
         cache_start = None if past_key_values is None else past_key_values.start
+        checked = attention_mask
+        if continuing and attention_mask is not None:  # generate()'s mask: its columns before this step were checked
+            checked = past_key_values.mask_to_check(attention_mask, past, n)
         inputs_embeds, position_ids, start, regroup, documents = lay_out(
-            inputs_embeds, attention_mask, position_ids, past, cache_start, cache_asked)
+            inputs_embeds, checked, position_ids, past, cache_start, cache_asked)
+        if continuing and attention_mask is not None:
+            past_key_values.mask_checked(attention_mask)
         if documents is not None:  # packed sequences: each document runs as a sequence of its own
             use_cache, past_key_values = False, None
         if self.wpe is not None:  # a learned table ends at n_positions; RoPE goes on (scaled as the config says)

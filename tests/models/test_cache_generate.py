@@ -216,6 +216,55 @@ def test_generate_grows_the_mask_and_positions_in_one_buffer_each_not_a_copy_per
                                            use_cache=False))
 
 
+def test_a_decode_step_checks_its_own_mask_column_not_the_whole_mask():
+    """generate()'s mask grows in the cache's buffer; a forward checks it whole once, then each step only the
+    columns it adds (no op of a later step reads a tensor as long as the prompt). A mask a caller builds is checked
+    whole every time, and a zero among the new columns is refused either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"slice", "select", "view", "_unsafe_view", "alias", "as_strided", "t", "detach", "expand", "unsqueeze",
+             "squeeze", "new_ones", "new_empty", "new_zeros"}
+    n = 300
+    model = tiny_model("exp2:ce", n_positions=n + 16)
+    steps = []
+
+    class Long(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in views and any(isinstance(a, torch.Tensor) and max(a.shape, default=0) >= n for a in args):
+                steps[-1].append((name, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    forward = model.forward
+
+    def watched(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or cache.get_seq_length() == 0:
+            return forward(*args, **kwargs)
+        steps.append([])
+        with Long():
+            return forward(*args, **kwargs)
+
+    model.forward = watched
+    ids, mask = torch.randint(1, 61, (2, n)), (torch.arange(n)[None] >= torch.tensor([[5], [0]])).long()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    del model.forward
+    assert steps[0] == [("sum", [(2, n + 1)])] and steps[1:] == [[]] * 4
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                           use_cache=False))
+    cache, one = hr.ResolventCache(model.config), torch.ones(2, 1, dtype=torch.long)
+    model(ids, attention_mask=mask, past_key_values=cache)
+    grown = cache.extend_columns("attention_mask", mask, one)
+    assert cache.mask_to_check(grown, n, 1) is grown  # a new buffer: no forward has checked it yet
+    model(ids[:, :1], attention_mask=grown, past_key_values=cache)
+    padded = cache.extend_columns("attention_mask", grown, 0 * one)
+    assert cache.mask_to_check(padded, n + 1, 1).shape == (2, 1)  # the new column alone
+    with pytest.raises(ValueError, match="new tokens after a cache must be all ones"):
+        model(ids[:, :1], attention_mask=padded, past_key_values=cache)
+    with pytest.raises(ValueError, match="prefill's mask followed by ones"):  # a caller's mask: checked whole
+        model(ids[:, :1], attention_mask=torch.ones(2, n + 2, dtype=torch.long), past_key_values=cache)
+
+
 def test_a_cache_extends_only_its_own_buffers_in_place():
     cache = hr.ResolventCache(tiny_model("exp2:ce").config)
     prompt, ones = torch.tensor([[0, 0, 1], [1, 1, 1]]), lambda k: torch.ones(2, k, dtype=torch.long)
