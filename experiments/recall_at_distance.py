@@ -64,6 +64,8 @@ class RecallSettings:
     batch: int = 32
     queries: int = 4  # answers per decoy training sample (the keys of that many pairs end it); mqar asks every pair
     schedule: str = "curriculum"  # or "plain": samples of T from the first step, the rate decaying (SCHEDULES)
+    train_far: bool = False  # train on the layout lengths are read on (the asked pairs first): a control, since one
+    # query's answer there is the sample's first value, which a model can find without the key
     grow: float = 1.25  # the training length's factor at each check passed, from the pairs alone up to T
     grow_at: float = 0.95  # accuracy at the current training length that lets it grow
     patience: int = 0  # checks at one training length after which it grows below grow_at too (0: never)
@@ -83,6 +85,9 @@ class RecallSettings:
             raise ValueError(f"recall: queries must be a whole number >= 1, got {self.queries!r}")
         if any(isinstance(r, bool) or not isinstance(r, (int, float)) or r <= 0 for r in self.rates):
             raise ValueError(f"recall: rates must be positive learning rates, got {self.rates!r}")
+        if self.train_far and self.schedule != "plain":
+            raise ValueError("recall: train_far trains on samples of T laid out as they are read; it needs the plain "
+                             "schedule (the curriculum's short samples cannot hold that layout)")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
             raise ValueError(f"recall: patience must be a whole number of checks >= 0 (0: the gate alone), got "
                              f"{self.patience!r}")
@@ -169,15 +174,19 @@ def train_to_competence(mixer, seed: int, s: RecallSettings, position_embedding:
 
     t0 = time.time()
     step, loss = protocol.train(
-        model, lambda step: tasks.passkey_batch(vocab, at["length"], s.pairs, s.batch, rng, queries=queries),
+        model, lambda step: tasks.passkey_batch(vocab, at["length"], s.pairs, s.batch, rng, far=s.train_far,
+                                                queries=queries),
         s.max_steps, s.lr, s.warmup, device, decay=plain, check_every=s.check_every, check=check)
     length, acc = at["length"], at["accuracy"]
     if length < s.context:  # never trained at T: its accuracy there, read once
         acc = accuracy(model, s, s.context, s.check_samples, seed + 10_000 + step, device)
+    # the asked pairs anywhere: a model that reads the keys answers these as well as the far ones
+    anywhere = accuracy(model, s, s.context, s.check_samples, seed + 20_000 + step, device, far=False)
     record = {"steps": step, "reached": acc >= s.target, "trained_length": length, "accuracy_at_T": acc,
-              "final_loss": loss, "seconds": round(time.time() - t0, 1)}
+              "anywhere_at_T": anywhere, "final_loss": loss, "seconds": round(time.time() - t0, 1)}
     log(f"[recall] {name} seed {seed}: {'competent' if record['reached'] else 'NOT competent'} after {step} steps "
-        f"(trained up to length {length}, accuracy at T {acc:.3f}, {record['seconds']:.0f} s)")
+        f"(trained up to length {length}, accuracy at T {acc:.3f}, with the asked pairs anywhere {anywhere:.3f}, "
+        f"{record['seconds']:.0f} s)")
     return model.eval(), record
 
 
@@ -314,21 +323,28 @@ def markdown(result: dict) -> str:
     rate = (f"the best at T of {', '.join(f'{r:g}' for r in s['rates'])} per model on its first seed, the other "
             "seeds at that rate" if s.get("rates") else f"{s['lr']:g}")
     recipe = (f"AdamW at {rate}, the {s.get('schedule', 'curriculum')} schedule, {queries} "
-              f"quer{'y' if queries == 1 else 'ies'} per training sample")
+              f"quer{'y' if queries == 1 else 'ies'} per training sample"
+              + (", trained on the far layout (a control: the first value answers one query)"
+                 if s.get("train_far") else ""))
+    anywhere = any("anywhere_at_T" in r["training"] for r in result["rows"])
     lines = [f"{_task_title(s)}, trained at T = {s['context']} ({s['layers']} layers of width {s['d']}{conv}; "
              f"{recipe}); "
              f"chance {1 / s['vocab'][2]:.3f} "
              f"over the values, {1 / s['pairs']:.2f} over those present; {s['eval_samples']} samples per cell. "
              f"Column T: every seed; longer lengths: the competent seeds (accuracy >= {s['target']} at T) only."
-             + cache_note,
+             + (f" T, pairs anywhere: accuracy at T with the asked pairs anywhere ({s['check_samples']} samples), "
+                "which a model that reads the keys keeps." if anywhere else "") + cache_note,
              "", "| model | competent seeds | steps | " + " | ".join(f"{n}" for n in lengths) + " |"
-             + (" cache (KiB) |" if with_cache else "") + (" at T by rate |" if s.get("rates") else ""),
-             "|---|---:|---|" + "---:|" * (len(lengths) + with_cache) + ("---|" if s.get("rates") else "")]
+             + (" T, pairs anywhere |" if anywhere else "") + (" cache (KiB) |" if with_cache else "")
+             + (" at T by rate |" if s.get("rates") else ""),
+             "|---|---:|---|" + "---:|" * (len(lengths) + anywhere + with_cache) + ("---|" if s.get("rates") else "")]
     for model, rows in _by_model(result["rows"]).items():
         steps = ", ".join(f"{r['training']['steps']}" + _short_of_T(r["training"], s["context"])
                           + (f" at {r['training']['lr']:g}" if s.get("rates") else "") for r in rows)
         competent = [r for r in rows if r["training"]["reached"]]
         cells = [_spread([_accuracy_at(r, n) for r in (rows if n == s["context"] else competent)]) for n in lengths]
+        if anywhere:
+            cells.append(_spread([r["training"].get("anywhere_at_T") for r in rows]))
         if with_cache:
             cells.append(_cache_cell(rows[0]))
         if s.get("rates"):
@@ -500,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "pair")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default=d.schedule,
                    help="; ".join(f"{k}: {v}" for k, v in SCHEDULES.items()))
+    p.add_argument("--train-far", action="store_true",
+                   help="a control: train on the layout lengths are read on (the asked pairs first), where the first "
+                        "value answers one query without its key; compare the table's column 'T, pairs anywhere'")
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--max-steps", type=int, default=d.max_steps, help="training stops here if not competent before")
     p.add_argument("--grow", type=float, default=d.grow,
@@ -554,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = RecallSettings(task=args.task, context=args.context, pairs=args.pairs, d=args.d, layers=args.layers,
                                   heads=args.heads, conv_size=args.conv_size, lr=args.lr, rates=tuple(args.rates),
                                   batch=args.batch,
-                                  queries=args.queries, schedule=args.schedule,
+                                  queries=args.queries, schedule=args.schedule, train_far=args.train_far,
                                   max_steps=args.max_steps, grow=args.grow, grow_at=args.grow_at,
                                   patience=args.patience, target=args.target, eval_samples=args.eval_samples,
                                   multiples=tuple(args.multiples))

@@ -261,6 +261,30 @@ def test_a_rate_grid_is_swept_on_a_models_first_seed_and_its_best_replicated(tmp
         replace(TINY, rates=(1e-3, 0))
 
 
+def test_a_model_trained_on_the_far_layout_is_read_with_the_pairs_anywhere_too(tmp_path, monkeypatch):
+    """The far layout as a training control: the training batches are far ones, every row records its accuracy at T
+    with the asked pairs anywhere beside the far one, and the table shows it; training on it needs samples of T from
+    the first step."""
+    layouts, real = [], tasks.passkey_batch
+
+    def recorded(vocab, length, pairs, batch_size, rng, far=False, queries=1):
+        layouts.append((batch_size, far))
+        return real(vocab, length, pairs, batch_size, rng, far=far, queries=queries)
+
+    monkeypatch.setattr(tasks, "passkey_batch", recorded)
+    settings = replace(TINY, schedule="plain", queries=1, train_far=True, batch=7)
+    result = recall.run(["attention"], [0], ["none"], settings, tmp_path, torch.device("cpu"), lambda *a: None)
+    assert {far for size, far in layouts if size == 7} == {True}  # every training batch
+    assert (TINY.check_samples, False) in layouts  # the reading with the pairs anywhere
+    record = result["rows"][0]["training"]
+    assert 0 <= record["anywhere_at_T"] <= 1
+    table = recall.markdown(result)
+    assert "trained on the far layout (a control" in table and "| T, pairs anywhere |" in table
+    assert f"| {record['anywhere_at_T']:.2f} |" in table
+    with pytest.raises(ValueError, match="train_far .* needs the plain schedule"):
+        replace(TINY, train_far=True)
+
+
 def test_the_table_reads_past_T_only_the_seeds_competent_at_T():
     settings = TINY.record()
     rows = [{"model": "m", "seed": seed, "training": {"steps": steps, "reached": reached, "trained_length": length},
