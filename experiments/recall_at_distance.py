@@ -449,6 +449,8 @@ def _setting(s: dict) -> str:
         parts.append(f"conv {s['conv_size']}")
     if s.get("patience"):
         parts.append(f"patience {s['patience']}")
+    if s.get("train_far"):
+        parts.append("trained on the far layout")
     default = RecallSettings()
     parts += [f"{key} {s[key]}" for key in ("lr", "batch", "grow", "grow_at") if s.get(key, getattr(default, key))
               != getattr(default, key)]
