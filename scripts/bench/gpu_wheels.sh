@@ -10,8 +10,8 @@
 # the development .venv (fla: the newest, 0.6.0, which needs torch>=2.7, triton>=3.3 and einops).
 # --install puts the wheels and the project (editable) into the machine's python3; where that fails (a read-only
 # environment; no setuptools there for the editable build) it puts the wheels, or a copy of the package, under
-# /tmp/site instead. Either way it writes /tmp/gpu_env.sh (PYTHONPATH where needed), sourced by the caller:
-#   bash scripts/bench/gpu_wheels.sh --install && . /tmp/gpu_env.sh
+# wheels/site instead. Either way it writes wheels/env.sh (PYTHONPATH where needed), sourced by the caller:
+#   bash scripts/bench/gpu_wheels.sh --install && . wheels/env.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -25,7 +25,8 @@ WHEELS=(
     regex==2026.11.15  # transformers 5.23 checks regex>=2025.10.22 when imported; the machine's version is unknown
 )
 DIR=wheels
-ENV_FILE=/tmp/gpu_env.sh
+ENV_FILE=$DIR/env.sh  # both inside wheels/: a new download starts the install afresh
+SITE=$PWD/$DIR/site
 LIMIT_MIB=48  # the working tree that travels to the GPU machine is limited to 64 MiB in all
 
 if [[ "${1:-}" != "--install" ]]; then
@@ -56,19 +57,19 @@ if [[ -f "$ENV_FILE" ]]; then
 else
     site=""
     if ! "${pip_install[@]}" "${whl[@]}"; then
-        echo "the environment of $PY is not writable: wheels under /tmp/site instead"
-        "${pip_install[@]}" --no-compile --upgrade --target /tmp/site "${whl[@]}"
+        echo "the environment of $PY is not writable: wheels under $SITE instead"
+        "${pip_install[@]}" --no-compile --upgrade --target "$SITE" "${whl[@]}"
         site=1
     fi
     if ! "${pip_install[@]}" --no-build-isolation -e .; then  # needs setuptools and wheel there (no network)
-        echo "no editable install: a copy of the package under /tmp/site instead"
-        mkdir -p /tmp/site && rm -rf /tmp/site/hf_resolvent
-        cp -r src/hf_resolvent /tmp/site/ && cp -r kernels /tmp/site/hf_resolvent/backends/triton
+        echo "no editable install: a copy of the package under $SITE instead"
+        mkdir -p "$SITE" && rm -rf "$SITE/hf_resolvent"
+        cp -r src/hf_resolvent "$SITE/" && cp -r kernels "$SITE/hf_resolvent/backends/triton"
         site=1
     fi
     echo "# written by scripts/bench/gpu_wheels.sh --install" > "$ENV_FILE"
     if [[ -n "$site" ]]; then
-        echo "export PYTHONPATH=/tmp/site\${PYTHONPATH:+:\$PYTHONPATH}" >> "$ENV_FILE"
+        echo "export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}" >> "$ENV_FILE"
     fi
 fi
 # shellcheck disable=SC1090
