@@ -308,8 +308,7 @@ class ResolventCache(Cache):
         still check: the ``n`` new columns alone where ``mask`` is the mask this cache grows (:meth:`extend_columns`)
         and a forward has checked its first ``past`` columns (:meth:`mask_checked`), else all of it. A decode step
         in ``generate()`` then reads its token's column, not a mask as long as the sequence."""
-        if (mask.shape[1] == past + n and self._holds("attention_mask", mask)
-                and self.__dict__.get("_mask_checked", 0) >= past):
+        if mask.shape[1] == past + n and self._holds("attention_mask", mask) and self._mask_checked >= past:
             return mask[:, past:]
         return mask
 
